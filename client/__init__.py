@@ -1,0 +1,1 @@
+"""moe-sidecar client: the library inside each inference rank."""
