@@ -13,7 +13,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _load_generator():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("generate_proto", ROOT / "scripts" / "generate_proto.py")
+    spec = importlib.util.spec_from_file_location(
+        "generate_proto", ROOT / "scripts" / "generate_proto.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

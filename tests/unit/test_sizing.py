@@ -1,0 +1,91 @@
+"""FlashInfer's workspace arithmetic, checked against values worked by hand.
+
+Parity with FlashInfer itself over a grid runs on the GPU machine
+(tests/gpu/test_sizing_parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from client import sizing
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_aux_offsets_ep2_256_tokens() -> None:
+    o = sizing.aux_offsets(2, 256)
+    assert (o.flag_val, o.local_token_counter, o.send_counters, o.recv_counters) == (0, 4, 8, 16)
+    assert o.dispatch_completion_flags == 128
+    assert o.combine_completion_flags == 256
+    assert o.topk_target_ranks == 384
+    # 384 + 256 * 22 * 4 = 22912, already aligned.
+    assert o.topk_send_indices == 22912
+    assert o.eplb_gathered_stats == 45440
+    assert o.payload_data == 45440
+
+
+def test_eplb_region() -> None:
+    # 45440 + 2 * 100 * 4 = 46240 -> aligned up to 46336.
+    assert sizing.aux_data_size(2, 256, 100) == 46336
+
+
+def test_workspace_nvfp4_layer_hidden_4096() -> None:
+    sizes = sizing.layer_sizes(2, 256, 2, 4096, 4096 // 2, 4096 // 16)
+    assert sizes.dispatch_bytes_per_token == 2048 + 256 + 16
+    assert sizes.combine_bytes_per_token == 8192
+    assert sizes.workspace_bytes == 45440 + 2 * 256 * 2320 + 2 * 256 * 8192
+
+
+def test_bf16_layer_needs_more_than_nvfp4() -> None:
+    nvfp4 = sizing.layer_sizes(2, 256, 2, 4096, 2048, 256)
+    bf16 = sizing.layer_sizes(2, 256, 2, 4096, 8192, 0)
+    assert bf16.workspace_bytes > nvfp4.workspace_bytes
+    # The bf16 dispatch fits the NVFP4 workspace; its combine does not: the
+    # combine payload starts after the (bigger) dispatch payloads.
+    payload = sizing.aux_data_size(2, 256)
+    dispatch_end = payload + 2 * 256 * bf16.dispatch_bytes_per_token
+    assert dispatch_end <= nvfp4.workspace_bytes
+    combine_offset = sizing.align(dispatch_end)
+    assert combine_offset + 2 * 256 * bf16.combine_bytes_per_token > nvfp4.workspace_bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((1, 1, 0, 0), 640),  # 16 -> 128, +4 -> 256, +4 -> 384, +88 -> 512, +88 -> 640
+        ((8, 0, 100, 100), 384),
+        ((64, 1, 1, 1), 1408 + 128 + 128),  # 520 -> 640, 896, 1152, 1280, 1408
+    ],
+)
+def test_small_cases(args: tuple[int, int, int, int], expected: int) -> None:
+    ep, tokens, dispatch, combine = args
+    aux = sizing.aux_data_size(ep, tokens)
+    total = sizing.workspace_size_per_rank(ep, tokens, dispatch, combine)
+    assert total == sizing.align(aux) + sizing.align(ep * tokens * dispatch) + sizing.align(
+        ep * tokens * combine
+    )
+    assert total == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ep_size": 0},
+        {"max_num_tokens": -1},
+        {"dispatch_bytes_per_token": -1},
+        {"eplb_stats_num_experts": -2},
+        {"ep_size": 2.0},
+    ],
+)
+def test_bad_arguments_name_the_field(bad: dict[str, object]) -> None:
+    args: dict[str, object] = {
+        "ep_size": 2,
+        "max_num_tokens": 16,
+        "dispatch_bytes_per_token": 10,
+        "combine_bytes_per_token": 10,
+    }
+    args.update(bad)
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        sizing.workspace_size_per_rank(**args)  # type: ignore[arg-type]
