@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
 
 
-def _load_generator():  # type: ignore[no-untyped-def]
+def _load_generator():
     spec = importlib.util.spec_from_file_location(
         "generate_proto", ROOT / "scripts" / "generate_proto.py"
     )
