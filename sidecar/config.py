@@ -1,0 +1,339 @@
+"""The sidecar's configuration: one frozen dataclass, built from flags and env.
+
+Every ``serve`` flag ``--some-flag`` can also come from the environment as
+``MOE_SIDECAR_SOME_FLAG``; a flag given on the command line wins over the
+environment. An unknown ``MOE_SIDECAR_*`` key is an error naming it (a typo
+must not silently run with a default), except ``MOE_SIDECAR_TARGET``, which
+tells the *client* where the sidecar is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CLIENT_ENV_KEYS",
+    "DEFAULT_LISTEN",
+    "ENV_PREFIX",
+    "MAX_UNIX_PATH_BYTES",
+    "ConfigError",
+    "ListenAddress",
+    "SidecarConfig",
+    "add_serve_arguments",
+    "config_from_flags",
+    "parse_listen_address",
+]
+
+ENV_PREFIX = "MOE_SIDECAR_"
+CLIENT_ENV_KEYS = frozenset({"MOE_SIDECAR_TARGET"})
+"""Keys with the sidecar's prefix that belong to the client; ignored here."""
+DEFAULT_LISTEN = ("127.0.0.1:50051",)
+MAX_UNIX_PATH_BYTES = 107
+"""Linux's ``sun_path`` holds 108 bytes including the terminating NUL."""
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_SECONDS = 86400.0
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed; the message names where it came from."""
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """One parsed ``--listen`` value: a Unix socket path or a TCP host and port."""
+
+    target: str
+    """The address as given, which is also what a client dials."""
+    unix_path: Path | None = None
+    host: str = ""
+    port: int = 0
+
+    @property
+    def is_unix(self) -> bool:
+        return self.unix_path is not None
+
+
+def parse_listen_address(value: str) -> ListenAddress:
+    """Parses ``unix:///abs/path``, ``unix:rel/path`` or ``host:port``.
+
+    Raises:
+        ConfigError: the address is malformed, the socket path too long, or
+            the port out of range.
+    """
+    if value.startswith("unix:"):
+        raw = value[len("unix://") :] if value.startswith("unix://") else value[len("unix:") :]
+        if not raw:
+            raise ConfigError(f"listen={value!r}: a Unix socket address needs a path")
+        if len(raw.encode()) > MAX_UNIX_PATH_BYTES:
+            raise ConfigError(
+                f"listen={value!r}: the socket path is {len(raw.encode())} bytes; "
+                f"Linux allows at most {MAX_UNIX_PATH_BYTES}"
+            )
+        return ListenAddress(target=value, unix_path=Path(raw))
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(
+            f"listen={value!r}: expected 'unix:///path/to/socket' or 'host:port' "
+            "(e.g. 127.0.0.1:50051)"
+        )
+    if host.startswith("[") != host.endswith("]"):
+        raise ConfigError(f"listen={value!r}: unbalanced brackets around an IPv6 host")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"listen={value!r}: port {port_text!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"listen={value!r}: port {port} is not in [0, 65535]")
+    return ListenAddress(target=value, host=host, port=port)
+
+
+def _check_port(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise ConfigError(f"{name}={value!r}: must be in [0, 65535] (or None to disable)")
+
+
+def _check_seconds(name: str, value: float, *, low: float, low_inclusive: bool) -> None:
+    ok = math.isfinite(value) and (value >= low if low_inclusive else value > low)
+    if not ok or value > MAX_SECONDS:
+        bound = "[" if low_inclusive else "("
+        raise ConfigError(f"{name}={value!r}: must be in {bound}{low:g}, {MAX_SECONDS:g}] seconds")
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything ``serve`` needs; validated on construction.
+
+    ``health_port`` and ``metrics_port`` are None when disabled; 0 asks the
+    OS for a free port (the server reports which). On the command line a
+    port of 0 disables the endpoint instead, as documented for the flags.
+
+    Raises:
+        ConfigError: any field is malformed (the message names it and the value).
+    """
+
+    listen: tuple[str, ...] = DEFAULT_LISTEN
+    health_port: int | None = 50052
+    metrics_port: int | None = 9464
+    state_dir: Path = Path("/var/lib/moe-sidecar")
+    round_timeout: float = 60.0
+    log_format: str = "json"
+    log_level: str = "INFO"
+    grace_period: float = 5.0
+    enable_admin: bool = False
+    listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.listen, str) or not self.listen:
+            raise ConfigError(f"listen={self.listen!r}: give a non-empty tuple of addresses")
+        parsed = tuple(parse_listen_address(a) for a in self.listen)
+        seen: set[str] = set()
+        for address in parsed:
+            key = str(address.unix_path) if address.is_unix else f"{address.host}:{address.port}"
+            if key in seen and not (address.port == 0 and not address.is_unix):
+                raise ConfigError(f"listen={address.target!r}: given twice")
+            seen.add(key)
+        object.__setattr__(self, "listen_addresses", parsed)
+        _check_port("health_port", self.health_port)
+        _check_port("metrics_port", self.metrics_port)
+        if not str(self.state_dir):
+            raise ConfigError("state_dir='': must name a directory")
+        _check_seconds("round_timeout", self.round_timeout, low=0.0, low_inclusive=False)
+        _check_seconds("grace_period", self.grace_period, low=0.0, low_inclusive=True)
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format={self.log_format!r}: must be one of {LOG_FORMATS}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
+
+
+# --- flags and environment -------------------------------------------------------
+
+
+def _port_or_disabled(text: str) -> int | None:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{port} is not in [0, 65535]")
+    return None if port == 0 else port
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false, 1/0, yes/no or on/off")
+
+
+def _listen(texts: list[str]) -> tuple[str, ...]:
+    return tuple(t.strip() for t in texts)
+
+
+@dataclass(frozen=True)
+class _Option:
+    flag: str
+    dest: str
+    convert: Callable[[Any], object]
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env_key(self) -> str:
+        return ENV_PREFIX + self.flag.lstrip("-").replace("-", "_").upper()
+
+
+_OPTIONS = (
+    _Option(
+        "--listen",
+        "listen",
+        _listen,
+        "address to serve on: unix:///path/sock or host:port; repeatable "
+        f"(default {DEFAULT_LISTEN[0]}; env: comma-separated)",
+        "ADDR",
+    ),
+    _Option(
+        "--health-port",
+        "health_port",
+        _port_or_disabled,
+        "TCP port of the grpc.health.v1 server on 0.0.0.0, for kubelet probes (default 50052; 0 disables)",
+        "N",
+    ),
+    _Option(
+        "--metrics-port",
+        "metrics_port",
+        _port_or_disabled,
+        "TCP port of the Prometheus endpoint on 0.0.0.0 (default 9464; 0 disables)",
+        "N",
+    ),
+    _Option(
+        "--state-dir",
+        "state_dir",
+        Path,
+        "directory of the SQLite state (default /var/lib/moe-sidecar)",
+        "DIR",
+    ),
+    _Option(
+        "--round-timeout",
+        "round_timeout",
+        float,
+        "seconds a round waits for its missing local ranks (default 60)",
+        "SECONDS",
+    ),
+    _Option(
+        "--log-format",
+        "log_format",
+        str,
+        "log line format (default json)",
+        choices=LOG_FORMATS,
+    ),
+    _Option(
+        "--log-level",
+        "log_level",
+        lambda t: str(t).upper(),
+        "DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)",
+        "LEVEL",
+    ),
+    _Option(
+        "--grace-period",
+        "grace_period",
+        float,
+        "seconds to drain in-flight calls on shutdown (default 5)",
+        "SECONDS",
+    ),
+    _Option(
+        "--enable-admin",
+        "enable_admin",
+        _bool,
+        "allow admin calls (ResetGroup); off by default",
+    ),
+)
+_ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds every ``serve`` flag to ``parser``.
+
+    Flags default to None so that :func:`config_from_flags` can tell a flag
+    that was given from one that was not (and fall back to the environment).
+    """
+    for option in _OPTIONS:
+        env_help = f" [env {option.env_key}]"
+        if option.dest == "listen":
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                action="append",
+                metavar=option.metavar,
+                help=option.help + env_help,
+            )
+        elif option.dest == "enable_admin":
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=option.help + env_help,
+            )
+        else:
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                metavar=option.metavar,
+                choices=option.choices,
+                help=option.help + env_help,
+            )
+
+
+def _from_env(option: _Option, text: str) -> object:
+    raw: object = text
+    if option.dest == "listen":
+        raw = text.split(",")
+        if any(not t.strip() for t in text.split(",")):
+            raise ConfigError(f"{option.env_key}={text!r}: empty address in the list")
+    if option.choices is not None and text not in option.choices:
+        raise ConfigError(f"{option.env_key}={text!r}: must be one of {option.choices}")
+    try:
+        return option.convert(raw)
+    except ValueError as error:
+        raise ConfigError(f"{option.env_key}={text!r}: {error}") from None
+
+
+def _from_flag(option: _Option, value: object) -> object:
+    if isinstance(value, bool):
+        return value
+    try:
+        return option.convert(value)
+    except ValueError as error:
+        raise ConfigError(f"{option.flag} {value!r}: {error}") from None
+
+
+def config_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> SidecarConfig:
+    """Builds the config from parsed ``serve`` flags over the environment.
+
+    Raises:
+        ConfigError: an unknown ``MOE_SIDECAR_*`` key, or a malformed value
+            (the message names the flag or env key and the value).
+    """
+    unknown = sorted(
+        k for k in environ if k.startswith(ENV_PREFIX) and k not in _ENV_KEYS | CLIENT_ENV_KEYS
+    )
+    if unknown:
+        raise ConfigError(
+            f"unknown environment variable {unknown[0]}={environ[unknown[0]]!r}; the sidecar "
+            f"reads {', '.join(sorted(_ENV_KEYS))}"
+            + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else "")
+        )
+    values: dict[str, object] = {}
+    for option in _OPTIONS:
+        given = getattr(args, option.dest, None)
+        if given is not None:
+            values[option.dest] = _from_flag(option, given)
+        elif option.env_key in environ:
+            values[option.dest] = _from_env(option, environ[option.env_key])
+    return SidecarConfig(**values)  # type: ignore[arg-type]

@@ -1,0 +1,243 @@
+"""The gRPC servicer: converts between the wire and the domain, nothing else.
+
+Each method turns its request into domain values, calls the
+:class:`~sidecar.state.Coordinator`, and turns the result into a response;
+:class:`~sidecar.status.ErrorTranslator` turns errors into status codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+from sidecar.errors import InvalidArgument
+from sidecar.policy import Action, CommitRecord, Decision, GroupState, Plan, Proposal, Requirement
+from sidecar.state import Coordinator, EventKind, GroupEvent
+from sidecar.status import ErrorTranslator
+
+__all__ = [
+    "SERVICE_NAME",
+    "CoordinatorServicer",
+    "decision_to_proto",
+    "event_to_proto",
+    "group_to_proto",
+    "plan_from_proto",
+    "plan_to_proto",
+    "proposal_from_proto",
+]
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WorkspaceCoordinator"].full_name
+
+_Context = grpc.aio.ServicerContext[Any, Any]
+
+_ACTION_TO_PROTO = {
+    Action.BUILD: pb.ACTION_BUILD,
+    Action.REUSE: pb.ACTION_REUSE,
+    Action.REBUILD: pb.ACTION_REBUILD,
+}
+_EVENT_TO_PROTO = {
+    EventKind.ROUND_DECIDED: pb.EVENT_KIND_ROUND_DECIDED,
+    EventKind.ROUND_REFUSED: pb.EVENT_KIND_ROUND_REFUSED,
+    EventKind.RANK_TIMEOUT: pb.EVENT_KIND_RANK_TIMEOUT,
+    EventKind.COMMIT: pb.EVENT_KIND_COMMIT,
+    EventKind.RESET: pb.EVENT_KIND_RESET,
+    EventKind.LIFETIME_STARTED: pb.EVENT_KIND_LIFETIME_STARTED,
+    EventKind.ROUND_ABORTED: pb.EVENT_KIND_ROUND_ABORTED,
+}
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(round(seconds * 1e9))
+    return stamp
+
+
+def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
+    """The domain proposal of a ``ProposeRequest``.
+
+    Raises:
+        InvalidArgument: the ``requirement`` message is missing.
+    """
+    if not request.HasField("requirement"):
+        raise InvalidArgument.of("requirement", None, "is missing; every proposal states its need")
+    r = request.requirement
+    return Proposal(
+        group=request.group,
+        ep_size=request.ep_size,
+        ep_rank=request.ep_rank,
+        local_ranks=request.local_ranks,
+        lifetime=request.lifetime,
+        round=request.round,
+        requirement=Requirement(
+            workspace_bytes=r.workspace_bytes,
+            max_num_tokens=r.max_num_tokens,
+            top_k=r.top_k,
+            num_experts=r.num_experts,
+            layer=r.layer,
+        ),
+    )
+
+
+def plan_to_proto(plan: Plan) -> pb.Plan:
+    """The wire form of a plan."""
+    return pb.Plan(
+        workspace_bytes=plan.workspace_bytes,
+        max_num_tokens=plan.max_num_tokens,
+        top_k=plan.top_k,
+        num_experts=plan.num_experts,
+        generation=plan.generation,
+    )
+
+
+def plan_from_proto(plan: pb.Plan) -> Plan:
+    """The domain form of a wire plan (its shape origin is unknown: left empty)."""
+    return Plan(
+        workspace_bytes=plan.workspace_bytes,
+        max_num_tokens=plan.max_num_tokens,
+        top_k=plan.top_k,
+        num_experts=plan.num_experts,
+        generation=plan.generation,
+    )
+
+
+def decision_to_proto(decision: Decision) -> pb.ProposeResponse:
+    """The response every rank of a decided round gets."""
+    return pb.ProposeResponse(
+        round=decision.round,
+        action=_ACTION_TO_PROTO[decision.action],
+        plan=plan_to_proto(decision.plan),
+        grew=decision.grew,
+    )
+
+
+def group_to_proto(state: GroupState) -> pb.Group:
+    """The wire view of a group: plan, lifetimes, rounds, ranks and growth history."""
+    group = pb.Group(
+        name=state.name,
+        ep_size=state.ep_size,
+        local_ranks=state.local_ranks,
+        lifetimes=state.lifetime_index,
+        last_closed_round=state.last_closed_round,
+        open_round=state.open_round.number if state.open_round is not None else 0,
+        waiting_ranks=len(state.open_round.proposals) if state.open_round is not None else 0,
+        ranks=[
+            pb.RankState(
+                ep_rank=r.ep_rank,
+                lifetime=r.lifetime,
+                last_round=r.last_round,
+                last_layer=r.last_layer,
+                committed_generation=r.committed_generation,
+                last_build_seconds=r.build_seconds,
+                last_seen=_timestamp(r.last_seen),
+                current=r.lifetime_index == state.lifetime_index,
+            )
+            for r in state.ranks
+        ],
+        history=[
+            pb.Growth(
+                generation=g.generation,
+                workspace_bytes=g.workspace_bytes,
+                max_num_tokens=g.max_num_tokens,
+                layer=g.layer,
+                ep_rank=g.ep_rank,
+                round=g.round,
+                time=_timestamp(g.at),
+            )
+            for g in state.history
+        ],
+    )
+    if state.plan is not None:
+        group.plan.CopyFrom(plan_to_proto(state.plan))
+    return group
+
+
+def event_to_proto(event: GroupEvent) -> pb.GroupEvent:
+    """The wire form of a group event."""
+    message = pb.GroupEvent(
+        group=event.group,
+        kind=_EVENT_TO_PROTO[event.kind],
+        time=_timestamp(event.at),
+        round=event.round,
+        action=_ACTION_TO_PROTO[event.action]
+        if event.action is not None
+        else pb.ACTION_UNSPECIFIED,
+        ep_rank=event.ep_rank,
+        layer=event.layer,
+        message=event.message,
+        missing_ranks=list(event.missing_ranks),
+    )
+    if event.plan is not None:
+        message.plan.CopyFrom(plan_to_proto(event.plan))
+    return message
+
+
+class CoordinatorServicer(pb_grpc.WorkspaceCoordinatorServicer):
+    """``moe_workspace.v1.WorkspaceCoordinator`` over a :class:`Coordinator`."""
+
+    def __init__(self, coordinator: Coordinator, errors: ErrorTranslator) -> None:
+        self._coordinator = coordinator
+        self._errors = errors
+
+    async def Propose(self, request: pb.ProposeRequest, context: _Context) -> pb.ProposeResponse:
+        return await self._errors.unary(context, "Propose", self._propose(request))
+
+    async def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        decision = await self._coordinator.propose(proposal_from_proto(request))
+        return decision_to_proto(decision)
+
+    async def Commit(self, request: pb.CommitRequest, context: _Context) -> pb.CommitResponse:
+        return await self._errors.unary(context, "Commit", self._commit(request))
+
+    async def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        if not request.HasField("plan"):
+            raise InvalidArgument.of("plan", None, "is missing; commit the plan the rank holds")
+        self._coordinator.commit(
+            request.group,
+            CommitRecord(
+                ep_rank=request.ep_rank,
+                lifetime=request.lifetime,
+                round=request.round,
+                plan=plan_from_proto(request.plan),
+                build_seconds=request.build_seconds,
+            ),
+        )
+        return pb.CommitResponse()
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: _Context
+    ) -> AsyncIterator[pb.GroupEvent]:
+        async for event in self._errors.stream(context, "Watch", self._watch(request)):
+            yield event
+
+    async def _watch(self, request: pb.WatchRequest) -> AsyncGenerator[pb.GroupEvent, None]:
+        subscription = self._coordinator.watch(request.group)
+        try:
+            async for event in subscription:
+                yield event_to_proto(event)
+        finally:
+            self._coordinator.unwatch(subscription)
+
+    async def ListGroups(
+        self, request: pb.ListGroupsRequest, context: _Context
+    ) -> pb.ListGroupsResponse:
+        return await self._errors.unary(context, "ListGroups", self._list_groups())
+
+    async def _list_groups(self) -> pb.ListGroupsResponse:
+        return pb.ListGroupsResponse(groups=[group_to_proto(g) for g in self._coordinator.groups()])
+
+    async def GetGroup(self, request: pb.GetGroupRequest, context: _Context) -> pb.Group:
+        return await self._errors.unary(context, "GetGroup", self._get_group(request))
+
+    async def _get_group(self, request: pb.GetGroupRequest) -> pb.Group:
+        return group_to_proto(self._coordinator.group(request.group))
+
+    async def ResetGroup(self, request: pb.ResetGroupRequest, context: _Context) -> pb.Group:
+        return await self._errors.unary(context, "ResetGroup", self._reset_group(request))
+
+    async def _reset_group(self, request: pb.ResetGroupRequest) -> pb.Group:
+        return group_to_proto(self._coordinator.reset(request.group))

@@ -1,0 +1,116 @@
+"""The one place where coordinator errors become gRPC status codes.
+
+:class:`ErrorTranslator` wraps every servicer method: a
+:class:`~sidecar.errors.CoordinatorError` aborts the call with the code of
+its :class:`~sidecar.errors.ErrorCode` and its message; any other exception
+is a bug, logged with its traceback and answered INTERNAL, so no request can
+take the server down. Cancellation is never swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+
+from sidecar.errors import CoordinatorError, ErrorCode
+from sidecar.metrics import SidecarMetrics
+
+__all__ = ["GRPC_STATUS_FOR", "ErrorTranslator", "grpc_status_for"]
+
+T = TypeVar("T")
+
+GRPC_STATUS_FOR: Mapping[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+_log = logging.getLogger("sidecar.status")
+
+
+def grpc_status_for(code: ErrorCode) -> grpc.StatusCode:
+    """The gRPC status code that carries ``code``."""
+    return GRPC_STATUS_FOR[code]
+
+
+class ErrorTranslator:
+    """Runs servicer work and turns its errors into gRPC aborts.
+
+    ``metrics`` counts every error answered, by status code.
+    """
+
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self._metrics = metrics
+
+    def _status_of(self, error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+        if isinstance(error, CoordinatorError):
+            return grpc_status_for(error.code), error.message
+        _log.error(
+            "unexpected error in %s",
+            method,
+            exc_info=(type(error), error, error.__traceback__),
+            extra={"method": method},
+        )
+        return (
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {method}: {type(error).__name__}: {error}",
+        )
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
+    ) -> None:
+        self._metrics.errors.labels(code.name).inc()
+        await context.abort(code, message)
+
+    async def unary(
+        self, context: grpc.aio.ServicerContext[Any, Any], method: str, work: Awaitable[T]
+    ) -> T:
+        """Awaits ``work``; its error aborts the call with the mapped status.
+
+        Raises:
+            asyncio.CancelledError: the call was cancelled (passed through).
+            grpc.aio.AbortError: (from ``context.abort``) the call was answered
+                with an error status; grpc.aio handles it.
+        """
+        try:
+            return await work
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as error:
+            code, message = self._status_of(error, method)
+        await self._abort(context, code, message)
+        raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+
+    async def stream(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        method: str,
+        items: AsyncGenerator[T, None],
+    ) -> AsyncIterator[T]:
+        """Yields from ``items``; an error ends the stream with the mapped status.
+
+        Raises:
+            asyncio.CancelledError: the call was cancelled (passed through).
+            grpc.aio.AbortError: the stream was ended with an error status.
+        """
+        try:
+            async for item in items:
+                yield item
+            return
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as error:
+            code, message = self._status_of(error, method)
+        finally:
+            # Runs the source's own cleanup now, not whenever it is collected.
+            await items.aclose()
+        await self._abort(context, code, message)
