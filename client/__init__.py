@@ -1,1 +1,43 @@
-"""moe-sidecar client: the library inside each inference rank."""
+"""moe-sidecar client: the library inside each inference rank.
+
+``WorkspaceManager`` sizes, builds, grows and frees one EP group's FlashInfer
+MoE all-to-all workspace, deciding through the node's sidecar
+(``MOE_SIDECAR_TARGET``) or, without one, through the same decision core
+in-process. ``sizing`` is FlashInfer's workspace arithmetic in pure Python.
+"""
+
+from client import sizing
+from client.errors import (
+    AdminDisabled,
+    AgreementError,
+    BackendError,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    GroupNotFound,
+    InternalError,
+    InvalidArgument,
+    PreconditionFailed,
+    RoundAborted,
+    RoundTimedOut,
+)
+from client.manager import ManagerCounters, WorkspaceManager
+from client.transport import EMBEDDED, ENV_TARGET
+
+__all__ = [
+    "EMBEDDED",
+    "ENV_TARGET",
+    "AdminDisabled",
+    "AgreementError",
+    "BackendError",
+    "CoordinatorError",
+    "CoordinatorUnavailable",
+    "GroupNotFound",
+    "InternalError",
+    "InvalidArgument",
+    "ManagerCounters",
+    "PreconditionFailed",
+    "RoundAborted",
+    "RoundTimedOut",
+    "WorkspaceManager",
+    "sizing",
+]

@@ -1,0 +1,174 @@
+"""FlashInfer 0.7.2.post1's ``MoeAlltoAll``, built and really released.
+
+Building: a ``Mapping`` in which the EP group is the whole tensor-parallel
+world of one pipeline stage (``world_size = tp_size = moe_ep_size =
+ep_size``, ``rank = ep_rank``), so ``moe_ep_size``/``moe_ep_rank`` are the
+EP group's size and rank, and ``pp_rank = cp_rank = 0`` on every rank: the
+``Split(pp_rank * cp_size + cp_rank, tp_rank)`` that ``MoeAlltoAll`` makes
+on its communicator has a single color and keeps the EP group as it is. The
+communicator (:class:`client.backends.communicator.GroupCommunicator`) runs
+FlashInfer's handle exchange on the EP group's CPU group only.
+
+Releasing: ``del moe_alltoall`` frees nothing, because the class-level
+``MoeAlltoAll._WORKSPACE_CACHE`` keeps the workspace's ``MnnvlMemory``. The
+release evicts the superseded entry (only if it is still the entry of that
+handle's allocation) and drops every reference the instance holds
+(``_WORKSPACE``, ``workspace``, ``metainfo``, ``_recv_view_cache``,
+``mnnvl_mem``), so ``MnnvlMemory.__del__`` unmaps the peers' memory and
+releases this rank's allocation. The manager calls it only after the barrier
+that shows every rank holds the replacement.
+
+FlashInfer is imported on first build, never at import time: importing or
+calling it loads its CUDA module, which CPU processes must never do.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from client.backends.base import AlltoAll, BuildSpec
+from client.backends.communicator import GroupCommunicator
+from client.errors import BackendError
+
+__all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
+
+SUPPORTED_FLASHINFER = "0.7.2.post1"
+"""The release whose ``MoeAlltoAll`` this backend drives (0.7.4 removed it)."""
+
+_log = logging.getLogger(__name__)
+
+# Instance attributes of MoeAlltoAll that reference the workspace memory.
+_WORKSPACE_ATTRIBUTES = ("_WORKSPACE", "workspace", "metainfo", "_recv_view_cache", "mnnvl_mem")
+
+
+class _FlashInfer:
+    """The few FlashInfer names the backend uses, resolved lazily."""
+
+    def __init__(self) -> None:
+        try:
+            alltoall = importlib.import_module("flashinfer.comm.trtllm_moe_alltoall")
+            mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
+            mapping = importlib.import_module("flashinfer.comm.mapping")
+        except ImportError as error:
+            raise BackendError(
+                "backend='flashinfer' needs flashinfer-python "
+                f"{SUPPORTED_FLASHINFER} (pip install 'moe-sidecar[flashinfer]'); use "
+                "backend='reference' on machines without GPUs"
+            ) from error
+        moe_alltoall = getattr(alltoall, "MoeAlltoAll", None)
+        if moe_alltoall is None:
+            raise BackendError(
+                "this flashinfer-python has no MoeAlltoAll (removed in 0.7.4); install "
+                f"flashinfer-python=={SUPPORTED_FLASHINFER}"
+            )
+        self.MoeAlltoAll: Any = moe_alltoall
+        self.MnnvlConfig: Any = mnnvl.MnnvlConfig
+        self.MnnvlMemory: Any = mnnvl.MnnvlMemory
+        self.Mapping: Any = mapping.Mapping
+
+
+class FlashInferBackend:
+    """Builds FlashInfer ``MoeAlltoAll`` objects for one EP group.
+
+    The current CUDA device must be this rank's GPU (``torch.cuda.set_device``)
+    before the first build, as for FlashInfer itself.
+
+    Args:
+        group: the EP group's CPU (gloo) process group.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self._fi: _FlashInfer | None = None
+        self.unreleased = 0
+        """Releases after which the allocation was still mapped (someone else
+        kept a reference); 0 when every superseded workspace was freed."""
+
+    def _flashinfer(self) -> _FlashInfer:
+        if self._fi is None:
+            self._fi = _FlashInfer()
+        return self._fi
+
+    def mapping_for(self, spec: BuildSpec) -> Any:
+        """The FlashInfer ``Mapping`` whose MoE EP group is this EP group."""
+        fi = self._flashinfer()
+        return fi.Mapping(
+            world_size=spec.ep_size,
+            rank=spec.ep_rank,
+            gpus_per_node=max(1, torch.cuda.device_count()),
+            tp_size=spec.ep_size,
+            moe_ep_size=spec.ep_size,
+        )
+
+    def build(self, spec: BuildSpec) -> AlltoAll:
+        """See :meth:`AlltoAllBackend.build`; returns FlashInfer's own object.
+
+        Raises:
+            BackendError: FlashInfer is missing or lacks MoeAlltoAll.
+        """
+        fi = self._flashinfer()
+        communicator = GroupCommunicator(self._group)
+        if (communicator.Get_size(), communicator.Get_rank()) != (spec.ep_size, spec.ep_rank):
+            raise BackendError(
+                f"spec says ep_rank {spec.ep_rank} of {spec.ep_size} but the group has rank "
+                f"{communicator.Get_rank()} of {communicator.Get_size()}"
+            )
+        handle: AlltoAll = fi.MoeAlltoAll(
+            mapping=self.mapping_for(spec),
+            max_num_tokens=spec.max_num_tokens,
+            top_k=spec.top_k,
+            num_experts=spec.num_experts,
+            workspace_size_per_rank=spec.workspace_size_per_rank,
+            mnnvl_config=fi.MnnvlConfig(comm_backend=communicator),
+        )
+        return handle
+
+    def release(self, handle: AlltoAll) -> None:
+        """See :meth:`AlltoAllBackend.release`.
+
+        Raises:
+            BackendError: ``handle`` is not a FlashInfer ``MoeAlltoAll``.
+        """
+        fi = self._flashinfer()
+        if not isinstance(handle, fi.MoeAlltoAll):
+            raise BackendError(f"the flashinfer backend cannot release {type(handle).__name__}")
+        state: dict[str, Any] = vars(handle)
+        mnnvl_mem: Any = state.get("mnnvl_mem")
+        if mnnvl_mem is None:
+            return  # released before
+        # No kernel of this rank may still touch the memory being unmapped.
+        torch.cuda.synchronize()
+        key = (
+            state["workspace_size_per_rank"],
+            state["ep_rank"],
+            state["ep_size"],
+            state["max_num_tokens"],
+            state.get("eplb_stats_num_experts", 0),
+            state.get("_backend", "trtllm"),
+        )
+        cache: dict[Any, dict[str, Any]] = fi.MoeAlltoAll._WORKSPACE_CACHE
+        entry = cache.get(key)
+        if entry is not None and entry.get("mnnvl_mem") is mnnvl_mem:
+            del cache[key]
+        ptr = int(mnnvl_mem.ptr)
+        del entry, mnnvl_mem
+        for attribute in _WORKSPACE_ATTRIBUTES:
+            state.pop(attribute, None)
+        if ptr in fi.MnnvlMemory.allocated_map:
+            gc.collect()  # a reference cycle may still hold the MnnvlMemory
+        if ptr in fi.MnnvlMemory.allocated_map:
+            self.unreleased += 1
+            _log.warning(
+                "superseded FlashInfer workspace at 0x%x (%d bytes per rank) is still mapped: "
+                "something outside the manager keeps its MnnvlMemory alive",
+                ptr,
+                key[0],
+            )

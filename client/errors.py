@@ -1,0 +1,171 @@
+"""The errors a rank sees, and the one place gRPC status codes become them.
+
+A caller catches the same classes in sidecar mode and in embedded mode: the
+typed errors of :mod:`sidecar.errors`, re-exported here, plus two that only
+the client raises (:class:`AgreementError`, :class:`BackendError`).
+
+:func:`error_from_rpc` is the only code that turns a ``grpc.RpcError`` into a
+typed error; the gRPC error stays reachable as ``__cause__`` (the transport
+raises ``... from rpc_error``), and :func:`rpc_status` reads its status code
+and details back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from sidecar.errors import (
+    AdminDisabled,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    ErrorCode,
+    GroupNotFound,
+    InternalError,
+    InvalidArgument,
+    PreconditionFailed,
+    RoundAborted,
+    RoundTimedOut,
+    error_for_code,
+)
+
+__all__ = [
+    "AdminDisabled",
+    "AgreementError",
+    "BackendError",
+    "CoordinatorError",
+    "CoordinatorUnavailable",
+    "ErrorCode",
+    "GroupNotFound",
+    "InternalError",
+    "InvalidArgument",
+    "PreconditionFailed",
+    "RankFailure",
+    "RoundAborted",
+    "RoundTimedOut",
+    "RpcStatus",
+    "error_from_rpc",
+    "rpc_status",
+]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank of the EP group reported in a failed agreement."""
+
+    ep_rank: int
+    layer: str
+    detail: str
+    """The rank's own error message, or its layer shape when shapes disagree."""
+
+
+class AgreementError(PreconditionFailed):
+    """Ranks of one EP group disagree on the layer shape.
+
+    Found by the cross-rank all-reduce (``top_k`` or ``num_experts`` differs
+    between ranks in one round). A :class:`PreconditionFailed`, as the same
+    disagreement found by one sidecar is, so one ``except`` serves both.
+    ``failures`` holds every rank's shape, so the message names who differs.
+    """
+
+    def __init__(self, message: str, failures: tuple[RankFailure, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class BackendError(RuntimeError):
+    """An all-to-all backend cannot do what was asked.
+
+    FlashInfer missing, a communicator split it cannot serve, a handle used
+    after release. FlashInfer's own errors (and the reference backend's copies
+    of them, e.g. ``workspace insufficient for combine payload region``) stay
+    the ``RuntimeError`` FlashInfer raises.
+    """
+
+
+# Codes the sidecar sends on purpose, one per typed error (sidecar.status is
+# the other direction). Everything else comes from the transport itself.
+_CODE_BY_STATUS: dict[grpc.StatusCode, ErrorCode] = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: ErrorCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED: ErrorCode.ABORTED,
+    grpc.StatusCode.UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    grpc.StatusCode.PERMISSION_DENIED: ErrorCode.PERMISSION_DENIED,
+    grpc.StatusCode.INTERNAL: ErrorCode.INTERNAL,
+    # The server cancels calls in flight when it stops: the sidecar went away.
+    grpc.StatusCode.CANCELLED: ErrorCode.UNAVAILABLE,
+}
+
+# What grpc itself writes as details when the client's own deadline fires.
+_LOCAL_DEADLINE_DETAILS = "Deadline Exceeded"
+
+
+@dataclass(frozen=True)
+class RpcStatus:
+    """The gRPC status behind a typed error raised in sidecar mode."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+def _status_of(error: grpc.RpcError) -> RpcStatus:
+    # Errors from a call (grpc.Call) carry code()/details(); a bare RpcError
+    # (raised by some channel failures) has neither.
+    code_fn = getattr(error, "code", None)
+    details_fn = getattr(error, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    details = details_fn() if callable(details_fn) else None
+    return RpcStatus(
+        code=code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN,
+        details=details if isinstance(details, str) else str(error),
+    )
+
+
+def error_from_rpc(
+    error: grpc.RpcError, *, method: str, target: str, timeout: float | None = None
+) -> CoordinatorError:
+    """The typed error for a failed RPC; raise it ``from error``.
+
+    The sidecar's own messages (a refused round, a timed-out round naming the
+    missing ranks) pass through unchanged, so they read the same as in
+    embedded mode. Failures of the transport itself (sidecar unreachable, the
+    client's deadline, an unexpected status) get the method and target added.
+
+    Args:
+        error: what the gRPC call raised.
+        method: the RPC's name, e.g. ``"Propose"``.
+        target: the sidecar address the channel was opened to.
+        timeout: the deadline the call ran under, for the message.
+    """
+    status = _status_of(error)
+    code = _CODE_BY_STATUS.get(status.code, ErrorCode.INTERNAL)
+    where = f"{method} to sidecar {target}"
+    if status.code is grpc.StatusCode.DEADLINE_EXCEEDED and (
+        status.details == _LOCAL_DEADLINE_DETAILS
+    ):
+        limit = f" within {timeout:g}s" if timeout is not None else ""
+        message = (
+            f"{where}: no answer{limit} (the client's deadline); the sidecar's round timeout "
+            "must be shorter than the client's propose deadline"
+        )
+    elif status.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        message = f"{where}: {status.code.name}: {status.details}"
+    elif status.code not in _CODE_BY_STATUS:
+        message = f"{where} failed with unexpected status {status.code.name}: {status.details}"
+    else:
+        message = status.details
+    return error_for_code(code, message)
+
+
+def rpc_status(error: BaseException) -> RpcStatus | None:
+    """The gRPC status behind ``error`` (its ``__cause__``), or None.
+
+    None for errors raised in embedded mode, which never touch gRPC.
+    """
+    cause = error.__cause__
+    if isinstance(cause, grpc.RpcError):
+        return _status_of(cause)
+    return None

@@ -1,0 +1,430 @@
+"""``WorkspaceManager``: a drop-in for vLLM's ``FlashInferNVLinkOneSidedManager``.
+
+Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
+
+1. size the layer with :mod:`client.sizing` and propose it (one RPC to the
+   node's sidecar, or the in-process core in embedded mode);
+2. when the EP group spans more ranks than one decider sees (``ep_size >
+   local_ranks``), and always in embedded mode, agree across the EP group with
+   one all-reduce on ``cpu_group`` (:mod:`client.agreement`);
+3. only when the agreed plan exceeds what is built (or nothing is built yet):
+   build through the backend, pass a barrier on ``cpu_group`` (never the
+   world: pipeline stages rebuild a different number of times), release the
+   superseded workspace, and commit the generation now held.
+
+So a REUSE round of a node-local group in sidecar mode costs exactly one RPC
+and no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from client.agreement import LocalOutcome, agree
+from client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
+from client.errors import BackendError, CoordinatorError, InvalidArgument
+from client.sizing import layer_sizes
+from client.transport import (
+    ENV_TARGET,
+    Transport,
+    transport_for,
+)
+from sidecar.policy import (
+    Action,
+    CommitRecord,
+    Plan,
+    Proposal,
+    Requirement,
+    validate_group_name,
+)
+
+__all__ = ["ENV_LOCAL_RANKS", "ManagerCounters", "WorkspaceManager"]
+
+ENV_LOCAL_RANKS = "MOE_SIDECAR_LOCAL_RANKS"
+"""How many ranks of the EP group run on this node, when not passed in."""
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerCounters:
+    """What one manager has done so far; tests assert on differences."""
+
+    rounds: int
+    """``initialize()`` calls (rounds proposed)."""
+    builds: int
+    """Rounds that built the first all-to-all of the lifetime (BUILD)."""
+    rebuilds: int
+    """Rounds that built a larger one and released the old (REBUILD)."""
+    reuses: int
+    """Rounds that kept what was built (REUSE)."""
+    releases: int
+    """Workspaces handed back to the backend (rebuilds and cleanup)."""
+    rpcs: int
+    """Calls sent to the sidecar, retries included (0 in embedded mode)."""
+    collectives: int
+    """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
+    the hostname exchange at construction); the backend's own build
+    collectives are not counted here."""
+
+
+class WorkspaceManager:
+    """Sizes, builds, grows and frees one EP group's MoE all-to-all workspace.
+
+    Drop-in for vLLM's ``FlashInferNVLinkOneSidedManager``: the same
+    ``initialize()`` arguments (``x_bytes_per_token``/``x_sf_bytes_per_token``
+    are the per-token bytes of the dispatched hidden states and of their
+    scales), the same attributes (``initialized``, ``moe_alltoall``,
+    ``workspace_size``, ``max_num_tokens``, ``top_k``, ``num_experts``, plus
+    ``generation``), ``cleanup()`` and ``get_handle()``.
+
+    Args:
+        cpu_group: the EP group's CPU (gloo) process group; ``ep_size`` and
+            ``ep_rank`` are its size and this process's rank in it. Every
+            collective of the manager runs on it and on nothing wider.
+        group: the EP group's name on the sidecar: model identity + parallel
+            layout + pipeline stage, e.g. ``"deepseek-v3:fp4/tp1-ep8/pp0"``.
+            Required in sidecar mode; embedded mode derives one from the
+            group's global ranks when omitted.
+        target: the sidecar's address (``unix:///run/moe-sidecar/sidecar.sock``
+            or ``127.0.0.1:50051``). ``None`` reads ``MOE_SIDECAR_TARGET``;
+            unset or empty (or ``"embedded"``) means embedded mode.
+        backend: ``"flashinfer"`` (FlashInfer's ``MoeAlltoAll``, GPU),
+            ``"reference"`` (the CPU copy of its contract over gloo), or an
+            object implementing :class:`client.backends.AlltoAllBackend`.
+        local_ranks: how many ranks of this EP group run on this node (i.e.
+            talk to the same sidecar). Default: env ``MOE_SIDECAR_LOCAL_RANKS``,
+            else counted once at construction by exchanging hostnames on
+            ``cpu_group``. Ignored in embedded mode, where every rank decides
+            alone. When it is below ``ep_size`` every round adds one all-reduce.
+        propose_timeout: seconds one Propose may wait for its round; must
+            exceed the sidecar's ``--round-timeout``. Default: env
+            ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else 120.
+
+    Raises:
+        InvalidArgument: no ``group`` in sidecar mode, a bad group name, or
+            ``local_ranks`` outside ``[1, ep_size]``.
+        ValueError: an unknown backend name.
+    """
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        group: str | None = None,
+        target: str | None = None,
+        backend: str | AlltoAllBackend = "flashinfer",
+        *,
+        local_ranks: int | None = None,
+        propose_timeout: float | None = None,
+    ) -> None:
+        self.cpu_group = cpu_group
+        self.ep_size = dist.get_world_size(cpu_group)
+        self.ep_rank = dist.get_rank(cpu_group)
+        # vLLM's All2AllManagerBase names them so.
+        self.rank = self.ep_rank
+        self.world_size = self.ep_size
+        self._transport: Transport = transport_for(target, propose_timeout=propose_timeout)
+        self._collectives = 0
+        if self._transport.embedded:
+            self.group = group or self._default_group_name()
+            self.local_ranks = 1
+        else:
+            if not group:
+                raise InvalidArgument(
+                    f"sidecar mode ({ENV_TARGET} or target set) needs the EP group's name: "
+                    "WorkspaceManager(cpu_group, group='<model>/<layout>/pp<stage>', ...)",
+                    field="group",
+                    value=group,
+                )
+            self.group = group
+            self.local_ranks = self._local_ranks(local_ranks)
+        validate_group_name(self.group)
+        self.backend: AlltoAllBackend = (
+            backend_for(backend, cpu_group) if isinstance(backend, str) else backend
+        )
+        self.lifetime = uuid.uuid4().hex
+        self._round = 0
+        self._built: Plan | None = None
+        self._builds = 0
+        self._rebuilds = 0
+        self._reuses = 0
+        self._releases = 0
+
+        self.initialized = False
+        self.moe_alltoall: AlltoAll | None = None
+        self.workspace_size = 0
+        self.max_num_tokens = 0
+        self.top_k = 0
+        self.num_experts = 0
+        self.generation = 0
+
+    # --- construction helpers --------------------------------------------
+
+    def _default_group_name(self) -> str:
+        ranks = dist.get_process_group_ranks(self.cpu_group)
+        return f"embedded/ep{self.ep_size}/ranks{min(ranks)}-{max(ranks)}"
+
+    def _local_ranks(self, explicit: int | None) -> int:
+        if explicit is None:
+            env = os.environ.get(ENV_LOCAL_RANKS, "").strip()
+            if env:
+                try:
+                    explicit = int(env)
+                except ValueError as error:
+                    raise InvalidArgument.of(ENV_LOCAL_RANKS, env, "must be an integer") from error
+        if explicit is None:
+            hosts: list[object] = [None] * self.ep_size
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.cpu_group)
+            self._collectives += 1
+            explicit = hosts.count(hosts[self.ep_rank])
+        if not 1 <= explicit <= self.ep_size:
+            raise InvalidArgument.of(
+                "local_ranks", explicit, f"must be in [1, ep_size={self.ep_size}]"
+            )
+        return explicit
+
+    # --- what is built -----------------------------------------------------
+
+    @property
+    def embedded(self) -> bool:
+        """True when the decision core runs in this process (no sidecar)."""
+        return self._transport.embedded
+
+    @property
+    def agrees_across_ranks(self) -> bool:
+        """True when every round adds the cross-rank all-reduce."""
+        return self._transport.embedded or self.ep_size > self.local_ranks
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the current all-to-all was built at (None: nothing built)."""
+        return self._built
+
+    @property
+    def counters(self) -> ManagerCounters:
+        """A snapshot of what this manager has done."""
+        return ManagerCounters(
+            rounds=self._round,
+            builds=self._builds,
+            rebuilds=self._rebuilds,
+            reuses=self._reuses,
+            releases=self._releases,
+            rpcs=self._transport.rpc_count,
+            collectives=self._collectives,
+        )
+
+    def _set_built(self, handle: AlltoAll | None, plan: Plan | None) -> None:
+        self.moe_alltoall = handle
+        self._built = plan
+        self.initialized = handle is not None
+        self.workspace_size = plan.workspace_bytes if plan else 0
+        self.max_num_tokens = plan.max_num_tokens if plan else 0
+        self.top_k = plan.top_k if plan else 0
+        self.num_experts = plan.num_experts if plan else 0
+        if plan is not None:
+            self.generation = plan.generation
+
+    # --- the round ---------------------------------------------------------
+
+    def _local_plan(self, proposal_args: Requirement) -> Plan:
+        proposal = Proposal(
+            group=self.group,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            local_ranks=self.local_ranks,
+            lifetime=self.lifetime,
+            round=self._round,
+            requirement=proposal_args,
+        )
+        return self._transport.propose(proposal).plan
+
+    def _agree(self, layer: str, plan: Plan | None, failure: BaseException | None) -> Plan:
+        self._collectives += 1
+        try:
+            outcome = agree(
+                self.cpu_group,
+                LocalOutcome(ep_rank=self.ep_rank, layer=layer, plan=plan, failure=failure),
+                group_name=self.group,
+            )
+        except CoordinatorError:
+            self._collectives += 1  # the all_gather_object naming who failed
+            raise
+        return outcome.plan
+
+    def initialize(
+        self,
+        max_num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        hidden_size: int,
+        x_bytes_per_token: int,
+        x_sf_bytes_per_token: int,
+        *,
+        layer: str = "",
+    ) -> None:
+        """Makes the all-to-all serve this MoE layer; one round of the protocol.
+
+        Every rank of the EP group calls it for the same layers in the same
+        order. Afterwards ``moe_alltoall`` serves this layer and every layer
+        initialized before it in this process; it is a new object only when
+        the workspace had to grow.
+
+        Args:
+            max_num_tokens: most tokens this rank dispatches in one call.
+            top_k: experts per token.
+            num_experts: experts of the layer, over all ranks.
+            hidden_size: hidden dimension (the combine payload is bf16).
+            x_bytes_per_token: bytes per token of the dispatched hidden
+                states (``hidden/2`` for NVFP4, ``hidden*2`` for bf16).
+            x_sf_bytes_per_token: bytes per token of their scale factors
+                (``hidden/16`` for NVFP4, 0 for bf16).
+            layer: a label for the layer (e.g. ``"model.layers.61.mlp"``),
+                used in errors and the sidecar's history.
+
+        Raises:
+            InvalidArgument: an argument out of range.
+            PreconditionFailed: another ``top_k``/``num_experts`` than earlier
+                layers, or ranks disagreeing on the layer (an
+                :class:`~client.errors.AgreementError` when the cross-rank
+                all-reduce found it); the message names ranks and layers.
+            RoundTimedOut: a local rank never proposed this round; the message
+                names it and the last layer it reported.
+            RoundAborted: another rank of the group restarted mid-round.
+            CoordinatorUnavailable: the sidecar could not be reached.
+            BackendError: the backend could not build.
+        """
+        self._round += 1
+        failure: BaseException | None = None
+        local: Plan | None = None
+        try:
+            try:
+                sizes = layer_sizes(
+                    self.ep_size,
+                    max_num_tokens,
+                    top_k,
+                    hidden_size,
+                    x_bytes_per_token,
+                    x_sf_bytes_per_token,
+                )
+            except ValueError as error:
+                raise InvalidArgument(f"layer {layer!r}: {error}") from error
+            local = self._local_plan(
+                Requirement(
+                    workspace_bytes=sizes.workspace_bytes,
+                    max_num_tokens=max_num_tokens,
+                    top_k=top_k,
+                    num_experts=num_experts,
+                    layer=layer,
+                )
+            )
+        except Exception as error:
+            if not self.agrees_across_ranks:
+                raise
+            # Still join the all-reduce, so the other ranks raise too instead
+            # of waiting for this one forever.
+            failure = error
+        plan = self._agree(layer, local, failure) if self.agrees_across_ranks else local
+        assert plan is not None
+
+        built = self._built
+        if built is not None and built.covers(plan.workspace_bytes, plan.max_num_tokens):
+            self._reuses += 1
+            _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, built)
+            return
+        action = Action.BUILD if built is None else Action.REBUILD
+        if built is not None and plan.generation <= built.generation:
+            # Deciders on different nodes count generations apart; growth must
+            # still move it. Every rank holds the same `built`, so all agree.
+            plan = replace(plan, generation=built.generation + 1)
+        self._build(plan, action, layer)
+
+    def _build(self, plan: Plan, action: Action, layer: str) -> None:
+        spec = BuildSpec(
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            max_num_tokens=plan.max_num_tokens,
+            top_k=plan.top_k,
+            num_experts=plan.num_experts,
+            workspace_size_per_rank=plan.workspace_bytes,
+        )
+        started = time.perf_counter()
+        handle = self.backend.build(spec)
+        build_seconds = time.perf_counter() - started
+        # Every rank must hold the new workspace before any frees the old one:
+        # peers may still read it. The EP group only; never the world.
+        dist.barrier(group=self.cpu_group)
+        self._collectives += 1
+        superseded = self.moe_alltoall
+        self._set_built(handle, plan)
+        if superseded is not None:
+            self.backend.release(superseded)
+            self._releases += 1
+        if action is Action.BUILD:
+            self._builds += 1
+        else:
+            self._rebuilds += 1
+        _log.info(
+            "group %s round %d (%s): %s at %d bytes/rank, %d tokens, generation %d (%.3fs)",
+            self.group,
+            self._round,
+            layer,
+            action.value,
+            plan.workspace_bytes,
+            plan.max_num_tokens,
+            plan.generation,
+            build_seconds,
+        )
+        self._transport.commit(
+            self.group,
+            CommitRecord(
+                ep_rank=self.ep_rank,
+                lifetime=self.lifetime,
+                round=self._round,
+                plan=plan,
+                build_seconds=build_seconds,
+            ),
+        )
+
+    # --- vLLM's surface ----------------------------------------------------
+
+    def get_handle(self, kwargs: object) -> WorkspaceManager:
+        """Returns the manager itself, as vLLM's manager does."""
+        return self
+
+    def combine_into(
+        self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, output: torch.Tensor
+    ) -> torch.Tensor:
+        """Combines ``payload`` into the caller's ``output`` tensor.
+
+        ``output`` is ``[local_num_tokens, hidden]`` of the payload's dtype
+        (contiguous; on the GPU with FlashInfer). Returns ``output``.
+
+        Raises:
+            BackendError: nothing is built.
+            RuntimeError: the backend's (FlashInfer's) own checks.
+        """
+        if self.moe_alltoall is None:
+            raise BackendError("combine_into() before initialize(): nothing is built")
+        return self.moe_alltoall.combine(payload, runtime_max_tokens_per_rank, output=output)
+
+    def cleanup(self) -> None:
+        """Frees the current workspace and closes the sidecar channel.
+
+        Local: no collective, so it is safe in teardown paths where peers may
+        already be gone; call it on every rank only when none uses the
+        all-to-all any more. A later ``initialize()`` builds afresh.
+        """
+        handle = self.moe_alltoall
+        self._set_built(None, None)
+        if handle is not None:
+            self.backend.release(handle)
+            self._releases += 1
+        self._transport.close()

@@ -1,0 +1,423 @@
+"""How a rank reaches the decision core: a sidecar over gRPC, or in-process.
+
+Both transports take and return the decision core's own types
+(:class:`sidecar.policy.Proposal`, :class:`~sidecar.policy.Decision`,
+:class:`~sidecar.policy.CommitRecord`) and raise the typed errors of
+:mod:`client.errors`, so the manager cannot tell them apart.
+
+* :class:`GrpcTransport` talks to the node's sidecar. Ranks run synchronous
+  code, so it is a synchronous client: every call has a deadline, UNAVAILABLE
+  is retried with exponential backoff (proposals and commits are idempotent),
+  and the channel is created lazily in the process that uses it, and created
+  anew if the object crossed a fork.
+* :class:`EmbeddedTransport` drives :mod:`sidecar.policy` in-process with one
+  local rank per group; the manager then agrees across the EP group itself.
+
+:func:`transport_for` picks one: ``MOE_SIDECAR_TARGET`` (or an explicit
+target) means gRPC; neither means embedded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+from client.errors import (
+    CoordinatorUnavailable,
+    InternalError,
+    error_from_rpc,
+)
+from sidecar import policy
+from sidecar.policy import Action, CommitRecord, Decision, Plan, Proposal
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT_S",
+    "DEFAULT_PROPOSE_TIMEOUT_S",
+    "DEFAULT_UNAVAILABLE_RETRY_S",
+    "EMBEDDED",
+    "ENV_PROPOSE_TIMEOUT",
+    "ENV_TARGET",
+    "EmbeddedTransport",
+    "GrpcTransport",
+    "Transport",
+    "transport_for",
+]
+
+ENV_TARGET = "MOE_SIDECAR_TARGET"
+"""Address of the node's sidecar; unset or empty means embedded mode."""
+ENV_PROPOSE_TIMEOUT = "MOE_SIDECAR_PROPOSE_TIMEOUT"
+"""Seconds a Propose may wait for its round; overrides the default."""
+EMBEDDED = "embedded"
+"""A ``target`` that forces embedded mode whatever the environment says."""
+
+DEFAULT_PROPOSE_TIMEOUT_S = 120.0
+"""A Propose long-polls until every local rank has proposed. The sidecar
+fails a round that misses a rank after its round timeout (and names the
+missing rank); this deadline only catches a sidecar that never answers, so it
+must exceed the sidecar's ``--round-timeout``."""
+DEFAULT_CALL_TIMEOUT_S = 10.0
+"""Deadline of calls that do not wait for other ranks (Commit)."""
+DEFAULT_UNAVAILABLE_RETRY_S = 30.0
+"""How long UNAVAILABLE is retried before the rank gives up: covers a sidecar
+that starts a little after the ranks, or restarts."""
+_INITIAL_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+
+_ACTION_FROM_PROTO: dict[int, Action] = {
+    pb.ACTION_BUILD: Action.BUILD,
+    pb.ACTION_REUSE: Action.REUSE,
+    pb.ACTION_REBUILD: Action.REBUILD,
+}
+
+
+class Transport(Protocol):
+    """What the manager needs from the decision core."""
+
+    @property
+    def rpc_count(self) -> int:
+        """Calls sent to a sidecar so far (every attempt); 0 when embedded."""
+        ...
+
+    @property
+    def embedded(self) -> bool:
+        """True when the decision core runs in this process."""
+        ...
+
+    def propose(self, proposal: Proposal) -> Decision:
+        """The decision for ``proposal``'s round; waits for the round to close.
+
+        Raises:
+            CoordinatorError: the typed error the round (or the call) failed with.
+        """
+        ...
+
+    def commit(self, group: str, record: CommitRecord) -> None:
+        """Records what the rank holds in ``group`` after building and the barrier.
+
+        Raises:
+            CoordinatorError: the commit was refused or could not be delivered.
+        """
+        ...
+
+    def close(self) -> None:
+        """Releases what the transport holds; it may be used again afterwards."""
+        ...
+
+
+# --- proto <-> domain ------------------------------------------------------
+
+
+def _proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
+    r = p.requirement
+    return pb.ProposeRequest(
+        group=p.group,
+        ep_size=p.ep_size,
+        ep_rank=p.ep_rank,
+        local_ranks=p.local_ranks,
+        lifetime=p.lifetime,
+        round=p.round,
+        requirement=pb.Requirement(
+            workspace_bytes=r.workspace_bytes,
+            max_num_tokens=r.max_num_tokens,
+            top_k=r.top_k,
+            num_experts=r.num_experts,
+            layer=r.layer,
+        ),
+    )
+
+
+def _plan_to_proto(plan: Plan) -> pb.Plan:
+    return pb.Plan(
+        workspace_bytes=plan.workspace_bytes,
+        max_num_tokens=plan.max_num_tokens,
+        top_k=plan.top_k,
+        num_experts=plan.num_experts,
+        generation=plan.generation,
+    )
+
+
+def _decision_from_proto(p: Proposal, response: pb.ProposeResponse, target: str) -> Decision:
+    action = _ACTION_FROM_PROTO.get(response.action)
+    if action is None or not response.HasField("plan"):
+        raise InternalError(
+            f"Propose to sidecar {target}: malformed answer for round {p.round} of group "
+            f"{p.group!r} (action={response.action}, plan present={response.HasField('plan')})"
+        )
+    if response.round != p.round:
+        raise InternalError(
+            f"Propose to sidecar {target}: asked round {p.round} of group {p.group!r} but the "
+            f"answer is for round {response.round}"
+        )
+    plan = response.plan
+    return Decision(
+        round=response.round,
+        action=action,
+        plan=Plan(
+            workspace_bytes=plan.workspace_bytes,
+            max_num_tokens=plan.max_num_tokens,
+            top_k=plan.top_k,
+            num_experts=plan.num_experts,
+            generation=plan.generation,
+        ),
+        grew=response.grew,
+        layer=p.requirement.layer,
+    )
+
+
+# --- gRPC ------------------------------------------------------------------
+
+_Reply = TypeVar("_Reply")
+
+
+class GrpcTransport:
+    """A synchronous gRPC client of one sidecar.
+
+    Safe to create before a fork or to pickle into a spawned process: no gRPC
+    object exists until the first call, and a call from another process than
+    the one that opened the channel opens a new one (a gRPC channel must not
+    be used across a fork).
+
+    Args:
+        target: the sidecar's address, ``unix:///path`` or ``host:port``.
+        propose_timeout: deadline of each Propose attempt, in seconds; must
+            exceed the sidecar's round timeout. Default: env
+            ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else :data:`DEFAULT_PROPOSE_TIMEOUT_S`.
+        call_timeout: deadline of every other call.
+        unavailable_retry: seconds during which UNAVAILABLE is retried.
+
+    Raises:
+        InvalidArgument: never; a bad target surfaces as CoordinatorUnavailable
+            on the first call.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        propose_timeout: float | None = None,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
+        unavailable_retry: float = DEFAULT_UNAVAILABLE_RETRY_S,
+    ) -> None:
+        if propose_timeout is None:
+            env = os.environ.get(ENV_PROPOSE_TIMEOUT, "")
+            propose_timeout = float(env) if env else DEFAULT_PROPOSE_TIMEOUT_S
+        if propose_timeout <= 0 or call_timeout <= 0 or unavailable_retry < 0:
+            raise ValueError(
+                f"timeouts must be positive: propose_timeout={propose_timeout}, "
+                f"call_timeout={call_timeout}, unavailable_retry={unavailable_retry}"
+            )
+        self.target = target
+        self.propose_timeout = propose_timeout
+        self.call_timeout = call_timeout
+        self.unavailable_retry = unavailable_retry
+        self._rpc_count = 0
+        self._pid: int | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.WorkspaceCoordinatorStub | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def rpc_count(self) -> int:
+        return self._rpc_count
+
+    @property
+    def embedded(self) -> bool:
+        return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A channel cannot be pickled; the receiving process opens its own.
+        state = dict(self.__dict__)
+        state.update(_pid=None, _channel=None, _stub=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _stub_here(self) -> pb_grpc.WorkspaceCoordinatorStub:
+        with self._lock:
+            pid = os.getpid()
+            if self._stub is None or self._pid != pid:
+                # After a fork the inherited channel belongs to the parent:
+                # drop it without closing (closing would touch the parent's
+                # gRPC state) and open one owned by this process.
+                self._channel = grpc.insecure_channel(self.target)
+                self._stub = pb_grpc.WorkspaceCoordinatorStub(self._channel)
+                self._pid = pid
+            return self._stub
+
+    def _call(self, method: str, timeout: float, send: Callable[[float], _Reply]) -> _Reply:
+        deadline = time.monotonic() + self.unavailable_retry
+        backoff = _INITIAL_BACKOFF_S
+        attempts = 0
+        while True:
+            attempts += 1
+            self._rpc_count += 1
+            try:
+                return send(timeout)
+            except grpc.RpcError as rpc_error:
+                error = error_from_rpc(
+                    rpc_error, method=method, target=self.target, timeout=timeout
+                )
+                retriable = isinstance(error, CoordinatorUnavailable)
+                remaining = deadline - time.monotonic()
+                if not retriable or remaining <= 0:
+                    if retriable and attempts > 1:
+                        error = CoordinatorUnavailable(
+                            f"{error.message} (gave up after {attempts} attempts over "
+                            f"{self.unavailable_retry:g}s)"
+                        )
+                    raise error from rpc_error
+            # Jitter keeps the ranks of a node from retrying in lockstep.
+            time.sleep(min(backoff * random.uniform(0.5, 1.0), max(remaining, 0.0)))
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    def propose(self, proposal: Proposal) -> Decision:
+        """See :meth:`Transport.propose`.
+
+        Raises:
+            CoordinatorError: the sidecar's typed error; CoordinatorUnavailable
+                once UNAVAILABLE has been retried for ``unavailable_retry``
+                seconds; RoundTimedOut when the call's own deadline fires.
+        """
+        request = _proposal_to_proto(proposal)
+        stub = self._stub_here()
+        response = self._call(
+            "Propose",
+            self.propose_timeout,
+            lambda timeout: stub.Propose(request, timeout=timeout),
+        )
+        return _decision_from_proto(proposal, response, self.target)
+
+    def commit(self, group: str, record: CommitRecord) -> None:
+        """See :meth:`Transport.commit`.
+
+        Raises:
+            CoordinatorError: the sidecar's typed error, or CoordinatorUnavailable.
+        """
+        request = pb.CommitRequest(
+            group=group,
+            ep_rank=record.ep_rank,
+            lifetime=record.lifetime,
+            round=record.round,
+            plan=_plan_to_proto(record.plan),
+            build_seconds=record.build_seconds,
+        )
+        stub = self._stub_here()
+        self._call(
+            "Commit", self.call_timeout, lambda timeout: stub.Commit(request, timeout=timeout)
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+            self._pid = None
+
+
+# --- embedded --------------------------------------------------------------
+
+
+class EmbeddedTransport:
+    """The decision core in this process, one group state per group name.
+
+    Each rank decides alone (its proposals say ``local_ranks=1``), exactly as
+    a sidecar would for a group with one rank on the node; the manager's
+    agreement step then makes the EP group's ranks agree.
+
+    Args:
+        round_timeout: passed to the core; a round with one local rank closes
+            at once, so it never expires.
+        clock: seconds on a monotonic clock (the core takes time as an argument).
+    """
+
+    def __init__(
+        self, *, round_timeout: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.round_timeout = round_timeout
+        self._clock = clock
+        self._groups: dict[str, policy.GroupState] = {}
+
+    @property
+    def rpc_count(self) -> int:
+        return 0
+
+    @property
+    def embedded(self) -> bool:
+        return True
+
+    def group_state(self, group: str) -> policy.GroupState | None:
+        """What the in-process core knows of ``group`` (for inspection)."""
+        return self._groups.get(group)
+
+    def propose(self, proposal: Proposal) -> Decision:
+        """See :meth:`Transport.propose`.
+
+        Raises:
+            InvalidArgument: a malformed proposal.
+            PreconditionFailed: another top_k/num_experts than the plan, a
+                round out of sequence.
+            InternalError: the core left the round open although this rank is
+                its only local rank (``local_ranks`` must be 1 here).
+        """
+        state, result = policy.propose(
+            self._groups.get(proposal.group), proposal, self._clock(), self.round_timeout
+        )
+        self._groups[proposal.group] = state
+        if isinstance(result, policy.Waiting):
+            raise InternalError(
+                f"embedded round {proposal.round} of group {proposal.group!r} waits for other "
+                f"local ranks (local_ranks={proposal.local_ranks}); embedded mode decides "
+                "each rank alone and needs local_ranks=1"
+            )
+        outcome = result.outcome
+        if isinstance(outcome, policy.Refusal):
+            raise outcome.error()
+        return outcome
+
+    def commit(self, group: str, record: CommitRecord) -> None:
+        """See :meth:`Transport.commit`.
+
+        Raises:
+            PreconditionFailed: the rank or round is unknown to the core.
+            InvalidArgument: a malformed field.
+            InternalError: ``group`` never proposed here.
+        """
+        state = self._groups.get(group)
+        if state is None:
+            raise InternalError(f"embedded commit for group {group!r}, which never proposed")
+        self._groups[group] = policy.commit(state, record, self._clock())
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def transport_for(
+    target: str | None,
+    *,
+    propose_timeout: float | None = None,
+    unavailable_retry: float = DEFAULT_UNAVAILABLE_RETRY_S,
+) -> Transport:
+    """The transport for ``target``.
+
+    ``None`` reads ``MOE_SIDECAR_TARGET``; unset, empty, or :data:`EMBEDDED`
+    gives the embedded transport, anything else a gRPC client of that address.
+    """
+    if target is None:
+        target = os.environ.get(ENV_TARGET, "")
+    target = target.strip()
+    if not target or target == EMBEDDED:
+        return EmbeddedTransport()
+    return GrpcTransport(
+        target, propose_timeout=propose_timeout, unavailable_retry=unavailable_retry
+    )

@@ -1,0 +1,232 @@
+"""Real rank processes and a real sidecar for the multi-process tests.
+
+``run_ranks`` spawns one process per rank (the ``spawn`` start method, as an
+inference server starts its workers), joins them into a gloo group on
+127.0.0.1, runs a worker function in each and returns what each returned.
+Every rank has a watchdog: past its timeout it dumps every thread's stack to
+a file and exits, and the parent puts those stacks, and every traceback a
+rank sent back, into the test failure.
+
+``Sidecar`` starts ``python -m sidecar`` on a Unix socket in a temporary
+directory and stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    results: Any,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+    stack_file: str,
+) -> None:
+    for key, value in env.items():
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+    with open(stack_file, "w") as stacks:
+        # The watchdog: a hung rank prints where it hangs and exits.
+        faulthandler.dump_traceback_later(timeout, exit=True, file=stacks)
+        try:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+            try:
+                value = fn(rank, world_size, *args)
+            finally:
+                dist.destroy_process_group()
+            results.put((rank, True, value))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    timeout: float,
+    tmp_path: Path,
+    args: tuple[Any, ...] = (),
+    envs: Sequence[dict[str, str]] | None = None,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` spawned ranks.
+
+    ``envs[rank]`` is set in that rank's environment (an empty value unsets
+    the variable). Returns the values in rank order; raises AssertionError
+    with every rank's traceback (or watchdog stack dump) if any rank failed
+    or the ranks did not finish within ``timeout`` seconds.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    base_env = {"MOE_SIDECAR_TARGET": "", "MOE_SIDECAR_LOCAL_RANKS": ""}
+    stack_files = [str(tmp_path / f"rank{rank}.stacks") for rank in range(world_size)]
+    processes = []
+    for rank in range(world_size):
+        env = dict(base_env)
+        if envs is not None:
+            env.update(envs[rank])
+        process = context.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, timeout, results, env, args, stack_files[rank]),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+
+    collected: dict[int, tuple[bool, Any]] = {}
+    # The parent waits a little longer than the watchdogs, so a hung rank has
+    # time to write its stacks.
+    deadline = time.monotonic() + timeout + 15
+    while len(collected) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for p in processes) and results.empty():
+                break
+            continue
+        collected[rank] = (ok, value)
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+    problems = []
+    for rank in range(world_size):
+        if rank not in collected:
+            stacks = Path(stack_files[rank]).read_text() if Path(stack_files[rank]).exists() else ""
+            problems.append(
+                f"--- rank {rank}: no result (exit code {processes[rank].exitcode}); "
+                f"watchdog stacks:\n{stacks or '(none)'}"
+            )
+        elif not collected[rank][0]:
+            problems.append(f"--- rank {rank} raised:\n{collected[rank][1]}")
+    if problems:
+        raise AssertionError("rank processes failed:\n" + "\n".join(problems))
+    return [collected[rank][1] for rank in range(world_size)]
+
+
+class Sidecar:
+    """A real ``python -m sidecar`` on a Unix socket, for one test."""
+
+    def __init__(self, directory: Path, *, round_timeout: float = 20.0) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.socket = directory / "s.sock"
+        self.state_dir = directory / "state"
+        self.round_timeout = round_timeout
+        self.target = f"unix://{self.socket}"
+        self.log = directory / "sidecar.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Sidecar:
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        command = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "--listen",
+            self.target,
+            "--state-dir",
+            str(self.state_dir),
+            "--health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--round-timeout",
+            str(self.round_timeout),
+            "--log-format",
+            "text",
+        ]
+        with open(self.log, "ab") as log:
+            self._process = subprocess.Popen(
+                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            )
+        self._wait_ready(timeout=30.0)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                raise AssertionError(f"sidecar exited at start:\n{self.log.read_text()}")
+            if self.socket.exists():
+                with grpc.insecure_channel(self.target) as channel:
+                    try:
+                        grpc.channel_ready_future(channel).result(timeout=1.0)
+                        return
+                    except grpc.FutureTimeoutError:
+                        pass
+            time.sleep(0.05)
+        raise AssertionError(f"sidecar not ready after {timeout}s:\n{self.log.read_text()}")
+
+    def get_group(self, name: str) -> pb.Group:
+        with grpc.insecure_channel(self.target) as channel:
+            stub = pb_grpc.WorkspaceCoordinatorStub(channel)
+            return stub.GetGroup(pb.GetGroupRequest(group=name), timeout=5.0)
+
+    def stop(self, *, kill: bool = False) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def running_sidecar(directory: Path, *, round_timeout: float = 20.0) -> Iterator[Sidecar]:
+    sidecar = Sidecar(directory, round_timeout=round_timeout).start()
+    try:
+        yield sidecar
+    finally:
+        sidecar.stop()

@@ -1,0 +1,130 @@
+"""The seed's regression on 2 CPU ranks: NVFP4 layer, bf16 MTP layer, NVFP4 again.
+
+With the coordinator the workspace grows to the union on the second call
+(``moe_alltoall`` is a new object, the old workspace is freed) and the third
+call neither shrinks nor rebuilds; dispatch + combine through the reference
+backend match a result computed locally after every call. Without the
+coordinator (a workspace sized by the first layer) the bf16 combine fails
+with FlashInfer's overflow error. Both in sidecar mode (a real sidecar on a
+Unix socket) and in embedded mode, with the same plans.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.sizing import layer_sizes
+from tests.multiprocess import workers
+from tests.multiprocess.harness import Sidecar, run_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+EP = 2
+
+
+def expected_workspaces() -> list[int]:
+    """The union after each call of the regression sequence."""
+    union = 0
+    sizes = []
+    for layer in workers.REGRESSION:
+        need = layer_sizes(
+            EP, layer.max_num_tokens, layer.top_k, workers.HIDDEN, layer.x_bytes, layer.x_sf_bytes
+        ).workspace_bytes
+        union = max(union, need)
+        sizes.append(union)
+    return sizes
+
+
+def check_regression(results: list[dict[str, Any]]) -> None:
+    nvfp4, bf16, nvfp4_again = expected_workspaces()
+    assert nvfp4 < bf16 == nvfp4_again, "the bf16 layer must need more than the NVFP4 one"
+    for rank, result in enumerate(results):
+        first, second, third = result["records"]
+        where = f"rank {rank}"
+        assert [r["workspace_size"] for r in result["records"]] == [nvfp4, bf16, bf16], where
+        assert [r["generation"] for r in result["records"]] == [1, 2, 2], where
+        assert all(r["max_num_tokens"] == workers.MAX_TOKENS for r in result["records"]), where
+        assert first["delta"]["builds"] == 1 and first["new_object"], where
+        # Second call: grew, a new object, the superseded workspace freed.
+        assert second["delta"]["rebuilds"] == 1 and second["new_object"], where
+        assert second["old_released"] and second["delta"]["releases"] == 1, where
+        assert second["live_bytes"] == bf16, f"{where}: only the union workspace is held"
+        # Third call: neither shrinks nor rebuilds.
+        assert third["delta"]["reuses"] == 1 and not third["new_object"], where
+        assert third["delta"]["builds"] == third["delta"]["rebuilds"] == 0, where
+        assert all(r["max_error"] == 0.0 for r in result["records"]), where
+        # Without the coordinator: the first layer's workspace serves the
+        # first layer and overflows on the bf16 combine, as FlashInfer does.
+        assert result["naive_first_error"] == 0.0, where
+        assert "workspace insufficient for combine payload region" in result["naive_overflow"]
+    # Every rank holds the same plans after every call.
+    plans = {
+        tuple((r["workspace_size"], r["max_num_tokens"], r["generation"]) for r in res["records"])
+        for res in results
+    }
+    assert len(plans) == 1, plans
+
+
+def test_regression_sequence_through_a_sidecar(sidecar: Sidecar, tmp_path: Path) -> None:
+    group = "regression:fp4/tp1-ep2/pp0"
+    # target=None: the ranks find the sidecar through MOE_SIDECAR_TARGET.
+    results = run_ranks(
+        workers.regression_worker,
+        EP,
+        timeout=60,
+        tmp_path=tmp_path,
+        args=(None, group),
+        envs=[{"MOE_SIDECAR_TARGET": sidecar.target}] * EP,
+    )
+    check_regression(results)
+    assert not results[0]["embedded"] and not results[0]["agrees"]
+    for result in results:
+        first, second, third = result["records"]
+        # Node-local group: a build round is Propose + Commit and one barrier
+        # (plus the backend's allocation check); a REUSE round one RPC only.
+        assert first["delta"]["rpcs"] == second["delta"]["rpcs"] == 2
+        assert second["dist_calls"] == ["all_gather", "barrier"]
+        assert third["delta"]["rpcs"] == 1 and third["dist_calls"] == []
+    stored = sidecar.get_group(group)
+    assert stored.plan.workspace_bytes == expected_workspaces()[-1]
+    assert stored.plan.generation == 2
+    assert [r.committed_generation for r in stored.ranks] == [2, 2]
+    assert [g.layer for g in stored.history] == ["model.layers.0.mlp", "mtp.mlp"]
+
+
+def test_regression_sequence_embedded(tmp_path: Path) -> None:
+    results = run_ranks(
+        workers.regression_worker, EP, timeout=60, tmp_path=tmp_path, args=(None, "")
+    )
+    check_regression(results)
+    assert results[0]["embedded"] and results[0]["agrees"]
+    for result in results:
+        # Embedded mode agrees across ranks every round: one all-reduce, and
+        # nothing else on a REUSE round.
+        assert all(r["delta"]["rpcs"] == 0 for r in result["records"])
+        assert result["records"][2]["dist_calls"] == ["all_reduce"]
+        assert result["records"][1]["dist_calls"] == ["all_reduce", "all_gather", "barrier"]
+
+
+def test_reuse_round_is_one_rpc_and_no_collective(sidecar: Sidecar, tmp_path: Path) -> None:
+    results = run_ranks(
+        workers.reuse_worker,
+        EP,
+        timeout=60,
+        tmp_path=tmp_path,
+        args=(sidecar.target, "reuse:fp4/tp1-ep2/pp0"),
+    )
+    for result in results:
+        assert not result["agrees"]
+        build, *reuses = result["records"]
+        assert build["delta"]["builds"] == 1
+        assert len(reuses) == 5
+        for record in reuses:
+            assert record["delta"]["reuses"] == 1
+            assert record["delta"]["rpcs"] == 1, record
+            assert record["delta"]["collectives"] == 0, record
+            assert record["dist_calls"] == [], record
+            assert not record["new_object"]

@@ -1,0 +1,381 @@
+"""What the spawned ranks run. Imported in the rank processes only.
+
+Kept apart from the test modules so a rank imports neither pytest nor the
+tests' fixtures. Every worker returns plain data (dicts, lists, strings);
+the tests assert on it in the parent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HIDDEN = 256
+TOP_K = 2
+NUM_EXPERTS = 8
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One MoE layer as vLLM describes it to the manager."""
+
+    name: str
+    x_bytes: int
+    x_sf_bytes: int
+    max_num_tokens: int = MAX_TOKENS
+    top_k: int = TOP_K
+    num_experts: int = NUM_EXPERTS
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.x_sf_bytes > 0
+
+
+def nvfp4_layer(name: str, **kw: Any) -> Layer:
+    return Layer(name, HIDDEN // 2, HIDDEN // 16, **kw)
+
+
+def bf16_layer(name: str, **kw: Any) -> Layer:
+    return Layer(name, HIDDEN * 2, 0, **kw)
+
+
+REGRESSION = (
+    nvfp4_layer("model.layers.0.mlp"),
+    bf16_layer("mtp.mlp"),
+    nvfp4_layer("model.layers.1.mlp"),
+)
+
+
+# --- counting collectives without replacing them ----------------------------
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "scatter",
+    "reduce",
+)
+
+
+class CollectiveCounter:
+    """Counts every torch.distributed collective this process issues.
+
+    Wraps the real functions (they still run); the manager's own counters are
+    checked against it, so a collective the manager forgot to count shows.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        for name in _COLLECTIVES:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return real(*args, **kwargs)
+
+        return counted
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+
+# --- data and a locally computed reference ----------------------------------
+
+
+def _owner(expert: int, num_experts: int, ep_size: int) -> int:
+    # Independent of the backend's vectorised partition: the plain loop of
+    # FlashInfer's comment (ranks [0, remainder) own base + 1 experts).
+    base, remainder = divmod(num_experts, ep_size)
+    first = 0
+    for rank in range(ep_size):
+        count = base + (1 if rank < remainder else 0)
+        if expert < first + count:
+            return rank
+        first += count
+    raise AssertionError(expert)
+
+
+def _decode(x: torch.Tensor, nvfp4: bool) -> torch.Tensor:
+    """Hidden values (small integers) of dispatched rows, as float32."""
+    if not nvfp4:
+        return x.to(torch.float32)
+    low = (x & 0xF).to(torch.float32) - 8
+    high = (x >> 4).to(torch.float32) - 8
+    return torch.stack([low, high], dim=-1).reshape(*x.shape[:-1], -1)
+
+
+def _expert_scale(ids: torch.Tensor) -> torch.Tensor:
+    return (ids % 3 + 1).to(torch.float32)
+
+
+def layer_inputs(layer: Layer, rank: int, seed: int, tokens: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    values = torch.randint(-8, 8, (tokens, HIDDEN), generator=g)
+    ids = torch.stack(
+        [torch.randperm(layer.num_experts, generator=g)[: layer.top_k] for _ in range(tokens)]
+    ).to(torch.int32)
+    weights = torch.randint(1, 3, (tokens, layer.top_k), generator=g).to(torch.float32) / 2
+    if layer.nvfp4:
+        nibbles = (values + 8).to(torch.uint8).reshape(tokens, HIDDEN // 2, 2)
+        x = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        x_sf = torch.randint(0, 256, (tokens, layer.x_sf_bytes), generator=g).to(torch.uint8)
+        payloads = {"x": x, "x_sf": x_sf}
+    else:
+        payloads = {"x": values.to(torch.bfloat16)}
+    return {**payloads, "ids": ids, "weights": weights, "values": values.to(torch.float32)}
+
+
+def exchange(a2a: Any, layer: Layer, ep_rank: int, ep_size: int, seed: int) -> float:
+    """Dispatch + expert compute + combine at the maximum runtime tokens.
+
+    Returns the largest difference between the combined result and the one
+    computed locally from this rank's own tokens (0.0 when exact).
+    """
+    tokens = MAX_TOKENS
+    inputs = layer_inputs(layer, ep_rank, seed, tokens)
+    payloads = [inputs["x"]] + ([inputs["x_sf"]] if layer.nvfp4 else [])
+    payloads += [inputs["ids"], inputs["weights"]]
+    received = a2a.dispatch(inputs["ids"], payloads, tokens)
+    x, ids, weights = received[0], received[-2], received[-1]
+    hidden = _decode(x, layer.nvfp4)
+    owners = torch.tensor([_owner(e, layer.num_experts, ep_size) for e in range(layer.num_experts)])
+    mine = (owners[ids.long()] == ep_rank).to(torch.float32)
+    factor = (weights * _expert_scale(ids) * mine).sum(dim=-1, keepdim=True)
+    expert_out = (hidden * factor).to(torch.bfloat16)
+    output = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
+    combined = a2a.combine(expert_out, tokens, output=output)
+    assert combined is output
+    expected = (
+        inputs["values"]
+        * (inputs["weights"] * _expert_scale(inputs["ids"])).sum(dim=-1, keepdim=True)
+    ).to(torch.bfloat16)
+    return float((combined.to(torch.float32) - expected.to(torch.float32)).abs().max())
+
+
+# --- the manager through a layer sequence -----------------------------------
+
+
+def run_layers(
+    manager: Any,
+    layers: Sequence[Layer],
+    counter: CollectiveCounter,
+    *,
+    check_numerics: bool,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    from client.backends.reference import live_workspace_bytes
+
+    records = []
+    for i, layer in enumerate(layers):
+        before_handle = manager.moe_alltoall
+        before = manager.counters
+        calls_before = len(counter)
+        started = time.perf_counter()
+        manager.initialize(
+            layer.max_num_tokens,
+            layer.top_k,
+            layer.num_experts,
+            HIDDEN,
+            layer.x_bytes,
+            layer.x_sf_bytes,
+            layer=layer.name,
+        )
+        elapsed = time.perf_counter() - started
+        after = manager.counters
+        record: dict[str, Any] = {
+            "layer": layer.name,
+            "workspace_size": manager.workspace_size,
+            "max_num_tokens": manager.max_num_tokens,
+            "top_k": manager.top_k,
+            "num_experts": manager.num_experts,
+            "generation": manager.generation,
+            "initialized": manager.initialized,
+            "new_object": manager.moe_alltoall is not before_handle,
+            "old_released": bool(getattr(before_handle, "released", False)),
+            "delta": {k: v - asdict(before)[k] for k, v in asdict(after).items()},
+            "dist_calls": counter.calls[calls_before:],
+            "live_bytes": live_workspace_bytes(),
+            "seconds": elapsed,
+        }
+        if check_numerics:
+            calls = len(counter)
+            record["max_error"] = exchange(
+                manager.moe_alltoall, layer, manager.ep_rank, manager.ep_size, seed + i
+            )
+            del counter.calls[calls:]  # the exchange's own collectives are not the manager's
+        records.append(record)
+    return records
+
+
+def _manager(cpu_group: Any, group: str, target: str | None, **kw: Any) -> Any:
+    from client import WorkspaceManager
+
+    return WorkspaceManager(cpu_group, group=group, target=target, backend="reference", **kw)
+
+
+def regression_worker(rank: int, world: int, target: str | None, group: str) -> dict[str, Any]:
+    """The seed's sequence, then the same workspace without the coordinator."""
+    from client.backends import BuildSpec
+    from client.backends.reference import ReferenceBackend
+    from client.sizing import layer_sizes
+
+    cpu_group = dist.new_group(backend="gloo")
+    counter = CollectiveCounter()
+    manager = _manager(cpu_group, group, target)
+    records = run_layers(manager, REGRESSION, counter, check_numerics=True)
+
+    # Without the coordinator: sized by the first layer, as before the fix.
+    first = REGRESSION[0]
+    sizes = layer_sizes(world, MAX_TOKENS, TOP_K, HIDDEN, first.x_bytes, first.x_sf_bytes)
+    backend = ReferenceBackend(cpu_group)
+    naive = backend.build(
+        BuildSpec(world, rank, MAX_TOKENS, TOP_K, NUM_EXPERTS, sizes.workspace_bytes)
+    )
+    first_error = exchange(naive, first, rank, world, seed=7)
+    overflow = ""
+    try:
+        exchange(naive, REGRESSION[1], rank, world, seed=8)
+    except RuntimeError as error:
+        overflow = str(error)
+    backend.release(naive)
+    manager.cleanup()
+    return {
+        "records": records,
+        "embedded": manager.embedded,
+        "agrees": manager.agrees_across_ranks,
+        "naive_first_error": first_error,
+        "naive_overflow": overflow,
+    }
+
+
+def reuse_worker(rank: int, world: int, target: str, group: str) -> dict[str, Any]:
+    """One build, then rounds the plan already covers."""
+    cpu_group = dist.new_group(backend="gloo")
+    counter = CollectiveCounter()
+    manager = _manager(cpu_group, group, target, local_ranks=world)
+    layers = [bf16_layer("layer.0")] + [
+        nvfp4_layer(f"layer.{i}", max_num_tokens=MAX_TOKENS - i) for i in range(1, 6)
+    ]
+    records = run_layers(manager, layers, counter, check_numerics=False)
+    return {"records": records, "agrees": manager.agrees_across_ranks}
+
+
+def pipeline_worker(rank: int, world: int, target: str) -> dict[str, Any]:
+    """2 stages x EP 2; stage 1 grows once more than stage 0."""
+    stage_groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    stage = rank // 2
+    cpu_group = stage_groups[stage]
+    counter = CollectiveCounter()
+    if stage == 0:
+        layers = [nvfp4_layer(f"pp0.layers.{i}.mlp") for i in range(3)]
+    else:
+        layers = [nvfp4_layer("pp1.layers.0.mlp"), bf16_layer("pp1.mtp.mlp")]
+        layers += [nvfp4_layer("pp1.layers.1.mlp")]
+    results = {}
+    for mode, mode_target in (("sidecar", target), ("embedded", "embedded")):
+        manager = _manager(cpu_group, f"pp-test:{mode}/tp1-ep2/pp{stage}", mode_target)
+        results[mode] = run_layers(manager, layers, counter, check_numerics=True, seed=stage)
+        manager.cleanup()
+    return {"stage": stage, "results": results}
+
+
+def warm_restart_worker(rank: int, world: int, target: str, group: str) -> dict[str, Any]:
+    """A model's whole layer sequence (61 NVFP4 layers and a bf16 MTP head)."""
+    cpu_group = dist.new_group(backend="gloo")
+    counter = CollectiveCounter()
+    manager = _manager(cpu_group, group, target)
+    layers = [nvfp4_layer(f"model.layers.{i}.mlp") for i in range(3)]
+    layers += [bf16_layer("mtp.mlp")]
+    layers += [nvfp4_layer(f"model.layers.{i}.mlp") for i in range(3, 6)]
+    records = run_layers(manager, layers, counter, check_numerics=False)
+    # The last layer is served by what is built, with no rebuild in between.
+    error = exchange(manager.moe_alltoall, layers[3], rank, world, seed=3)
+    return {
+        "records": records,
+        "counters": asdict(manager.counters),
+        "lifetime": manager.lifetime,
+        "max_error": error,
+    }
+
+
+def divergence_worker(rank: int, world: int, target: str, group: str) -> dict[str, Any]:
+    """Rank 1 proposes another top_k in round 2 (sidecar, node-local group)."""
+    cpu_group = dist.new_group(backend="gloo")
+    manager = _manager(cpu_group, group, target)
+    good = nvfp4_layer("model.layers.0.mlp")
+    manager.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, good.x_bytes, good.x_sf_bytes)
+    top_k = 4 if rank == 1 else TOP_K
+    return _expect_failure(
+        lambda: manager.initialize(
+            MAX_TOKENS, top_k, NUM_EXPERTS, HIDDEN, good.x_bytes, good.x_sf_bytes, layer="mtp.mlp"
+        )
+    )
+
+
+def _expect_failure(call: Callable[[], None]) -> dict[str, Any]:
+    from client.errors import rpc_status
+
+    started = time.monotonic()
+    try:
+        call()
+    except Exception as error:
+        status = rpc_status(error)
+        return {
+            "type": type(error).__name__,
+            "mro": [c.__name__ for c in type(error).__mro__],
+            "message": str(error),
+            "seconds": time.monotonic() - started,
+            "grpc_code": status.code.name if status else None,
+        }
+    return {"type": None, "seconds": time.monotonic() - started}
+
+
+def embedded_divergence_worker(rank: int, world: int) -> dict[str, Any]:
+    """Embedded mode: shapes differing in round 1, then a heterogeneous layer."""
+    cpu_group = dist.new_group(backend="gloo")
+    layer = nvfp4_layer("model.layers.0.mlp")
+    first = _manager(cpu_group, "diverge-first/ep2", "embedded")
+    top_k = 4 if rank == 1 else TOP_K
+    round_one = _expect_failure(
+        lambda: first.initialize(
+            MAX_TOKENS, top_k, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes, layer="L0"
+        )
+    )
+    later = _manager(cpu_group, "diverge-later/ep2", "embedded")
+    later.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes)
+    round_two = _expect_failure(
+        lambda: later.initialize(
+            MAX_TOKENS, top_k, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes, layer="mtp"
+        )
+    )
+    return {"round_one": round_one, "round_two": round_two}
+
+
+def two_nodes_worker(rank: int, world: int, targets: list[str]) -> dict[str, Any]:
+    """8 ranks, 4 per simulated node, each node with its own sidecar."""
+    cpu_group = dist.new_group(backend="gloo")
+    counter = CollectiveCounter()
+    node = rank // 4
+    manager = _manager(cpu_group, "two-nodes:fp4/tp1-ep8/pp0", targets[node], local_ranks=4)
+    # Node 1's ranks serve larger batches in the first layer: only the
+    # cross-node agreement tells node 0 about it.
+    first_tokens = MAX_TOKENS * 2 if node == 1 else MAX_TOKENS
+    layers = [
+        nvfp4_layer("model.layers.0.mlp", max_num_tokens=first_tokens),
+        bf16_layer("mtp.mlp"),
+        nvfp4_layer("model.layers.1.mlp"),
+    ]
+    records = run_layers(manager, layers, counter, check_numerics=True)
+    return {"records": records, "agrees": manager.agrees_across_ranks}
