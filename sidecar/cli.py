@@ -286,4 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moe-sidecar``; returns the exit status."""
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader went away (`moe-sidecar groups | head`): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

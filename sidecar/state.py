@@ -667,6 +667,10 @@ class Coordinator:
         self._subscribers.append(subscription)
         return subscription
 
+    def watcher_count(self) -> int:
+        """How many Watch streams are subscribed now."""
+        return len(self._subscribers)
+
     def unwatch(self, subscription: Subscription) -> None:
         """Drops a subscription. Idempotent."""
         if subscription in self._subscribers:

@@ -59,6 +59,12 @@ CREATE TABLE groups (
 """
 
 
+_UPSERT = (
+    "INSERT INTO groups (name, state) VALUES (?, ?) "
+    "ON CONFLICT(name) DO UPDATE SET state = excluded.state"
+)
+
+
 class StoreError(Exception):
     """The state directory cannot be used: locked, corrupt, or an unknown schema."""
 
@@ -419,8 +425,7 @@ class StateStore:
             sqlite3.Error: the write failed; nothing of it is stored.
         """
         self._db.execute(
-            "INSERT INTO groups (name, state) VALUES (?, ?) "
-            "ON CONFLICT(name) DO UPDATE SET state = excluded.state",
+            _UPSERT,
             (state.name, encode_group(state)),
         )
 
@@ -436,8 +441,7 @@ class StateStore:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             self._db.executemany(
-                "INSERT INTO groups (name, state) VALUES (?, ?) "
-                "ON CONFLICT(name) DO UPDATE SET state = excluded.state",
+                _UPSERT,
                 rows,
             )
         except BaseException:

@@ -1,0 +1,135 @@
+"""Shared helpers of the server tests: configs, requests and channels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+from sidecar.config import SidecarConfig
+
+GROUP = "deepseek-v3:fp4/tp1-ep8/pp0"
+
+NVFP4 = pb.Requirement(
+    workspace_bytes=10_000, max_num_tokens=256, top_k=2, num_experts=16, layer="l0"
+)
+BF16 = pb.Requirement(
+    workspace_bytes=30_000, max_num_tokens=256, top_k=2, num_experts=16, layer="mtp"
+)
+
+
+def make_config(tmp_path: Path, **overrides: Any) -> SidecarConfig:
+    """A server on a Unix socket in ``tmp_path`` and an ephemeral TCP port."""
+    values: dict[str, Any] = {
+        "listen": (f"unix://{tmp_path}/sidecar.sock", "127.0.0.1:0"),
+        "health_port": 0,
+        "metrics_port": 0,
+        "state_dir": tmp_path / "state",
+        "round_timeout": 10.0,
+        "grace_period": 2.0,
+    }
+    values.update(overrides)
+    return SidecarConfig(**values)
+
+
+def propose_request(
+    rank: int,
+    rnd: int = 1,
+    requirement: pb.Requirement | None = NVFP4,
+    *,
+    group: str = GROUP,
+    ep_size: int = 8,
+    local_ranks: int = 8,
+    lifetime: str | None = None,
+) -> pb.ProposeRequest:
+    request = pb.ProposeRequest(
+        group=group,
+        ep_size=ep_size,
+        ep_rank=rank,
+        local_ranks=local_ranks,
+        lifetime=lifetime if lifetime is not None else f"life-{rank}",
+        round=rnd,
+    )
+    if requirement is not None:
+        request.requirement.CopyFrom(requirement)
+    return request
+
+
+@contextlib.asynccontextmanager
+async def coordinator_stub(target: str) -> AsyncIterator[Any]:
+    """An asyncio stub of the coordinator on ``target``."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        yield pb_grpc.WorkspaceCoordinatorStub(channel)
+
+
+async def rpc_error(call: Any) -> grpc.aio.AioRpcError:
+    """Awaits ``call`` and returns the error it must fail with."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error
+    raise AssertionError("the call succeeded but was expected to fail")
+
+
+def details(error: grpc.aio.AioRpcError) -> str:
+    """The status message of ``error`` (never None)."""
+    return error.details() or ""
+
+
+async def run_round(
+    stub: Any,
+    rnd: int,
+    requirement: pb.Requirement,
+    *,
+    group: str,
+    local_ranks: int,
+    ep_size: int | None = None,
+    lifetime: str = "life",
+) -> list[pb.ProposeResponse]:
+    """Every local rank proposes round ``rnd`` at once; returns their answers."""
+    return list(
+        await asyncio.gather(
+            *(
+                stub.Propose(
+                    propose_request(
+                        rank,
+                        rnd,
+                        requirement,
+                        group=group,
+                        ep_size=ep_size or local_ranks,
+                        local_ranks=local_ranks,
+                        lifetime=f"{lifetime}-{rank}",
+                    ),
+                    timeout=10,
+                )
+                for rank in range(local_ranks)
+            )
+        )
+    )
+
+
+async def grow_and_commit(stub: Any, group: str, build_seconds: float) -> list[pb.ProposeResponse]:
+    """Two ranks: round 1 builds at NVFP4, round 2 rebuilds at BF16, rank 0 commits.
+
+    Returns the answers of round 2.
+    """
+    await run_round(stub, 1, NVFP4, group=group, local_ranks=2)
+    second = await run_round(stub, 2, BF16, group=group, local_ranks=2)
+    await stub.Commit(
+        pb.CommitRequest(
+            group=group,
+            ep_rank=0,
+            lifetime="life-0",
+            round=2,
+            plan=second[0].plan,
+            build_seconds=build_seconds,
+        ),
+        timeout=5,
+    )
+    return second

@@ -1,0 +1,230 @@
+"""Every bad input gets the right status, a message naming field and value, and
+changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from moe_workspace.v1 import coordinator_pb2 as pb
+
+from sidecar.server import RunningServer, running_server
+from tests.integration.helpers import (
+    NVFP4,
+    coordinator_stub,
+    details,
+    make_config,
+    propose_request,
+    rpc_error,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+GROUP = "model/ep2"
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _proposal(**changes: Any) -> pb.ProposeRequest:
+    request = propose_request(0, 2, group=GROUP, ep_size=2, local_ranks=2)
+    for key, value in changes.items():
+        if key.startswith("req_"):
+            setattr(request.requirement, key[4:], value)
+        elif key == "no_requirement":
+            request.ClearField("requirement")
+        else:
+            setattr(request, key, value)
+    return request
+
+
+BAD_PROPOSALS = [
+    ("empty group", _proposal(group=""), INVALID, "group=''"),
+    ("long group", _proposal(group="g" * 257), INVALID, "group='gggg"),
+    ("non-printable group", _proposal(group="a\tb"), INVALID, "group='a\\tb'"),
+    ("ep_rank = ep_size", _proposal(ep_rank=2), INVALID, "ep_rank=2"),
+    ("local_ranks 0", _proposal(local_ranks=0), INVALID, "local_ranks=0"),
+    ("local_ranks > ep_size", _proposal(local_ranks=3), INVALID, "local_ranks=3"),
+    ("ep_size 0", _proposal(ep_size=0, ep_rank=0), INVALID, "ep_size=0"),
+    ("ep_size 65", _proposal(ep_size=65, local_ranks=1), INVALID, "ep_size=65"),
+    ("top_k 0", _proposal(req_top_k=0), INVALID, "requirement.top_k=0"),
+    ("top_k 23", _proposal(req_top_k=23), INVALID, "requirement.top_k=23"),
+    ("zero bytes", _proposal(req_workspace_bytes=0), INVALID, "requirement.workspace_bytes=0"),
+    (
+        "absurd bytes",
+        _proposal(req_workspace_bytes=(1 << 40) + 1),
+        INVALID,
+        "requirement.workspace_bytes=1099511627777",
+    ),
+    ("zero tokens", _proposal(req_max_num_tokens=0), INVALID, "requirement.max_num_tokens=0"),
+    (
+        "absurd tokens",
+        _proposal(req_max_num_tokens=1 << 40),
+        INVALID,
+        "requirement.max_num_tokens=1099511627776",
+    ),
+    ("zero experts", _proposal(req_num_experts=0), INVALID, "requirement.num_experts=0"),
+    ("missing requirement", _proposal(no_requirement=True), INVALID, "requirement=None"),
+    ("round 0", _proposal(round=0), INVALID, "round=0"),
+    ("empty lifetime", _proposal(lifetime=""), INVALID, "lifetime=''"),
+    (
+        "other ep_size than the group",
+        _proposal(ep_size=4),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "ep_size=4",
+    ),
+    (
+        "round out of sequence",
+        _proposal(round=7),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "round 7",
+    ),
+    (
+        "unknown lifetime past round 1",
+        _proposal(lifetime="stranger", round=3),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "'stranger'",
+    ),
+]
+
+
+def _plan(**changes: Any) -> pb.Plan:
+    plan = pb.Plan(
+        workspace_bytes=10_000, max_num_tokens=256, top_k=2, num_experts=16, generation=1
+    )
+    for key, value in changes.items():
+        setattr(plan, key, value)
+    return plan
+
+
+def _commit(**changes: Any) -> pb.CommitRequest:
+    request = pb.CommitRequest(group=GROUP, ep_rank=0, lifetime="life-0", round=1, plan=_plan())
+    for key, value in changes.items():
+        if key == "no_plan":
+            request.ClearField("plan")
+        elif key == "plan":
+            request.plan.CopyFrom(value)
+        else:
+            setattr(request, key, value)
+    return request
+
+
+BAD_COMMITS = [
+    ("unknown group", _commit(group="nope"), grpc.StatusCode.NOT_FOUND, "group='nope'"),
+    ("empty group", _commit(group=""), INVALID, "group=''"),
+    ("missing plan", _commit(no_plan=True), INVALID, "plan=None"),
+    ("ep_rank out of range", _commit(ep_rank=9), INVALID, "ep_rank=9"),
+    ("zero bytes", _commit(plan=_plan(workspace_bytes=0)), INVALID, "plan.workspace_bytes=0"),
+    ("top_k 23", _commit(plan=_plan(top_k=23)), INVALID, "plan.top_k=23"),
+    ("generation 0", _commit(plan=_plan(generation=0)), INVALID, "plan.generation=0"),
+    ("negative build time", _commit(build_seconds=-1.0), INVALID, "build_seconds=-1.0"),
+    (
+        "unknown lifetime",
+        _commit(lifetime="stranger"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "'stranger'",
+    ),
+    (
+        "round not closed",
+        _commit(round=5),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "round 5",
+    ),
+]
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[RunningServer]:
+    """A server with one group that closed round 1."""
+    async with running_server(make_config(tmp_path, enable_admin=False)) as running:
+        async with coordinator_stub(running.addresses.listen[0]) as stub:
+            await asyncio.gather(
+                *(
+                    stub.Propose(
+                        propose_request(r, 1, NVFP4, group=GROUP, ep_size=2, local_ranks=2),
+                        timeout=5,
+                    )
+                    for r in range(2)
+                )
+            )
+        yield running
+
+
+async def _snapshot(stub: Any) -> pb.ListGroupsResponse:
+    response: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
+    return response
+
+
+BAD_CALLS = [("Propose", *p) for p in BAD_PROPOSALS] + [("Commit", *c) for c in BAD_COMMITS]
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "code", "needle"),
+    [(c[0], *c[2:]) for c in BAD_CALLS],
+    ids=[f"{c[0]}: {c[1]}" for c in BAD_CALLS],
+)
+async def test_bad_request(
+    server: RunningServer, method: str, request_: Any, code: grpc.StatusCode, needle: str
+) -> None:
+    async with coordinator_stub(server.addresses.listen[1]) as stub:
+        before = await _snapshot(stub)
+        error = await rpc_error(getattr(stub, method)(request_, timeout=5))
+        assert error.code() == code, details(error)
+        assert needle in details(error)
+        assert await _snapshot(stub) == before
+
+
+async def test_get_and_reset_of_unknown_or_malformed_groups(server: RunningServer) -> None:
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        before = await _snapshot(stub)
+        error = await rpc_error(stub.GetGroup(pb.GetGroupRequest(group="nope"), timeout=5))
+        assert error.code() == grpc.StatusCode.NOT_FOUND and "group='nope'" in details(error)
+        error = await rpc_error(stub.GetGroup(pb.GetGroupRequest(group=""), timeout=5))
+        assert error.code() == INVALID and "group=''" in details(error)
+        # Admin calls are off: refused whatever the group.
+        for name in (GROUP, "nope"):
+            error = await rpc_error(stub.ResetGroup(pb.ResetGroupRequest(group=name), timeout=5))
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert f"group={name!r}" in details(error) and "--enable-admin" in details(error)
+        assert await _snapshot(stub) == before
+
+
+async def test_reset_with_admin_enabled(tmp_path: Path) -> None:
+    async with (
+        running_server(make_config(tmp_path, enable_admin=True)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        error = await rpc_error(stub.ResetGroup(pb.ResetGroupRequest(group="nope"), timeout=5))
+        assert error.code() == grpc.StatusCode.NOT_FOUND and "group='nope'" in details(error)
+        await asyncio.gather(
+            *(
+                stub.Propose(
+                    propose_request(r, 1, NVFP4, group=GROUP, ep_size=2, local_ranks=2),
+                    timeout=5,
+                )
+                for r in range(2)
+            )
+        )
+        group = await stub.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
+        assert not group.HasField("plan") and not group.history
+        again = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+        assert again == group
+
+
+async def test_garbage_bytes_do_not_hurt_the_server(server: RunningServer) -> None:
+    async with grpc.aio.insecure_channel(server.addresses.listen[0]) as channel:
+        raw = channel.unary_unary(
+            "/moe_workspace.v1.WorkspaceCoordinator/Propose",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(b"\xff\xff\xff\xff not a protobuf", timeout=5)
+        # grpc.aio decodes before any servicer code runs and answers UNKNOWN itself.
+        assert info.value.code() == grpc.StatusCode.UNKNOWN
+        assert "ProposeRequest" in (info.value.details() or "")
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+        assert group.last_closed_round == 1

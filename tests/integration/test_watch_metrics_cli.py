@@ -1,0 +1,153 @@
+"""What operators see: Watch events, the metrics endpoint, ``moe-sidecar groups``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from moe_workspace.v1 import coordinator_pb2 as pb
+
+from sidecar import cli
+from sidecar.server import RunningServer, running_server
+from tests.integration.helpers import (
+    BF16,
+    coordinator_stub,
+    grow_and_commit,
+    make_config,
+    propose_request,
+    rpc_error,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+GROUP = "model/ep2"
+
+
+def _request(rank: int, rnd: int, requirement: pb.Requirement, **kw: Any) -> pb.ProposeRequest:
+    return propose_request(rank, rnd, requirement, group=GROUP, ep_size=2, local_ranks=2, **kw)
+
+
+async def _drive(server: RunningServer) -> None:
+    """Round 1 (build), round 2 (rebuild), a commit, a NOT_FOUND, a timeout."""
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        await grow_and_commit(stub, GROUP, build_seconds=0.5)
+        await rpc_error(stub.GetGroup(pb.GetGroupRequest(group="nope"), timeout=5))
+        error = await rpc_error(stub.Propose(_request(0, 3, BF16), timeout=5))
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_watch_streams_group_events(tmp_path: Path) -> None:
+    async with (
+        running_server(make_config(tmp_path, round_timeout=0.3)) as server,
+        coordinator_stub(server.addresses.listen[1]) as stub,
+    ):
+        missing = await rpc_error(stub.Watch(pb.WatchRequest(group="nope")).read())
+        assert missing.code() == grpc.StatusCode.NOT_FOUND
+        everything = stub.Watch(pb.WatchRequest())
+        await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)  # the stream is set up
+        await _drive(server)
+        events = [await asyncio.wait_for(everything.read(), 5) for _ in range(5)]
+        assert [e.kind for e in events] == [
+            pb.EVENT_KIND_LIFETIME_STARTED,
+            pb.EVENT_KIND_ROUND_DECIDED,
+            pb.EVENT_KIND_ROUND_DECIDED,
+            pb.EVENT_KIND_COMMIT,
+            pb.EVENT_KIND_RANK_TIMEOUT,
+        ]
+        decided = [e for e in events if e.kind == pb.EVENT_KIND_ROUND_DECIDED]
+        assert [(e.round, e.action, e.plan.generation, e.layer) for e in decided] == [
+            (1, pb.ACTION_BUILD, 1, "l0"),
+            (2, pb.ACTION_REBUILD, 2, "mtp"),
+        ]
+        commit = next(e for e in events if e.kind == pb.EVENT_KIND_COMMIT)
+        assert commit.ep_rank == 0 and commit.plan.generation == 2
+        timeout = next(e for e in events if e.kind == pb.EVENT_KIND_RANK_TIMEOUT)
+        assert timeout.round == 3 and list(timeout.missing_ranks) == [1]
+        assert "rank 1 (last reported round 2, layer 'mtp')" in timeout.message
+        assert all(e.group == GROUP and e.time.seconds > 0 for e in events)
+
+        # A watcher of one group sees that group only.
+        only = stub.Watch(pb.WatchRequest(group=GROUP))
+        await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
+        await stub.Propose(
+            propose_request(0, group="other/ep1", ep_size=1, local_ranks=1), timeout=5
+        )
+        await asyncio.gather(*(stub.Propose(_request(r, 4, BF16), timeout=5) for r in range(2)))
+        event = await asyncio.wait_for(only.read(), 5)
+        assert event.group == GROUP and event.round == 4
+        everything.cancel()
+        only.cancel()
+
+
+async def test_metrics_endpoint(tmp_path: Path) -> None:
+    async with running_server(make_config(tmp_path, round_timeout=0.3)) as server:
+        await _drive(server)
+        url = f"http://127.0.0.1:{server.addresses.metrics_port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+        )
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples[f'moe_sidecar_rounds_total{{action="build",group="{GROUP}"}}'] == 1
+    assert samples[f'moe_sidecar_rounds_total{{action="rebuild",group="{GROUP}"}}'] == 1
+    assert samples[f'moe_sidecar_rounds_total{{action="timed_out",group="{GROUP}"}}'] == 1
+    assert samples[f'moe_sidecar_rebuilds_total{{group="{GROUP}"}}'] == 1
+    assert samples[f'moe_sidecar_workspace_bytes{{group="{GROUP}"}}'] == 30_000
+    assert samples[f'moe_sidecar_waiting_ranks{{group="{GROUP}"}}'] == 0
+    assert samples["moe_sidecar_groups"] == 1
+    assert samples['moe_sidecar_errors_total{code="NOT_FOUND"}'] == 1
+    assert samples['moe_sidecar_errors_total{code="DEADLINE_EXCEEDED"}'] == 1
+    assert samples["moe_sidecar_round_latency_seconds_count"] == 2
+
+
+async def test_metrics_endpoint_stops_with_the_server(tmp_path: Path) -> None:
+    async with running_server(make_config(tmp_path)) as server:
+        url = f"http://127.0.0.1:{server.addresses.metrics_port}/metrics"
+        await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    with pytest.raises(OSError):
+        await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=2).read())
+
+
+async def test_groups_command_text_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running_server(make_config(tmp_path, round_timeout=0.3)) as server:
+        await _drive(server)
+        target = server.addresses.listen[0]
+        assert await asyncio.to_thread(cli.main, ["groups", "--target", target]) == 0
+        text = capsys.readouterr().out
+        assert await asyncio.to_thread(cli.main, ["groups", "--target", target, "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+    assert f"group {GROUP}" in text
+    assert "plan: 29.3 KiB per rank (30000 B)" in text and "generation 2" in text
+    assert "generation 1: 9.8 KiB (10000 B), max_num_tokens=256, caused by layer 'l0'" in text
+    assert "generation 2: 29.3 KiB (30000 B), max_num_tokens=256, caused by layer 'mtp'" in text
+    rank_lines = [line.split() for line in text.splitlines() if line.startswith("       ")]
+    assert [row[:6] for row in rank_lines] == [
+        ["0", "yes", "3", "mtp", "2", "0.500"],
+        ["1", "yes", "2", "mtp", "0", "0.000"],
+    ]
+    [group] = document
+    assert group["name"] == GROUP and group["generation"] == 2
+    assert group["plan"]["workspace_bytes"] == 30_000 and group["plan"]["workspace"] == "29.3 KiB"
+    assert [(h["generation"], h["layer"]) for h in group["history"]] == [(1, "l0"), (2, "mtp")]
+    assert [(r["ep_rank"], r["last_round"], r["committed_generation"]) for r in group["ranks"]] == [
+        (0, 3, 2),
+        (1, 2, 0),
+    ]
+
+
+def test_groups_command_reports_an_unreachable_sidecar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["groups", "--target", f"unix://{tmp_path}/none.sock", "--timeout", "0.5"])
+    assert code == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err

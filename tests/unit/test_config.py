@@ -1,0 +1,148 @@
+"""SidecarConfig from flags and environment; validation on construction."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> SidecarConfig:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return config_from_flags(parser.parse_args(argv), env or {})
+
+
+def test_defaults() -> None:
+    config = parse([])
+    assert config == SidecarConfig()
+    assert config.listen == ("127.0.0.1:50051",)
+    assert config.health_port == 50052 and config.metrics_port == 9464
+    assert config.state_dir == Path("/var/lib/moe-sidecar")
+    assert config.round_timeout == 60.0 and config.grace_period == 5.0
+    assert config.log_format == "json" and config.log_level == "INFO"
+    assert config.enable_admin is False
+
+
+def test_every_flag() -> None:
+    config = parse(
+        [
+            "--listen",
+            "unix:///run/moe/s.sock",
+            "--listen",
+            "0.0.0.0:7000",
+            "--health-port",
+            "7001",
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            "/tmp/state",
+            "--round-timeout",
+            "2.5",
+            "--log-format",
+            "text",
+            "--log-level",
+            "debug",
+            "--grace-period",
+            "0",
+            "--enable-admin",
+        ]
+    )
+    assert config.listen == ("unix:///run/moe/s.sock", "0.0.0.0:7000")
+    assert config.listen_addresses[0].unix_path == Path("/run/moe/s.sock")
+    assert (config.listen_addresses[1].host, config.listen_addresses[1].port) == ("0.0.0.0", 7000)
+    assert config.health_port == 7001
+    assert config.metrics_port is None  # 0 on the command line disables
+    assert config.state_dir == Path("/tmp/state")
+    assert config.round_timeout == 2.5 and config.grace_period == 0.0
+    assert config.log_format == "text" and config.log_level == "DEBUG"
+    assert config.enable_admin is True
+
+
+def test_every_env_key() -> None:
+    env = {
+        "MOE_SIDECAR_LISTEN": "unix:///run/moe/s.sock, 127.0.0.1:0",
+        "MOE_SIDECAR_HEALTH_PORT": "0",
+        "MOE_SIDECAR_METRICS_PORT": "9999",
+        "MOE_SIDECAR_STATE_DIR": "/srv/state",
+        "MOE_SIDECAR_ROUND_TIMEOUT": "30",
+        "MOE_SIDECAR_LOG_FORMAT": "text",
+        "MOE_SIDECAR_LOG_LEVEL": "warning",
+        "MOE_SIDECAR_GRACE_PERIOD": "1.5",
+        "MOE_SIDECAR_ENABLE_ADMIN": "true",
+        "MOE_SIDECAR_TARGET": "unix:///belongs/to/the/client.sock",
+    }
+    config = parse([], env)
+    assert config.listen == ("unix:///run/moe/s.sock", "127.0.0.1:0")
+    assert config.health_port is None and config.metrics_port == 9999
+    assert config.state_dir == Path("/srv/state")
+    assert config.round_timeout == 30.0 and config.grace_period == 1.5
+    assert config.log_format == "text" and config.log_level == "WARNING"
+    assert config.enable_admin is True
+
+
+def test_flags_win_over_env() -> None:
+    env = {
+        "MOE_SIDECAR_LISTEN": "127.0.0.1:1",
+        "MOE_SIDECAR_ROUND_TIMEOUT": "30",
+        "MOE_SIDECAR_ENABLE_ADMIN": "true",
+    }
+    config = parse(["--listen", "127.0.0.1:2", "--round-timeout", "3", "--no-enable-admin"], env)
+    assert config.listen == ("127.0.0.1:2",)
+    assert config.round_timeout == 3.0
+    assert config.enable_admin is False
+
+
+def test_unknown_env_key_is_named() -> None:
+    with pytest.raises(ConfigError, match="MOE_SIDECAR_ROUND_TIMOUT='5'"):
+        parse([], {"MOE_SIDECAR_ROUND_TIMOUT": "5"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--round-timeout", "0"], {}, "round_timeout=0.0"),
+        (["--round-timeout", "nan"], {}, "round_timeout=nan"),
+        (["--round-timeout", "soon"], {}, "--round-timeout 'soon'"),
+        (["--grace-period", "-1"], {}, "grace_period=-1.0"),
+        (["--health-port", "70000"], {}, "--health-port '70000'"),
+        ([], {"MOE_SIDECAR_METRICS_PORT": "http"}, "MOE_SIDECAR_METRICS_PORT='http'"),
+        ([], {"MOE_SIDECAR_ENABLE_ADMIN": "maybe"}, "MOE_SIDECAR_ENABLE_ADMIN='maybe'"),
+        ([], {"MOE_SIDECAR_LOG_FORMAT": "xml"}, "MOE_SIDECAR_LOG_FORMAT='xml'"),
+        ([], {"MOE_SIDECAR_LISTEN": "127.0.0.1:1,,"}, "empty address"),
+        (["--log-level", "loud"], {}, "log_level='LOUD'"),
+        (["--listen", "localhost"], {}, "listen='localhost'"),
+        (["--listen", "127.0.0.1:99999"], {}, "port 99999"),
+        (["--listen", "127.0.0.1:x"], {}, "port 'x'"),
+        (["--listen", "unix://"], {}, "needs a path"),
+        (["--listen", "unix:///" + "p" * 120], {}, "at most 107"),
+        (["--listen", "127.0.0.1:5", "--listen", "127.0.0.1:5"], {}, "given twice"),
+    ],
+)
+def test_bad_values_are_named(argv: list[str], env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(argv, env)
+    assert needle in str(info.value)
+
+
+def test_construction_validates() -> None:
+    with pytest.raises(ConfigError, match=r"listen=\(\)"):
+        SidecarConfig(listen=())
+    with pytest.raises(ConfigError, match="health_port=-1"):
+        SidecarConfig(health_port=-1)
+    with pytest.raises(ConfigError, match="log_format='yaml'"):
+        SidecarConfig(log_format="yaml")
+    # Programmatic port 0 means "any free port" (tests use it).
+    assert SidecarConfig(health_port=0, metrics_port=0).health_port == 0
+    # Two ephemeral TCP ports are distinct listeners.
+    assert len(SidecarConfig(listen=("127.0.0.1:0", "127.0.0.1:0")).listen_addresses) == 2
+
+
+def test_log_format_flag_choices() -> None:
+    with pytest.raises(SystemExit):
+        parse(["--log-format", "xml"])

@@ -1,0 +1,103 @@
+"""Log formats, byte formatting and the CLI's structure."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+
+import pytest
+
+from sidecar import cli
+from sidecar.logs import LOGGER_NAME, configure_logging
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture
+def restore_logger() -> object:
+    logger = logging.getLogger(LOGGER_NAME)
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield logger
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+
+
+def test_json_lines_carry_the_decision_fields(restore_logger: object) -> None:
+    stream = io.StringIO()
+    configure_logging("json", "INFO", stream)
+    configure_logging("json", "INFO", stream)  # not twice the lines
+    logging.getLogger("sidecar.state").info(
+        "round decided", extra={"group": "g", "round": 3, "ranks": [0, 1], "layer": "mtp"}
+    )
+    logging.getLogger("sidecar.state").debug("hidden")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["message"] == "round decided" and record["level"] == "INFO"
+    assert (record["group"], record["round"], record["ranks"], record["layer"]) == (
+        "g",
+        3,
+        [0, 1],
+        "mtp",
+    )
+    assert record["logger"] == "sidecar.state" and record["time"].endswith("Z")
+
+
+def test_text_lines_and_tracebacks(restore_logger: object) -> None:
+    stream = io.StringIO()
+    configure_logging("text", "DEBUG", stream)
+    try:
+        raise ValueError("bad")
+    except ValueError:
+        logging.getLogger("sidecar.x").exception("failed", extra={"group": "g"})
+    text = stream.getvalue()
+    assert "ERROR   sidecar.x: failed group='g'" in text
+    assert "ValueError: bad" in text
+    with pytest.raises(ValueError, match="log_format='xml'"):
+        configure_logging("xml", "INFO", stream)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (30_000, "29.3 KiB"),
+        (3 * 1024**2 // 2, "1.5 MiB"),
+        (2 * 1024**3, "2.0 GiB"),
+        (1 << 40, "1.0 TiB"),
+        (1 << 50, "1024.0 TiB"),
+    ],
+)
+def test_format_bytes(n: int, text: str) -> None:
+    assert cli.format_bytes(n) == text
+
+
+def test_format_groups_without_groups() -> None:
+    assert cli.format_groups([]) == "no groups\n"
+
+
+def test_a_subcommand_is_one_command_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[int] = []
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--n", type=int, default=1)
+
+    def run(args: argparse.Namespace) -> int:
+        seen.append(args.n)
+        return 0
+
+    extra = cli.Command(
+        name="probe",
+        help="a command added the way simulate will be",
+        add_arguments=add_arguments,
+        run=run,
+    )
+    parser = cli.build_parser((*cli.COMMANDS, extra))
+    args = parser.parse_args(["probe", "--n", "7"])
+    assert args.run(args) == 0 and seen == [7]
+    assert [c.name for c in cli.COMMANDS] == ["serve", "groups"]

@@ -1,0 +1,157 @@
+"""The state holder with a real store and an injected clock (no gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.errors import CoordinatorUnavailable, RoundTimedOut
+from sidecar.policy import Action, Proposal, Requirement
+from sidecar.state import Coordinator, EventKind
+from sidecar.store import StateStore
+
+pytestmark = pytest.mark.timeout(10)
+
+REQ = Requirement(10_000, 256, 2, 16, "l0")
+
+
+class ManualClock:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def proposal(rank: int, rnd: int = 1, group: str = "g/ep2") -> Proposal:
+    return Proposal(group, 2, rank, 2, f"life-{rank}", rnd, REQ)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+async def coordinator(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Coordinator]:
+    holder = Coordinator(StateStore(tmp_path), round_timeout=30.0, clock=clock, watch_queue_limit=3)
+    holder.start()
+    yield holder
+    holder.close()
+
+
+async def _until_waiting(coordinator: Coordinator, n: int) -> None:
+    for _ in range(200):
+        if coordinator.waiting_calls() == n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"expected {n} waiting calls, have {coordinator.waiting_calls()}")
+
+
+async def test_round_closes_for_every_waiter(coordinator: Coordinator) -> None:
+    first = asyncio.ensure_future(coordinator.propose(proposal(0)))
+    await _until_waiting(coordinator, 1)
+    second = await coordinator.propose(proposal(1))
+    assert await first == second
+    assert second.action is Action.BUILD
+    assert coordinator.waiting_calls() == 0
+
+
+async def test_deadline_follows_the_injected_clock(
+    coordinator: Coordinator, clock: ManualClock
+) -> None:
+    waiting = asyncio.ensure_future(coordinator.propose(proposal(0)))
+    await _until_waiting(coordinator, 1)
+    clock.now += 29.9
+    assert coordinator.expire_due() == 0
+    clock.now += 0.1
+    assert coordinator.expire_due() == 1
+    with pytest.raises(RoundTimedOut, match=r"timed out after 30\.0s"):
+        await waiting
+    assert coordinator.group("g/ep2").last_closed_round == 1
+
+
+async def test_a_cancelled_caller_leaves_nothing(coordinator: Coordinator) -> None:
+    waiting = asyncio.ensure_future(coordinator.propose(proposal(0)))
+    await _until_waiting(coordinator, 1)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert coordinator.waiting_calls() == 0
+    # Its proposal stays in the round; the other rank closes it.
+    decision = await coordinator.propose(proposal(1))
+    assert decision.round == 1
+
+
+async def test_close_wakes_waiters_and_refuses_new_proposals(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    holder = Coordinator(StateStore(tmp_path), round_timeout=30.0, clock=clock)
+    holder.start()
+    waiting = asyncio.ensure_future(holder.propose(proposal(0)))
+    await _until_waiting(holder, 1)
+    holder.close()
+    with pytest.raises(CoordinatorUnavailable, match="shutting down"):
+        await waiting
+    with pytest.raises(CoordinatorUnavailable):
+        await holder.propose(proposal(1))
+    # The waiting proposal was flushed at close: a new holder still has the open round.
+    again = Coordinator(StateStore(tmp_path), round_timeout=30.0, clock=clock)
+    try:
+        rnd = again.group("g/ep2").open_round
+        assert rnd is not None and [p.ep_rank for p in rnd.proposals] == [0]
+    finally:
+        again.close()
+
+
+async def test_a_stored_open_round_expires_after_a_restart(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    holder = Coordinator(StateStore(tmp_path), round_timeout=0.2, clock=clock)
+    holder.start()
+    waiting = asyncio.ensure_future(holder.propose(proposal(0)))
+    await _until_waiting(holder, 1)
+    holder.close()
+    with pytest.raises(CoordinatorUnavailable):
+        await waiting
+    clock.now += 1.0
+    again = Coordinator(StateStore(tmp_path), round_timeout=0.2, clock=clock)
+    again.start()  # arms the stored deadline, already past: fires at once
+    try:
+        for _ in range(100):
+            if again.group("g/ep2").open_round is None:
+                break
+            await asyncio.sleep(0.01)
+        assert again.group("g/ep2").open_round is None
+        assert again.group("g/ep2").closed[-1].round == 1
+    finally:
+        again.close()
+
+
+async def test_a_slow_watcher_is_cut_off_without_blocking(coordinator: Coordinator) -> None:
+    slow = coordinator.watch("")
+    fast = coordinator.watch("")
+    received: list[EventKind] = []
+
+    async def read_fast() -> None:
+        async for event in fast:
+            received.append(event.kind)
+
+    reader = asyncio.ensure_future(read_fast())
+    for group in ("a/ep1", "b/ep1", "c/ep1"):
+        await coordinator.propose(Proposal(group, 1, 0, 1, "x", 1, REQ))
+        await asyncio.sleep(0)
+    # Six events; the slow watcher's limit is three.
+    with pytest.raises(CoordinatorUnavailable, match="fell more than 3 events behind"):
+        await slow.__anext__()
+    assert coordinator.watcher_count() == 1
+    await asyncio.sleep(0.01)
+    assert received == [EventKind.LIFETIME_STARTED, EventKind.ROUND_DECIDED] * 3
+    coordinator.unwatch(fast)
+    fast.end()
+    await asyncio.wait_for(reader, 1)

@@ -1,0 +1,137 @@
+"""The SQLite store: exact round trips, committed writes, clear errors at start."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sidecar import policy
+from sidecar.policy import CommitRecord, GroupState, Proposal, Requirement
+from sidecar.store import DATABASE_FILE, StateStore, StoreError, decode_group, encode_group
+
+pytestmark = pytest.mark.timeout(10)
+
+SMALL = Requirement(10_000, 256, 2, 16, "l0")
+BIG = Requirement(30_000, 512, 2, 16, "mtp")
+
+
+def _proposal(rank: int, rnd: int, req: Requirement, lifetime: str = "a") -> Proposal:
+    return Proposal("g/ep4", 4, rank, 3, f"{lifetime}{rank}", rnd, req)
+
+
+def rich_state() -> GroupState:
+    """A group with history, commits, a refusal, a timeout and an open round."""
+    state: GroupState | None = None
+    for rnd, req in ((1, SMALL), (2, BIG)):
+        for rank in range(3):
+            state, _ = policy.propose(state, _proposal(rank, rnd, req), 1.0 * rnd, 30.0)
+    assert state is not None and state.plan is not None
+    state = policy.commit(state, CommitRecord(0, "a0", 2, state.plan, 0.125), 3.0)
+    state, _ = policy.propose(state, _proposal(0, 3, replace(BIG, top_k=4)), 4.0, 30.0)
+    state, _ = policy.propose(state, _proposal(0, 4, BIG), 5.0, 30.0)
+    state, refusal = policy.expire(state, 100.0)
+    assert refusal is not None
+    state, _ = policy.propose(state, _proposal(1, 5, BIG), 101.0, 30.0)
+    assert state.open_round is not None
+    return state
+
+
+def test_encoding_round_trips_exactly() -> None:
+    state = rich_state()
+    assert decode_group(encode_group(state)) == state
+    reset = policy.reset(state)
+    assert decode_group(encode_group(reset)) == reset
+
+
+def test_save_then_load_in_a_new_store(tmp_path: Path) -> None:
+    state = rich_state()
+    store = StateStore(tmp_path)
+    store.save(state)
+    store.save(state)  # an upsert, not a second row
+    store.close()
+    store = StateStore(tmp_path)
+    try:
+        assert store.load() == {state.name: state}
+        mode = sqlite3.connect(tmp_path / DATABASE_FILE).execute("PRAGMA journal_mode").fetchone()
+        assert mode[0] == "wal"
+    finally:
+        store.close()
+
+
+def test_save_many_is_one_transaction(tmp_path: Path) -> None:
+    one = rich_state()
+    two = replace(one, name="other")
+    store = StateStore(tmp_path)
+    store.save_many([one, two])
+    assert set(store.load()) == {"g/ep4", "other"}
+    store.close()
+
+
+def test_second_store_on_the_same_dir_is_refused(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    with pytest.raises(StoreError, match="in use by another moe-sidecar"):
+        StateStore(tmp_path)
+    store.close()
+    StateStore(tmp_path).close()  # released on close
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("not json", "Expecting value"),
+        ('{"name": "g/ep4"}', "missing field 'open_round'"),
+        (None, "holds True"),
+    ],
+)
+def test_corrupt_rows_name_the_group(tmp_path: Path, text: str | None, needle: str) -> None:
+    store = StateStore(tmp_path)
+    store.save(rich_state())
+    store.close()
+    if text is None:
+        text = encode_group(rich_state()).replace(
+            '"generation":2,"lifetime', '"generation":true,"lifetime'
+        )
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        db.execute("UPDATE groups SET state = ?", (text,))
+    store = StateStore(tmp_path)
+    try:
+        with pytest.raises(StoreError, match="group 'g/ep4' is corrupt") as info:
+            store.load()
+        assert needle in str(info.value)
+    finally:
+        store.close()
+
+
+def test_unknown_schema_version_is_refused(tmp_path: Path) -> None:
+    StateStore(tmp_path).close()
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        db.execute("PRAGMA user_version=99")
+    with pytest.raises(StoreError, match="schema version 99"):
+        StateStore(tmp_path)
+    # The refused store released the directory.
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        db.execute("PRAGMA user_version=1")
+    StateStore(tmp_path).close()
+
+
+def test_foreign_database_is_refused(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        db.execute("CREATE TABLE something_else (x)")
+    with pytest.raises(StoreError, match="schema version 0"):
+        StateStore(tmp_path)
+
+
+def test_garbage_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / DATABASE_FILE).write_bytes(b"\x00garbage" * 512)
+    with pytest.raises(StoreError, match="not a usable SQLite database"):
+        StateStore(tmp_path)
+
+
+def test_unusable_state_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(StoreError, match="not usable"):
+        StateStore(blocker / "state")
