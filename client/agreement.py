@@ -13,7 +13,13 @@ slot  value
 3, 4  top_k and -top_k (MAX of the negation is -MIN)
 5, 6  num_experts and -num_experts
 7     1 when this rank's proposal failed, else 0
+8     payload bytes of the largest layer the rank has seen
 ====  ===========================================================
+
+The agreed workspace is the largest of the ranks' workspaces, and at least
+the auxiliary data at the agreed ``max_num_tokens`` plus the largest payload
+(:func:`client.sizing.workspace_for_payload`): FlashInfer's auxiliary data
+grows with the token count the workspace is built for.
 
 A rank whose proposal failed still joins the collective, so every rank takes
 the same branch: either all proceed with the same plan, or all raise. Only
@@ -39,12 +45,12 @@ from client.errors import (
     InvalidArgument,
     RankFailure,
 )
+from client.sizing import workspace_for_payload
 from sidecar.errors import error_for_code
 from sidecar.policy import Plan
 
 __all__ = ["AgreementOutcome", "LocalOutcome", "agree", "failure_code"]
 
-_SLOTS = 8
 # Neutral element for MAX of a negated field on a rank that has no value.
 _NO_VALUE = -(1 << 62)
 
@@ -57,6 +63,9 @@ class LocalOutcome:
     layer: str
     plan: Plan | None = None
     failure: BaseException | None = None
+    payload_bytes: int = 0
+    """Payload bytes of the largest layer this rank has seen (see
+    :func:`client.sizing.payload_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ def failure_code(error: BaseException) -> ErrorCode:
 
 def _vector(mine: LocalOutcome) -> torch.Tensor:
     if mine.failure is not None or mine.plan is None:
-        values = [0, 0, 0, 0, _NO_VALUE, 0, _NO_VALUE, 1]
+        values = [0, 0, 0, 0, _NO_VALUE, 0, _NO_VALUE, 1, 0]
     else:
         p = mine.plan
         values = [
@@ -91,6 +100,7 @@ def _vector(mine: LocalOutcome) -> torch.Tensor:
             p.num_experts,
             -p.num_experts,
             0,
+            mine.payload_bytes,
         ]
     return torch.tensor(values, dtype=torch.int64)
 
@@ -152,8 +162,9 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> A
     """Makes every rank of ``group`` hold the same plan, or raise the same error.
 
     The agreed plan is the element-wise maximum of the ranks' workspace
-    bytes, token counts and generations; ``top_k`` and ``num_experts`` must
-    be equal everywhere.
+    bytes, token counts and generations, its workspace raised where the
+    agreed token count needs more auxiliary data; ``top_k`` and
+    ``num_experts`` must be equal everywhere.
 
     Args:
         group: the EP group's CPU (gloo) process group; nothing else is used.
@@ -171,7 +182,7 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> A
         raise InvalidArgument("agree() needs a plan or a failure")
     vector = _vector(mine)
     dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
-    ws, tokens, generation, top_k, neg_top_k, experts, neg_experts, failed = (
+    ws, tokens, generation, top_k, neg_top_k, experts, neg_experts, failed, payload = (
         int(v) for v in vector.tolist()
     )
     if failed:
@@ -179,8 +190,9 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> A
     if top_k != -neg_top_k or experts != -neg_experts:
         _raise_disagreement(group, mine, group_name)
     assert mine.plan is not None
+    ep_size = dist.get_world_size(group)
     plan = Plan(
-        workspace_bytes=ws,
+        workspace_bytes=max(ws, workspace_for_payload(ep_size, tokens, payload)),
         max_num_tokens=tokens,
         top_k=top_k,
         num_experts=experts,

@@ -33,6 +33,8 @@ __all__ = [
     "combine_bytes_per_token",
     "dispatch_bytes_per_token",
     "layer_sizes",
+    "payload_bytes",
+    "workspace_for_payload",
     "workspace_size_per_rank",
 ]
 
@@ -146,14 +148,50 @@ def workspace_size_per_rank(
     Raises:
         ValueError: a negative or non-integer argument.
     """
+    payload = payload_bytes(
+        ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token
+    )
+    return workspace_for_payload(ep_size, max_num_tokens, payload, eplb_stats_num_experts)
+
+
+def payload_bytes(
+    ep_size: int,
+    max_num_tokens: int,
+    dispatch_bytes_per_token: int,
+    combine_bytes_per_token: int,
+) -> int:
+    """The payload part of :func:`workspace_size_per_rank`: everything but the
+    auxiliary data, i.e. the aligned dispatch and combine regions.
+
+    Raises:
+        ValueError: a negative or non-integer argument.
+    """
+    _check("ep_size", ep_size, 1)
+    _check("max_num_tokens", max_num_tokens, 0)
     _check("dispatch_bytes_per_token", dispatch_bytes_per_token, 0)
     _check("combine_bytes_per_token", combine_bytes_per_token, 0)
-    aux = aux_data_size(ep_size, max_num_tokens, eplb_stats_num_experts)
-    return (
-        align(aux)
-        + align(ep_size * max_num_tokens * dispatch_bytes_per_token)
-        + align(ep_size * max_num_tokens * combine_bytes_per_token)
+    return align(ep_size * max_num_tokens * dispatch_bytes_per_token) + align(
+        ep_size * max_num_tokens * combine_bytes_per_token
     )
+
+
+def workspace_for_payload(
+    ep_size: int, max_num_tokens: int, payload: int, eplb_stats_num_experts: int = 0
+) -> int:
+    """Bytes per rank of a workspace built for ``max_num_tokens`` whose payload
+    regions hold ``payload`` bytes (see :func:`payload_bytes`).
+
+    The auxiliary data grows with the workspace's ``max_num_tokens``, not with
+    a layer's: a layer sized at fewer tokens than the workspace is built for
+    needs ``workspace_for_payload(ep, built_tokens, its payload)``, which can
+    exceed its own ``workspace_size_per_rank``. Taking the maximum of sizes
+    and the maximum of token counts separately is not enough.
+
+    Raises:
+        ValueError: a negative or non-integer argument.
+    """
+    _check("payload", payload, 0)
+    return align(aux_data_size(ep_size, max_num_tokens, eplb_stats_num_experts)) + payload
 
 
 def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_token: int) -> int:
@@ -174,6 +212,8 @@ class LayerSizes:
     dispatch_bytes_per_token: int
     combine_bytes_per_token: int
     workspace_bytes: int
+    payload_bytes: int = 0
+    """The payload part of ``workspace_bytes`` (see :func:`payload_bytes`)."""
 
 
 def layer_sizes(
@@ -202,4 +242,5 @@ def layer_sizes(
         dispatch_bytes_per_token=dispatch,
         combine_bytes_per_token=combine,
         workspace_bytes=workspace_size_per_rank(ep_size, max_num_tokens, dispatch, combine),
+        payload_bytes=payload_bytes(ep_size, max_num_tokens, dispatch, combine),
     )

@@ -98,6 +98,7 @@ def run_ranks(
     with every rank's traceback (or watchdog stack dump) if any rank failed
     or the ranks did not finish within ``timeout`` seconds.
     """
+    tmp_path.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()

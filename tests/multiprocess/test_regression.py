@@ -128,3 +128,37 @@ def test_reuse_round_is_one_rpc_and_no_collective(sidecar: Sidecar, tmp_path: Pa
             assert record["delta"]["collectives"] == 0, record
             assert record["dist_calls"] == [], record
             assert not record["new_object"]
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "embedded"])
+def test_layer_with_fewer_tokens_than_the_plan(mode: str, sidecar: Sidecar, tmp_path: Path) -> None:
+    # FlashInfer's auxiliary data grows with the token count a workspace is
+    # built for. The plan takes max(bytes) and max(tokens) separately, so a
+    # bf16 layer sized at 16 tokens, on a plan built for 20, needs more than
+    # its own size: the manager must grow the plan to serve it.
+    layers = [
+        workers.nvfp4_layer("model.layers.0.mlp", max_num_tokens=workers.MAX_TOKENS + 4),
+        workers.bf16_layer("mtp.mlp"),
+    ]
+    own = [
+        layer_sizes(
+            EP, layer.max_num_tokens, layer.top_k, workers.HIDDEN, layer.x_bytes, layer.x_sf_bytes
+        ).workspace_bytes
+        for layer in layers
+    ]
+    target = sidecar.target if mode == "sidecar" else "embedded"
+    results = run_ranks(
+        workers.layers_worker,
+        EP,
+        timeout=60,
+        tmp_path=tmp_path,
+        args=(target, f"fewer-tokens:{mode}/tp1-ep2/pp0", layers),
+    )
+    for records in results:
+        assert [r["max_error"] for r in records] == [0.0, 0.0]
+        assert records[1]["max_num_tokens"] == workers.MAX_TOKENS + 4
+        assert records[1]["workspace_size"] > max(own)
+        assert records[1]["generation"] > records[0]["generation"]
+    assert results[0] == [
+        {**r, "seconds": mine["seconds"]} for r, mine in zip(results[1], results[0], strict=True)
+    ]

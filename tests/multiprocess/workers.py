@@ -371,7 +371,7 @@ def two_nodes_worker(rank: int, world: int, targets: list[str]) -> dict[str, Any
     manager = _manager(cpu_group, "two-nodes:fp4/tp1-ep8/pp0", targets[node], local_ranks=4)
     # Node 1's ranks serve larger batches in the first layer: only the
     # cross-node agreement tells node 0 about it.
-    first_tokens = MAX_TOKENS * 2 if node == 1 else MAX_TOKENS
+    first_tokens = MAX_TOKENS + 4 if node == 1 else MAX_TOKENS
     layers = [
         nvfp4_layer("model.layers.0.mlp", max_num_tokens=first_tokens),
         bf16_layer("mtp.mlp"),
@@ -379,3 +379,12 @@ def two_nodes_worker(rank: int, world: int, targets: list[str]) -> dict[str, Any
     ]
     records = run_layers(manager, layers, counter, check_numerics=True)
     return {"records": records, "agrees": manager.agrees_across_ranks}
+
+
+def layers_worker(
+    rank: int, world: int, target: str, group: str, layers: list[Layer]
+) -> list[dict[str, Any]]:
+    """Any layer sequence, checking dispatch + combine after every call."""
+    cpu_group = dist.new_group(backend="gloo")
+    manager = _manager(cpu_group, group, target)
+    return run_layers(manager, layers, CollectiveCounter(), check_numerics=True)
