@@ -388,3 +388,100 @@ def layers_worker(
     cpu_group = dist.new_group(backend="gloo")
     manager = _manager(cpu_group, group, target)
     return run_layers(manager, layers, CollectiveCounter(), check_numerics=True)
+
+
+def agreement_worker(rank: int, world: int) -> dict[str, Any]:
+    """Agreement, communicator and reference-backend checks on ranks 0 and 1.
+
+    Rank 2 is in the world but not in the EP group: it only waits at the
+    end. Any collective that ran on the world instead of the EP group would
+    leave ranks 0 and 1 waiting for it until the watchdog fires.
+    """
+    from client.agreement import LocalOutcome, agree
+    from client.backends import BuildSpec
+    from client.backends.communicator import GroupCommunicator
+    from client.backends.reference import ReferenceBackend, live_workspace_bytes
+    from client.errors import BackendError, PreconditionFailed
+    from client.sizing import aux_data_size
+    from sidecar.policy import Plan
+
+    ep_group = dist.new_group([0, 1], backend="gloo")
+    out: dict[str, Any] = {}
+    if rank < 2:
+        plans = [Plan(100_000, 16, 2, 8, 3), Plan(90_000, 32, 2, 8, 5)]
+        agreed = agree(ep_group, LocalOutcome(rank, "L", plans[rank]), group_name="g")
+        out["agreed"] = (
+            agreed.plan.workspace_bytes,
+            agreed.plan.max_num_tokens,
+            agreed.plan.generation,
+        )
+        with_payload = agree(
+            ep_group,
+            LocalOutcome(rank, "L", plans[rank], payload_bytes=200_000 if rank == 0 else 10),
+            group_name="g",
+        )
+        out["agreed_payload"] = with_payload.plan.workspace_bytes
+        out["aux32"] = aux_data_size(2, 32)
+
+        failure = PreconditionFailed("boom on rank 1") if rank == 1 else None
+        try:
+            agree(
+                ep_group,
+                LocalOutcome(rank, "mtp", None if failure else plans[rank], failure),
+                group_name="g",
+            )
+        except PreconditionFailed as error:
+            cause = error.__cause__
+            out["failed"] = (
+                type(error).__name__,
+                str(error),
+                cause is not None and cause is failure,
+            )
+        shape = Plan(1000, 16, 4 if rank == 1 else 2, 8, 1)
+        try:
+            agree(ep_group, LocalOutcome(rank, "L7", shape), group_name="g")
+        except PreconditionFailed as error:
+            out["disagree"] = (type(error).__name__, str(error))
+
+        comm = GroupCommunicator(ep_group)
+        out["comm"] = (
+            comm.Get_rank(),
+            comm.Get_size(),
+            comm.allgather(f"r{rank}"),
+            comm.bcast(f"from{rank}", root=1),
+        )
+        comm.barrier()
+        same = comm.Split(0, rank)
+        reversed_ = comm.Split(7, -rank)
+        out["split"] = (
+            same.Get_rank(),
+            reversed_.Get_rank(),
+            reversed_.allgather(rank),
+            reversed_.bcast(rank, root=0),
+        )
+        try:
+            comm.Split(rank, 0)
+        except BackendError as error:
+            out["multi_color"] = str(error)
+
+        backend = ReferenceBackend(ep_group)
+        five = Layer("odd", HIDDEN // 2, HIDDEN // 16, num_experts=5)
+        roomy = backend.build(BuildSpec(2, rank, MAX_TOKENS, TOP_K, 5, 1 << 20))
+        out["five_experts_error"] = exchange(roomy, five, rank, 2, seed=11)
+        out["live_before_release"] = live_workspace_bytes()
+        backend.release(roomy)
+        out["live_after_release"] = live_workspace_bytes()
+        try:
+            exchange(roomy, five, rank, 2, seed=11)
+        except BackendError as error:
+            out["after_release"] = str(error)
+        tight = backend.build(
+            BuildSpec(2, rank, MAX_TOKENS, TOP_K, 8, aux_data_size(2, MAX_TOKENS) + 256)
+        )
+        try:
+            exchange(tight, REGRESSION[0], rank, 2, seed=1)
+        except RuntimeError as error:
+            out["dispatch_overflow"] = str(error)
+        backend.release(tight)
+    dist.barrier()
+    return out

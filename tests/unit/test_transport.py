@@ -1,0 +1,173 @@
+"""The gRPC transport against a real sidecar: retries, deadlines, fork, pickling."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client.errors import (
+    CoordinatorUnavailable,
+    InvalidArgument,
+    RoundTimedOut,
+    rpc_status,
+)
+from client.transport import EmbeddedTransport, GrpcTransport, transport_for
+from sidecar.policy import Action, CommitRecord, Proposal, Requirement
+from tests.multiprocess.harness import Sidecar, running_sidecar
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def proposal(
+    group: str,
+    *,
+    local_ranks: int = 1,
+    ep_size: int = 1,
+    round: int = 1,
+    lifetime: str = "life-1",
+    num_experts: int = 8,
+) -> Proposal:
+    return Proposal(
+        group=group,
+        ep_size=ep_size,
+        ep_rank=0,
+        local_ranks=local_ranks,
+        lifetime=lifetime,
+        round=round,
+        requirement=Requirement(4096, 16, 2, num_experts, "layer.0"),
+    )
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    with running_sidecar(tmp_path_factory.mktemp("transport"), round_timeout=20.0) as running:
+        yield running
+
+
+def test_propose_and_commit(sidecar: Sidecar) -> None:
+    transport = GrpcTransport(sidecar.target)
+    decision = transport.propose(proposal("t-basic"))
+    assert decision.action is Action.BUILD and decision.plan.workspace_bytes == 4096
+    # Idempotent: a retried proposal of a closed round gets the same decision.
+    assert transport.propose(proposal("t-basic")) == decision
+    transport.commit("t-basic", CommitRecord(0, "life-1", 1, decision.plan, 0.01))
+    assert transport.rpc_count == 3
+    assert sidecar.get_group("t-basic").ranks[0].committed_generation == 1
+    transport.close()
+
+
+def test_typed_error_keeps_status(sidecar: Sidecar) -> None:
+    transport = GrpcTransport(sidecar.target)
+    with pytest.raises(InvalidArgument, match="num_experts") as caught:
+        transport.propose(proposal("t-bad", ep_size=2, local_ranks=1, num_experts=1))
+    status = rpc_status(caught.value)
+    assert status is not None and status.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(caught.value.__cause__, grpc.RpcError)
+    assert transport.rpc_count == 1  # not retried
+
+
+def test_unavailable_is_retried_until_the_sidecar_starts(tmp_path: Path) -> None:
+    late = Sidecar(tmp_path / "late", round_timeout=20.0)
+    starter = threading.Timer(1.0, late.start)
+    starter.start()
+    try:
+        transport = GrpcTransport(late.target, unavailable_retry=30.0)
+        decision = transport.propose(proposal("t-late"))
+        assert decision.action is Action.BUILD
+        assert transport.rpc_count > 1
+    finally:
+        starter.join()
+        late.stop()
+
+
+def test_unavailable_gives_up_with_a_typed_error(tmp_path: Path) -> None:
+    transport = GrpcTransport(f"unix://{tmp_path}/nobody.sock", unavailable_retry=0.5)
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match="gave up after") as caught:
+        transport.propose(proposal("t-none"))
+    assert time.monotonic() - started < 5
+    status = rpc_status(caught.value)
+    assert status is not None and status.code is grpc.StatusCode.UNAVAILABLE
+    assert transport.rpc_count > 1
+
+
+def test_client_deadline(sidecar: Sidecar) -> None:
+    # Two local ranks, only one proposes: the sidecar would wait 20 s; the
+    # client's 0.5 s deadline fires first.
+    transport = GrpcTransport(sidecar.target, propose_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(RoundTimedOut, match="client's deadline"):
+        transport.propose(proposal("t-deadline", ep_size=2, local_ranks=2))
+    assert time.monotonic() - started < 5
+
+
+def test_sidecar_round_timeout_names_the_missing_rank(tmp_path: Path) -> None:
+    with running_sidecar(tmp_path / "short", round_timeout=1.0) as short:
+        transport = GrpcTransport(short.target, propose_timeout=10.0)
+        with pytest.raises(RoundTimedOut) as caught:
+            transport.propose(proposal("t-missing", ep_size=2, local_ranks=2))
+    assert "1 of 2 local ranks missing" in caught.value.message
+    status = rpc_status(caught.value)
+    assert status is not None and status.code is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_pickled_transport_opens_its_own_channel(sidecar: Sidecar) -> None:
+    transport = GrpcTransport(sidecar.target)
+    transport.propose(proposal("t-pickle"))
+    clone = pickle.loads(pickle.dumps(transport))
+    assert clone.propose(proposal("t-pickle")).round == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_channel_is_recreated_after_fork(sidecar: Sidecar) -> None:
+    transport = GrpcTransport(sidecar.target)
+    # Created before the fork and never used: the child opens its channel.
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 1
+        try:
+            decision = transport.propose(proposal("t-fork", lifetime="child"))
+            code = 0 if decision.action is Action.BUILD else 2
+        finally:
+            os.write(write_end, bytes([code]))
+            os._exit(0)
+    os.close(write_end)
+    status = os.read(read_end, 1)
+    os.waitpid(pid, 0)
+    assert status == b"\x00"
+    # The parent, which never opened a channel before the fork, opens its own.
+    assert transport.propose(proposal("t-fork", lifetime="child")).round == 1
+
+
+def test_transport_for_picks_by_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOE_SIDECAR_TARGET", raising=False)
+    assert isinstance(transport_for(None), EmbeddedTransport)
+    monkeypatch.setenv("MOE_SIDECAR_TARGET", "unix:///run/x.sock")
+    chosen = transport_for(None)
+    assert isinstance(chosen, GrpcTransport) and chosen.target == "unix:///run/x.sock"
+    assert isinstance(transport_for("embedded"), EmbeddedTransport)
+    monkeypatch.setenv("MOE_SIDECAR_PROPOSE_TIMEOUT", "90")
+    grpc_transport = transport_for("127.0.0.1:1")
+    assert isinstance(grpc_transport, GrpcTransport) and grpc_transport.propose_timeout == 90.0
+
+
+def test_embedded_transport_decides_like_the_core() -> None:
+    transport = EmbeddedTransport()
+    first = transport.propose(proposal("e"))
+    assert first.action is Action.BUILD
+    bigger = Proposal(
+        **{**proposal("e", round=2).__dict__, "requirement": Requirement(8192, 16, 2, 8, "layer.1")}
+    )
+    assert transport.propose(bigger).action is Action.REBUILD
+    transport.commit("e", CommitRecord(0, "life-1", 2, transport.propose(bigger).plan, 0.0))
+    state = transport.group_state("e")
+    assert state is not None and state.plan is not None and state.plan.generation == 2
+    assert transport.rpc_count == 0
