@@ -8,12 +8,18 @@ series colliding.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["ROUND_LATENCY_BUCKETS", "MetricsEndpoint", "SidecarMetrics", "start_metrics_endpoint"]
+__all__ = [
+    "ROUND_LATENCY_BUCKETS",
+    "GroupSeries",
+    "MetricsEndpoint",
+    "SidecarMetrics",
+    "start_metrics_endpoint",
+]
 
 ROUND_LATENCY_BUCKETS = (
     0.0001,
@@ -37,6 +43,28 @@ ROUND_LATENCY_BUCKETS = (
     120.0,
 )
 """Rounds normally close in well under a millisecond; a slow rank makes it seconds."""
+
+
+@dataclass
+class GroupSeries:
+    """The labelled children of one group, looked up once (``labels()`` costs
+    microseconds on every proposal otherwise)."""
+
+    name: str
+    rounds: Counter
+    """The unlabelled family; children per action are cached below."""
+    rebuilds: Counter
+    workspace_bytes: Gauge
+    waiting_ranks: Gauge
+    rounds_by_action: dict[str, Counter] = field(default_factory=dict)
+
+    def round_closed(self, action: str) -> None:
+        """Counts one closed round with outcome ``action``."""
+        child = self.rounds_by_action.get(action)
+        if child is None:
+            child = self.rounds.labels(group=self.name, action=action)
+            self.rounds_by_action[action] = child
+        child.inc()
 
 
 class SidecarMetrics:
@@ -85,6 +113,20 @@ class SidecarMetrics:
             "Groups this sidecar knows.",
             registry=self.registry,
         )
+        self._groups: dict[str, GroupSeries] = {}
+
+    def group(self, name: str) -> GroupSeries:
+        """The series of group ``name``."""
+        series = self._groups.get(name)
+        if series is None:
+            series = self._groups[name] = GroupSeries(
+                name=name,
+                rounds=self.rounds,
+                rebuilds=self.rebuilds.labels(group=name),
+                workspace_bytes=self.workspace_bytes.labels(group=name),
+                waiting_ranks=self.waiting_ranks.labels(group=name),
+            )
+        return series
 
 
 @dataclass

@@ -361,7 +361,7 @@ class Coordinator:
     ) -> None:
         if aborted is not None and old is not None:
             self._wake(new.name, (old.lifetime_index, aborted.round), aborted)
-            self.metrics.rounds.labels(new.name, "aborted").inc()
+            self.metrics.group(new.name).round_closed("aborted")
             _log.warning(
                 "round aborted",
                 extra={
@@ -428,9 +428,9 @@ class Coordinator:
         self.metrics.round_latency.observe(now - opened.opened_at if opened else 0.0)
         layer = proposal.requirement.layer
         if isinstance(outcome, Decision):
-            self.metrics.rounds.labels(new.name, outcome.action.value).inc()
+            self.metrics.group(new.name).round_closed(outcome.action.value)
             if outcome.action is Action.REBUILD:
-                self.metrics.rebuilds.labels(new.name).inc()
+                self.metrics.group(new.name).rebuilds.inc()
             _log.info(
                 "round decided",
                 extra={
@@ -457,7 +457,7 @@ class Coordinator:
                 )
             )
         else:
-            self.metrics.rounds.labels(new.name, "refused").inc()
+            self.metrics.group(new.name).round_closed("refused")
             _log.warning(
                 "round refused",
                 extra={
@@ -538,7 +538,7 @@ class Coordinator:
                 )
             raise
         self._wake(new.name, (new.lifetime_index, refusal.round), refusal)
-        self.metrics.rounds.labels(new.name, "timed_out").inc()
+        self.metrics.group(new.name).round_closed("timed_out")
         _log.warning(
             "round timed out",
             extra={
@@ -705,9 +705,8 @@ class Coordinator:
         self._sync_timer(new)
 
     def _update_gauges(self, state: GroupState) -> None:
-        self.metrics.workspace_bytes.labels(state.name).set(
-            state.plan.workspace_bytes if state.plan is not None else 0
-        )
-        self.metrics.waiting_ranks.labels(state.name).set(
+        series = self.metrics.group(state.name)
+        series.workspace_bytes.set(state.plan.workspace_bytes if state.plan is not None else 0)
+        series.waiting_ranks.set(
             len(state.open_round.proposals) if state.open_round is not None else 0
         )

@@ -1,0 +1,411 @@
+"""Benchmark of the sidecar over a Unix socket, against the bare decision core.
+
+    .venv/bin/python bench/bench_sidecar.py [--quick]
+
+Starts ``python -m sidecar`` as a subprocess (its own process, so that its
+resident memory is its own), drives simulated local ranks at it from this
+process with grpc.aio (one channel per rank, as real ranks have), and runs
+the same rounds through :func:`sidecar.policy.propose` in this process as the
+baseline. Every round after the first is a REUSE round, the common case.
+
+Prints, for 1, 8 and 64 local ranks: round latency p50/p99 (from releasing
+every rank of a round to the last rank's answer), proposals per second, and
+the same for the bare core, with the ratio sidecar/core; then proposals per
+second with many groups in flight; then the sidecar's RSS with 1,000 groups
+next to the bare core's heap for the same groups.
+
+The client ranks and the sidecar share this machine's cores, so the figures
+include the client's own gRPC cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil  # type: ignore[import-untyped]
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+from sidecar import policy
+from sidecar.policy import GroupState, Proposal, Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"p99_ms_at_8": 1.0, "proposals_per_s": 2000.0, "rss_mb_1000_groups": 80.0}
+NEED = Requirement(
+    workspace_bytes=29_360_128,
+    max_num_tokens=256,
+    top_k=8,
+    num_experts=256,
+    layer="model.layers.3.mlp",
+)
+
+
+@dataclass
+class Series:
+    """Per-round latencies (seconds) and the wall time they took."""
+
+    latencies: list[float]
+    wall: float
+    proposals: int
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+    @property
+    def rate(self) -> float:
+        return self.proposals / self.wall
+
+
+def _request(
+    group: str, ranks: int, rank: int, rnd: int, ep_size: int | None = None
+) -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        group=group,
+        ep_size=ep_size or max(ranks, 8),
+        ep_rank=rank,
+        local_ranks=ranks,
+        lifetime=f"bench-{group}-{rank}",
+        round=rnd,
+        requirement=pb.Requirement(
+            workspace_bytes=NEED.workspace_bytes,
+            max_num_tokens=NEED.max_num_tokens,
+            top_k=NEED.top_k,
+            num_experts=NEED.num_experts,
+            layer=NEED.layer,
+        ),
+    )
+
+
+# --- the bare core ---------------------------------------------------------------------
+
+
+def core_rounds(ranks: int, rounds: int, warmup: int) -> Series:
+    """The same rounds through policy.propose alone: no gRPC, no asyncio, no disk."""
+    state: GroupState | None = None
+    ep_size = max(ranks, 8)
+    latencies = []
+    started = 0.0
+    for rnd in range(1, warmup + rounds + 1):
+        if rnd == warmup + 1:
+            started = time.perf_counter()
+        t0 = time.perf_counter()
+        for rank in range(ranks):
+            proposal = Proposal("core", ep_size, rank, ranks, f"core-{rank}", rnd, NEED)
+            state, _ = policy.propose(state, proposal, time.time(), 60.0)
+        if rnd > warmup:
+            latencies.append(time.perf_counter() - t0)
+    return Series(latencies, time.perf_counter() - started, ranks * rounds)
+
+
+def core_heap_of_groups(groups: int, ranks: int, rounds: int) -> int:
+    """Bytes of Python heap that ``groups`` group states hold (tracemalloc)."""
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    states: dict[str, GroupState] = {}
+    for g in range(groups):
+        name = f"model-{g}/ep{ranks}"
+        state = None
+        for rnd in range(1, rounds + 1):
+            need = Requirement(NEED.workspace_bytes * rnd, 256, 8, 256, f"layer.{rnd}")
+            for rank in range(ranks):
+                state, _ = policy.propose(
+                    state, Proposal(name, ranks, rank, ranks, f"l{rank}", rnd, need), 0.0, 60.0
+                )
+        assert state is not None
+        states[name] = state
+    size = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return size
+
+
+# --- the sidecar -----------------------------------------------------------------------
+
+
+def start_sidecar(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    sock = workdir / "bench.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "--listen",
+            f"unix://{sock}",
+            "--state-dir",
+            str(workdir / "state"),
+            "--health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--round-timeout",
+            "60",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    target = f"unix://{sock}"
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return process, target
+            except grpc.RpcError:
+                time.sleep(0.05)
+    process.kill()
+    raise SystemExit("the sidecar did not start")
+
+
+async def _timed_rounds(
+    target: str,
+    ranks: int,
+    rounds: int,
+    warmup: int,
+    call: Callable[[grpc.aio.Channel, int, int], Awaitable[Any]],
+) -> Series:
+    """Runs ``call(channel, rank, round)`` for every rank at once, round after round."""
+    channels = [grpc.aio.insecure_channel(target) for _ in range(ranks)]
+    try:
+        latencies = []
+        started = 0.0
+        for rnd in range(1, warmup + rounds + 1):
+            if rnd == warmup + 1:
+                started = time.perf_counter()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(call(channels[rank], rank, rnd) for rank in range(ranks)))
+            if rnd > warmup:
+                latencies.append(time.perf_counter() - t0)
+        return Series(latencies, time.perf_counter() - started, ranks * rounds)
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def sidecar_rounds(target: str, group: str, ranks: int, rounds: int, warmup: int) -> Series:
+    """Rounds of Propose calls, every rank of a round at once."""
+
+    async def propose(channel: grpc.aio.Channel, rank: int, rnd: int) -> None:
+        stub: Any = pb_grpc.WorkspaceCoordinatorStub(channel)
+        answer = await stub.Propose(_request(group, ranks, rank, rnd), timeout=30)
+        assert answer.round == rnd and answer.plan.workspace_bytes == NEED.workspace_bytes
+
+    return await _timed_rounds(target, ranks, rounds, warmup, propose)
+
+
+async def empty_rpc_rounds(target: str, ranks: int, rounds: int, warmup: int) -> Series:
+    """The gRPC floor: the same pattern of calls, each a health Check doing nothing."""
+
+    async def check(channel: grpc.aio.Channel, rank: int, rnd: int) -> None:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+
+    return await _timed_rounds(target, ranks, rounds, warmup, check)
+
+
+async def saturated_rate(target: str, groups: int, ranks: int, rounds: int) -> float:
+    """Proposals per second with ``groups`` groups running rounds at once."""
+    started = time.perf_counter()
+    await asyncio.gather(
+        *(sidecar_rounds(target, f"sat-{g}", ranks, rounds, 0) for g in range(groups))
+    )
+    return groups * ranks * rounds / (time.perf_counter() - started)
+
+
+async def fill_groups(target: str, groups: int, ranks: int, rounds: int, parallel: int) -> None:
+    async def one(g: int, stubs: list[Any]) -> None:
+        name = f"model-{g}/ep{ranks}"
+        for rnd in range(1, rounds + 1):
+            need = pb.Requirement(
+                workspace_bytes=NEED.workspace_bytes * rnd,
+                max_num_tokens=256,
+                top_k=8,
+                num_experts=256,
+                layer=f"layer.{rnd}",
+            )
+            await asyncio.gather(
+                *(
+                    stubs[rank].Propose(
+                        pb.ProposeRequest(
+                            group=name,
+                            ep_size=ranks,
+                            ep_rank=rank,
+                            local_ranks=ranks,
+                            lifetime=f"l{rank}",
+                            round=rnd,
+                            requirement=need,
+                        ),
+                        timeout=60,
+                    )
+                    for rank in range(ranks)
+                )
+            )
+
+    channels = [grpc.aio.insecure_channel(target) for _ in range(ranks)]
+    stubs: list[Any] = [pb_grpc.WorkspaceCoordinatorStub(c) for c in channels]
+    try:
+        queue = list(range(groups))
+
+        async def worker() -> None:
+            while queue:
+                await one(queue.pop(), stubs)
+
+        await asyncio.gather(*(worker() for _ in range(parallel)))
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.3f}"
+
+
+async def run(quick: bool) -> int:
+    print(
+        f"# bench_sidecar: python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
+    plan = {1: (2000, 200), 8: (1000, 100), 64: (200, 20)}
+    if quick:
+        plan = {1: (200, 20), 8: (100, 10), 64: (20, 5)}
+    results: dict[int, tuple[Series, Series]] = {}
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
+        process, target = start_sidecar(Path(tmp))
+        sidecar = psutil.Process(process.pid)
+        try:
+            idle_rss = sidecar.memory_info().rss
+            print()
+            print("round latency (REUSE rounds; all ranks released at once, until the last answer)")
+            print("  sidecar: Propose over the Unix socket; core: policy.propose in this process;")
+            print("  floor: the same calls as empty health Checks (what gRPC alone costs here)")
+            print(
+                f"{'ranks':>5} | {'sidecar p50':>11} {'p99 ms':>8} {'props/s':>8} | "
+                f"{'core p50':>8} {'p99 ms':>7} {'props/s':>8} | "
+                f"{'floor p50':>9} {'p99 ms':>7} | "
+                f"{'vs core p50 x':>13} {'p99 x':>6} {'rate x':>7} | {'vs floor p99 x':>14}"
+            )
+            cpu_lines = []
+            for ranks, (rounds, warmup) in plan.items():
+                cpu0 = _cpu_seconds(sidecar)
+                over_grpc = await sidecar_rounds(target, f"lat/ep{ranks}", ranks, rounds, warmup)
+                cpu1 = _cpu_seconds(sidecar)
+                core = core_rounds(ranks, rounds, warmup)
+                floor = await empty_rpc_rounds(target, ranks, rounds, warmup)
+                cpu2 = _cpu_seconds(sidecar)
+                calls = ranks * (rounds + warmup)
+                cpu_lines.append(
+                    f"{ranks:>5} | {(cpu1 - cpu0) / calls * 1e6:>18.0f} | "
+                    f"{(cpu2 - cpu1) / calls * 1e6:>22.0f}"
+                )
+                results[ranks] = (over_grpc, core)
+                print(
+                    f"{ranks:>5} | {_ms(over_grpc.pct(50)):>11} {_ms(over_grpc.pct(99)):>8} "
+                    f"{over_grpc.rate:>8.0f} | {_ms(core.pct(50)):>8} {_ms(core.pct(99)):>7} "
+                    f"{core.rate:>8.0f} | {_ms(floor.pct(50)):>9} {_ms(floor.pct(99)):>7} | "
+                    f"{over_grpc.pct(50) / core.pct(50):>13.1f} "
+                    f"{over_grpc.pct(99) / core.pct(99):>6.1f} {over_grpc.rate / core.rate:>7.4f} | "
+                    f"{over_grpc.pct(99) / floor.pct(99):>14.2f}"
+                )
+
+            print()
+            print("sidecar process CPU per call (user+system), load-independent-ish")
+            print(f"{'ranks':>5} | {'per Propose (us)':>18} | {'per empty Check (us)':>22}")
+            print("\n".join(cpu_lines))
+
+            sat_groups, sat_ranks, sat_rounds = (16, 8, 20) if quick else (16, 8, 100)
+            saturated = await saturated_rate(target, sat_groups, sat_ranks, sat_rounds)
+            core_sat = core_rounds(8, 500, 50).rate
+            print()
+            print(
+                f"throughput with {sat_groups} groups x {sat_ranks} ranks in flight: "
+                f"{saturated:.0f} proposals/s (core alone: {core_sat:.0f}/s, "
+                f"ratio {saturated / core_sat:.4f})"
+            )
+
+            groups, ranks, rounds = (1000, 8, 3) if not quick else (200, 8, 3)
+            fill_started = time.perf_counter()
+            await fill_groups(target, groups, ranks, rounds, parallel=16)
+            fill_wall = time.perf_counter() - fill_started
+            full_rss = sidecar.memory_info().rss
+            core_heap = core_heap_of_groups(groups, ranks, rounds)
+            print()
+            print(
+                f"memory with {groups} groups ({ranks} local ranks, {rounds} rounds each, "
+                f"filled at {groups * ranks * rounds / fill_wall:.0f} proposals/s):"
+            )
+            print(
+                f"  sidecar RSS {full_rss / 2**20:.1f} MiB (idle with 0 groups: "
+                f"{idle_rss / 2**20:.1f} MiB; growth {(full_rss - idle_rss) / 2**20:.1f} MiB)"
+            )
+            print(
+                f"  bare core heap for the same groups: {core_heap / 2**20:.1f} MiB; "
+                f"sidecar growth / core heap = {(full_rss - idle_rss) / max(core_heap, 1):.2f}"
+            )
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+    p99_8 = results[8][0].pct(99) * 1e3
+    best_rate = max(saturated, *(s.rate for s, _ in results.values()))
+    rss_mb = full_rss / 2**20
+    print()
+    print("targets:")
+    for name, value, target_value, ok in (
+        (
+            "p99 at 8 local ranks (ms)",
+            p99_8,
+            TARGETS["p99_ms_at_8"],
+            p99_8 <= TARGETS["p99_ms_at_8"],
+        ),
+        (
+            "proposals/s (best sustained)",
+            best_rate,
+            TARGETS["proposals_per_s"],
+            best_rate >= TARGETS["proposals_per_s"],
+        ),
+        (
+            f"RSS with {groups} groups (MiB)",
+            rss_mb,
+            TARGETS["rss_mb_1000_groups"],
+            rss_mb <= TARGETS["rss_mb_1000_groups"],
+        ),
+    ):
+        print(f"  {name:<32} {value:10.2f}  target {target_value:g}  {'met' if ok else 'MISSED'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    args = parser.parse_args(argv)
+    return asyncio.run(run(args.quick))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
