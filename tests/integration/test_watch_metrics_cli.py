@@ -32,6 +32,14 @@ def _request(rank: int, rnd: int, requirement: pb.Requirement, **kw: Any) -> pb.
     return propose_request(rank, rnd, requirement, group=GROUP, ep_size=2, local_ranks=2, **kw)
 
 
+async def _until_watching(server: RunningServer, n: int) -> None:
+    for _ in range(250):
+        if server.coordinator.watcher_count() == n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{n} watch streams never subscribed")
+
+
 async def _drive(server: RunningServer) -> None:
     """Round 1 (build), round 2 (rebuild), a commit, a NOT_FOUND, a timeout."""
     async with coordinator_stub(server.addresses.listen[0]) as stub:
@@ -49,7 +57,7 @@ async def test_watch_streams_group_events(tmp_path: Path) -> None:
         missing = await rpc_error(stub.Watch(pb.WatchRequest(group="nope")).read())
         assert missing.code() == grpc.StatusCode.NOT_FOUND
         everything = stub.Watch(pb.WatchRequest())
-        await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)  # the stream is set up
+        await _until_watching(server, 1)
         await _drive(server)
         events = [await asyncio.wait_for(everything.read(), 5) for _ in range(5)]
         assert [e.kind for e in events] == [
@@ -73,7 +81,7 @@ async def test_watch_streams_group_events(tmp_path: Path) -> None:
 
         # A watcher of one group sees that group only.
         only = stub.Watch(pb.WatchRequest(group=GROUP))
-        await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
+        await _until_watching(server, 2)
         await stub.Propose(
             propose_request(0, group="other/ep1", ep_size=1, local_ranks=1), timeout=5
         )
