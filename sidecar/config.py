@@ -3,8 +3,8 @@
 Every ``serve`` flag ``--some-flag`` can also come from the environment as
 ``MOE_SIDECAR_SOME_FLAG``; a flag given on the command line wins over the
 environment. An unknown ``MOE_SIDECAR_*`` key is an error naming it (a typo
-must not silently run with a default), except ``MOE_SIDECAR_TARGET``, which
-tells the *client* where the sidecar is.
+must not silently run with a default), except the keys of the client library
+(:data:`CLIENT_ENV_KEYS`, e.g. ``MOE_SIDECAR_TARGET``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ __all__ = [
 ]
 
 ENV_PREFIX = "MOE_SIDECAR_"
-CLIENT_ENV_KEYS = frozenset({"MOE_SIDECAR_TARGET"})
-"""Keys with the sidecar's prefix that belong to the client; ignored here."""
+CLIENT_ENV_KEYS = frozenset(
+    {"MOE_SIDECAR_TARGET", "MOE_SIDECAR_LOCAL_RANKS", "MOE_SIDECAR_PROPOSE_TIMEOUT"}
+)
+"""Keys with the sidecar's prefix that the client library reads; ignored here,
+so one environment can serve both (a dev shell, a test run)."""
 DEFAULT_LISTEN = ("127.0.0.1:50051",)
 MAX_UNIX_PATH_BYTES = 107
 """Linux's ``sun_path`` holds 108 bytes including the terminating NUL."""

@@ -414,6 +414,7 @@ class Coordinator:
         outcome: Outcome,
         now: float,
     ) -> None:
+        # The round's earlier proposals, when it was open before this one came.
         opened = old.open_round if old is not None else None
         if opened is not None and (
             old is None
@@ -514,6 +515,10 @@ class Coordinator:
 
         The timers call this per group; it is public for callers that move
         an injected clock. Returns how many rounds expired.
+
+        Raises:
+            CoordinatorUnavailable: a timed-out round could not be persisted
+                (its waiters keep waiting; a timer retries in a second).
         """
         now = self._clock()
         expired = 0

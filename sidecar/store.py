@@ -355,7 +355,7 @@ class StateStore:
         # below either is one committed transaction or sits in an explicit
         # BEGIN ... COMMIT.
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(self.path, isolation_level=None)
         except sqlite3.Error as error:
             raise StoreError(f"cannot open {str(self.path)!r}: {error}") from None
         try:

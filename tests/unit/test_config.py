@@ -76,6 +76,8 @@ def test_every_env_key() -> None:
         "MOE_SIDECAR_GRACE_PERIOD": "1.5",
         "MOE_SIDECAR_ENABLE_ADMIN": "true",
         "MOE_SIDECAR_TARGET": "unix:///belongs/to/the/client.sock",
+        "MOE_SIDECAR_LOCAL_RANKS": "8",
+        "MOE_SIDECAR_PROPOSE_TIMEOUT": "120",
     }
     config = parse([], env)
     assert config.listen == ("unix:///run/moe/s.sock", "127.0.0.1:0")
