@@ -183,6 +183,10 @@ async def test_get_and_reset_of_unknown_or_malformed_groups(server: RunningServe
         assert error.code() == grpc.StatusCode.NOT_FOUND and "group='nope'" in details(error)
         error = await rpc_error(stub.GetGroup(pb.GetGroupRequest(group=""), timeout=5))
         assert error.code() == INVALID and "group=''" in details(error)
+        error = await rpc_error(stub.Watch(pb.WatchRequest(group="a\tb"), timeout=5).read())
+        assert error.code() == INVALID and "group='a\\tb'" in details(error)
+        error = await rpc_error(stub.Watch(pb.WatchRequest(group="nope"), timeout=5).read())
+        assert error.code() == grpc.StatusCode.NOT_FOUND and "group='nope'" in details(error)
         # Admin calls are off: refused whatever the group.
         for name in (GROUP, "nope"):
             error = await rpc_error(stub.ResetGroup(pb.ResetGroupRequest(group=name), timeout=5))
