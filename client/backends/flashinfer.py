@@ -156,14 +156,25 @@ class FlashInferBackend:
         )
         cache: dict[Any, dict[str, Any]] = fi.MoeAlltoAll._WORKSPACE_CACHE
         entry = cache.get(key)
+        # FlashInfer wraps the workspace as a tensor through a DLPack capsule
+        # whose DLManagedTensor lives in a Python object attached to that one
+        # tensor. Views of it (the receive-view cache) share its storage, and
+        # the storage's deleter reads that struct when the LAST of them dies.
+        # If the attached object went first, the deleter would read freed
+        # memory: releasing without this crashed both ranks on 2 x H200. So
+        # keep the capsule alive until every tensor on the workspace is gone.
+        capsule_keepalive = [
+            getattr(tensor, "_capsule_wrapper", None)
+            for tensor in (state.get("workspace"), (entry or {}).get("workspace"))
+        ]
         if entry is not None and entry.get("mnnvl_mem") is mnnvl_mem:
             del cache[key]
         ptr = int(mnnvl_mem.ptr)
         del entry, mnnvl_mem
         for attribute in _WORKSPACE_ATTRIBUTES:
             state.pop(attribute, None)
-        if ptr in fi.MnnvlMemory.allocated_map:
-            gc.collect()  # a reference cycle may still hold the MnnvlMemory
+        gc.collect()  # a reference cycle may still hold the MnnvlMemory or a view
+        del capsule_keepalive
         if ptr in fi.MnnvlMemory.allocated_map:
             self.unreleased += 1
             _log.warning(
