@@ -40,7 +40,10 @@ from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 from sidecar import policy
+from sidecar.logs import configure_logging
 from sidecar.policy import GroupState, Proposal, Requirement
+from sidecar.state import Coordinator
+from sidecar.store import StateStore
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"p99_ms_at_8": 1.0, "proposals_per_s": 2000.0, "rss_mb_1000_groups": 80.0}
@@ -130,6 +133,35 @@ def core_heap_of_groups(groups: int, ranks: int, rounds: int) -> int:
     size = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return size
+
+
+async def coordinator_rounds(workdir: Path, ranks: int, rounds: int, warmup: int) -> Series:
+    """The same rounds through the sidecar's state holder in this process: the core
+    plus asyncio waiting, the SQLite write, the JSON log line and the metrics; no gRPC."""
+    store = StateStore(workdir / f"coordinator-{ranks}")
+    coordinator = Coordinator(store, round_timeout=60.0)
+    coordinator.start()
+    ep_size = max(ranks, 8)
+    latencies = []
+    started = 0.0
+    try:
+        for rnd in range(1, warmup + rounds + 1):
+            if rnd == warmup + 1:
+                started = time.perf_counter()
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    coordinator.propose(
+                        Proposal("coord", ep_size, rank, ranks, f"c-{rank}", rnd, NEED)
+                    )
+                    for rank in range(ranks)
+                )
+            )
+            if rnd > warmup:
+                latencies.append(time.perf_counter() - t0)
+        return Series(latencies, time.perf_counter() - started, ranks * rounds)
+    finally:
+        coordinator.close()
 
 
 # --- the sidecar -----------------------------------------------------------------------
@@ -309,12 +341,19 @@ async def run(quick: bool) -> int:
                 f"{'vs core p50 x':>13} {'p99 x':>6} {'rate x':>7} | {'vs floor p99 x':>14}"
             )
             cpu_lines = []
+            holder_lines = []
             for ranks, (rounds, warmup) in plan.items():
                 cpu0 = _cpu_seconds(sidecar)
                 over_grpc = await sidecar_rounds(target, f"lat/ep{ranks}", ranks, rounds, warmup)
                 cpu1 = _cpu_seconds(sidecar)
                 core = core_rounds(ranks, rounds, warmup)
                 floor = await empty_rpc_rounds(target, ranks, rounds, warmup)
+                holder = await coordinator_rounds(Path(tmp), ranks, rounds, warmup)
+                holder_lines.append(
+                    f"{ranks:>5} | {_ms(holder.pct(50)):>8} {_ms(holder.pct(99)):>8} "
+                    f"{holder.rate:>8.0f} | {holder.wall / holder.proposals * 1e6:>14.1f} | "
+                    f"{core.wall / core.proposals * 1e6:>11.1f}"
+                )
                 cpu2 = _cpu_seconds(sidecar)
                 calls = ranks * (rounds + warmup)
                 cpu_lines.append(
@@ -331,6 +370,15 @@ async def run(quick: bool) -> int:
                     f"{over_grpc.pct(99) / floor.pct(99):>14.2f}"
                 )
 
+            print()
+            print(
+                "in-process state holder (Coordinator: core + asyncio + SQLite + log + metrics, no gRPC)"
+            )
+            print(
+                f"{'ranks':>5} | {'p50 ms':>8} {'p99 ms':>8} {'props/s':>8} | "
+                f"{'us/proposal':>14} | {'core us/pr':>11}"
+            )
+            print("\n".join(holder_lines))
             print()
             print("sidecar process CPU per call (user+system), load-independent-ish")
             print(f"{'ranks':>5} | {'per Propose (us)':>18} | {'per empty Check (us)':>22}")
@@ -404,7 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     args = parser.parse_args(argv)
-    return asyncio.run(run(args.quick))
+    with open(os.devnull, "w") as devnull:
+        # The in-process state holder logs like the sidecar does: JSON lines, discarded.
+        configure_logging("json", "INFO", devnull)
+        return asyncio.run(run(args.quick))
 
 
 if __name__ == "__main__":
