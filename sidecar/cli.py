@@ -1,4 +1,4 @@
-"""The ``moe-sidecar`` command: ``serve`` and ``groups``.
+"""The ``moe-sidecar`` command: ``serve``, ``groups`` and ``simulate``.
 
 Each subcommand is one :class:`Command` in :data:`COMMANDS`: a name, a
 function that adds its arguments, and a function that runs it. A new
@@ -265,7 +265,79 @@ GROUPS = Command(
     run=_run_groups,
 )
 
-COMMANDS: tuple[Command, ...] = (SERVE, GROUPS)
+
+# --- simulate ------------------------------------------------------------------------
+
+
+def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ranks", type=int, default=2, metavar="N", help="rank processes = EP size (default 2)"
+    )
+    parser.add_argument(
+        "--model",
+        default="deepseek-v3",
+        metavar="PRESET",
+        help="model preset (default deepseek-v3; --list-models prints them)",
+    )
+    parser.add_argument("--list-models", action="store_true", help="print the presets and exit")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help=f"sidecar address (default ${TARGET_ENV}; unset, empty or 'embedded': no "
+        "sidecar, the decision core runs inside the ranks)",
+    )
+    parser.add_argument(
+        "--group", default=None, help="EP group name (default simulate:<model>/ep<N>/pp0)"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        metavar="N",
+        help="max_num_tokens of every layer (default 16: quick on CPU)",
+    )
+    parser.add_argument(
+        "--propose-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a rank waits for one round (default $MOE_SIDECAR_PROPOSE_TIMEOUT, "
+        "else 120); must exceed the sidecar's --round-timeout",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="stop the ranks and fail after this long (default 300)",
+    )
+    parser.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the dispatch+combine checks",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="summary as JSON on stdout, progress on stderr"
+    )
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    # Imported here: the demo needs torch (the client extra), serve and groups
+    # must not (the sidecar image has no torch).
+    from client.simulate import run_cli
+
+    return run_cli(args)
+
+
+SIMULATE = Command(
+    name="simulate",
+    help="run a model's MoE layers on N CPU ranks against a sidecar (needs the client extra)",
+    add_arguments=_add_simulate_arguments,
+    run=_run_simulate,
+)
+
+COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, SIMULATE)
 
 
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
