@@ -360,19 +360,9 @@ class Coordinator:
         now: float,
     ) -> None:
         if aborted is not None and old is not None:
-            self._wake(new.name, (old.lifetime_index, aborted.round), aborted)
-            self.metrics.group(new.name).round_closed("aborted")
-            _log.warning(
-                "round aborted",
-                extra={
-                    "group": new.name,
-                    "round": aborted.round,
-                    "rank": proposal.ep_rank,
-                    "layer": proposal.requirement.layer,
-                    "reason": aborted.message,
-                },
-            )
-            self._emit(
+            self._round_failed(
+                (old.lifetime_index, aborted.round),
+                aborted,
                 GroupEvent(
                     new.name,
                     EventKind.ROUND_ABORTED,
@@ -380,7 +370,9 @@ class Coordinator:
                     round=aborted.round,
                     ep_rank=proposal.ep_rank,
                     message=aborted.message,
-                )
+                ),
+                rank=proposal.ep_rank,
+                layer=proposal.requirement.layer,
             )
         if new_lifetime:
             _log.info(
@@ -425,10 +417,11 @@ class Coordinator:
         ranks = sorted(
             {p.ep_rank for p in (opened.proposals if opened else ())} | {proposal.ep_rank}
         )
-        self._wake(new.name, (new.lifetime_index, outcome.round), outcome)
+        key = (new.lifetime_index, outcome.round)
         self.metrics.round_latency.observe(now - opened.opened_at if opened else 0.0)
         layer = proposal.requirement.layer
         if isinstance(outcome, Decision):
+            self._wake(new.name, key, outcome)
             self.metrics.group(new.name).round_closed(outcome.action.value)
             if outcome.action is Action.REBUILD:
                 self.metrics.group(new.name).rebuilds.inc()
@@ -458,19 +451,9 @@ class Coordinator:
                 )
             )
         else:
-            self.metrics.group(new.name).round_closed("refused")
-            _log.warning(
-                "round refused",
-                extra={
-                    "group": new.name,
-                    "round": outcome.round,
-                    "ranks": ranks,
-                    "layer": layer,
-                    "rank": proposal.ep_rank,
-                    "reason": outcome.message,
-                },
-            )
-            self._emit(
+            self._round_failed(
+                key,
+                outcome,
                 GroupEvent(
                     new.name,
                     EventKind.ROUND_REFUSED,
@@ -479,8 +462,34 @@ class Coordinator:
                     ep_rank=proposal.ep_rank,
                     layer=layer,
                     message=outcome.message,
-                )
+                ),
+                ranks=ranks,
+                rank=proposal.ep_rank,
+                layer=layer,
             )
+
+    def _round_failed(
+        self, key: _RoundKey, refusal: Refusal, event: GroupEvent, **fields: object
+    ) -> None:
+        """Wakes the waiters of a refused, timed-out or aborted round with its
+        error, and counts, logs and publishes it."""
+        self._wake(event.group, key, refusal)
+        outcome = {
+            EventKind.ROUND_ABORTED: "aborted",
+            EventKind.ROUND_REFUSED: "refused",
+            EventKind.RANK_TIMEOUT: "timed_out",
+        }[event.kind]
+        self.metrics.group(event.group).round_closed(outcome)
+        _log.warning(
+            f"round {outcome.replace('_', ' ')}",
+            extra={
+                "group": event.group,
+                "round": refusal.round,
+                **fields,
+                "reason": refusal.message,
+            },
+        )
+        self._emit(event)
 
     # --- deadlines ------------------------------------------------------------------
 
@@ -542,18 +551,9 @@ class Coordinator:
                     self._loop.call_later(1.0, self._on_timer, state.name),
                 )
             raise
-        self._wake(new.name, (new.lifetime_index, refusal.round), refusal)
-        self.metrics.group(new.name).round_closed("timed_out")
-        _log.warning(
-            "round timed out",
-            extra={
-                "group": new.name,
-                "round": refusal.round,
-                "missing_ranks": list(refusal.missing_ranks),
-                "reason": refusal.message,
-            },
-        )
-        self._emit(
+        self._round_failed(
+            (new.lifetime_index, refusal.round),
+            refusal,
             GroupEvent(
                 new.name,
                 EventKind.RANK_TIMEOUT,
@@ -561,7 +561,8 @@ class Coordinator:
                 round=refusal.round,
                 message=refusal.message,
                 missing_ranks=refusal.missing_ranks,
-            )
+            ),
+            missing_ranks=list(refusal.missing_ranks),
         )
         return 1
 
