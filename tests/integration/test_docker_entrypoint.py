@@ -59,11 +59,8 @@ FORBIDDEN = re.compile(r"torch|flashinfer|cuda|nvidia", re.IGNORECASE)
 
 
 def image_env() -> dict[str, str]:
-    env: dict[str, str] = {}
-    for stage in STAGES:
-        # Each FROM starts over from the base image's environment.
-        env = stage.env(BASE_IMAGE_ENV)
-    return env
+    # Each FROM starts over from its base image: only the final stage's ENV counts.
+    return FINAL.env(BASE_IMAGE_ENV)
 
 
 def image_command() -> list[str]:
