@@ -208,6 +208,11 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         if config.health_port is not None:
             health_server = grpc.aio.server(options=_SERVER_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+            # grpcurl (and anything else without the .proto) finds Health/Check
+            # through reflection; only the health service is listed here.
+            reflection.enable_server_reflection(
+                (health.SERVICE_NAME, reflection.SERVICE_NAME), health_server
+            )
             health_port = int(
                 _bind(
                     health_server,
