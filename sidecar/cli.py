@@ -325,8 +325,17 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_simulate(args: argparse.Namespace) -> int:
     # Imported here: the demo needs torch (the client extra), serve and groups
     # must not (the sidecar image has no torch).
-    from client.simulate import run_cli
-
+    try:
+        from client.simulate import run_cli
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        print(
+            "moe-sidecar simulate: needs torch, i.e. the client extra: "
+            "pip install 'moe-sidecar[client]' (the CPU build of torch is enough)",
+            file=sys.stderr,
+        )
+        return 2
     return run_cli(args)
 
 

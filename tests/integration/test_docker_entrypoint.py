@@ -356,6 +356,16 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
     installed = json.loads(listing.stdout)
     assert "moe-sidecar" in installed and "grpcio" in installed
     assert not [d for d in installed if FORBIDDEN.search(d)], installed
+    # The demo needs the client extra; without torch it says so, no traceback.
+    demo = subprocess.run(
+        [str(venv_python.parent / "moe-sidecar"), "simulate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={},
+    )
+    assert demo.returncode == 2 and "Traceback" not in demo.stderr, demo.stderr
+    assert "needs torch, i.e. the client extra: pip install 'moe-sidecar[client]'" in demo.stderr
 
     # The image's environment, paths under the root; only ports change.
     env = {k: _under(image_root, v) for k, v in image_env().items()}
