@@ -1,0 +1,45 @@
+"""The README's metrics reference lists exactly what the sidecar exports."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sidecar.metrics import SidecarMetrics
+from tests.dockerfile import REPO
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _documented() -> dict[str, tuple[str, set[str]]]:
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Metrics reference")
+    section = text[start : text.index("\n## ", start + 1)]
+    rows = re.findall(r"^\| `(moe_sidecar_\w+)` \| (\w+) \|([^|]*)\|", section, re.MULTILINE)
+    return {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
+
+
+def _exported() -> dict[str, tuple[str, set[str]]]:
+    metrics = SidecarMetrics()
+    # One sample in every labelled family, so each shows its label names.
+    series = metrics.group("g")
+    series.round_closed("build")
+    series.rebuilds.inc()
+    series.workspace_bytes.set(1)
+    series.waiting_ranks.set(0)
+    metrics.errors.labels("NOT_FOUND").inc()
+    metrics.round_latency.observe(0.001)
+    metrics.groups.set(1)
+    exported = {}
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for s in family.samples for k in s.labels if k != "le"}
+        exported[name] = (family.type, labels)
+    return exported
+
+
+def test_metrics_reference_matches_the_exported_series() -> None:
+    documented = _documented()
+    assert documented, "no metrics table in the README"
+    assert documented == _exported()
