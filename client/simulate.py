@@ -505,9 +505,14 @@ def _stop(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
 
 
 def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> SimulationResult:
-    """Runs the demo and returns what happened; never raises for a rank's failure.
+    """Runs the demo and returns what happened.
 
-    Progress (one line per round) goes to ``progress`` when given.
+    A rank's failure, an unreachable sidecar or a run past ``config.timeout``
+    is reported in the result (``ok`` is False), not raised. Progress (one
+    line per round) goes to ``progress`` when given.
+
+    Raises:
+        OSError: the rank processes could not be started.
     """
     result = SimulationResult(
         model=config.model.name, ranks=config.ranks, target=config.target, group=config.group
