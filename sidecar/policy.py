@@ -497,6 +497,22 @@ def _start_lifetime(state: GroupState, p: Proposal) -> tuple[GroupState, Refusal
     return state, aborted
 
 
+def _accepts_newcomers(state: GroupState) -> bool:
+    """Whether a rank arriving with a new lifetime joins the current one.
+
+    It does while the lifetime is still at round 1: round 1 open, or closed
+    by a refusal before every local rank arrived (a round 1 that decided had
+    every local rank, so a newcomer after it is a restart).
+    """
+    if state.lifetime_index == 0:
+        return False
+    if state.open_round is not None:
+        return state.open_round.number == 1
+    if state.last_closed_round == 0:
+        return True
+    return state.last_closed_round == 1 and isinstance(state.outcome_of(1), Refusal)
+
+
 def _check_layout(state: GroupState, p: Proposal) -> None:
     if p.ep_size != state.ep_size:
         raise PreconditionFailed(
@@ -538,13 +554,8 @@ def propose(
                 f"{p.lifetime!r}, which this sidecar has never seen; a lifetime starts at "
                 "round 1 (was the sidecar's state dir lost?)"
             )
-        forming = (
-            state.lifetime_index > 0
-            and state.last_closed_round == 0
-            and (state.open_round is None or state.open_round.number == 1)
-        )
         in_current = record is not None and record.lifetime_index == state.lifetime_index
-        if not forming or in_current:
+        if in_current or not _accepts_newcomers(state):
             state, aborted = _start_lifetime(state, p)
             new_lifetime = True
         elif p.local_ranks != state.local_ranks:
@@ -552,6 +563,12 @@ def propose(
                 f"group {p.group!r} has local_ranks={state.local_ranks} on this node but rank "
                 f"{p.ep_rank} proposes local_ranks={p.local_ranks}"
             )
+        elif state.last_closed_round == 1:
+            # Round 1 of this lifetime was refused before this rank arrived:
+            # it is part of the same restart and shares the refusal.
+            outcome = state.outcome_of(1)
+            assert outcome is not None
+            return state, Answered(outcome)
         record = RankRecord(
             ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index
         )

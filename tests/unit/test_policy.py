@@ -322,6 +322,27 @@ def test_restart_mid_round_aborts_the_open_round() -> None:
     assert "rank 1 restarted" in result.aborted.message
 
 
+def test_restart_refused_in_round_one_is_one_lifetime() -> None:
+    state, _ = run_sequence([NVFP4])
+    other_model = replace(NVFP4, top_k=4)
+    state, first = policy.propose(state, prop(0, 1, other_model, lifetime="b0"), 9.0, TIMEOUT)
+    assert isinstance(first, Closed)
+    assert isinstance(first.outcome, Refusal)
+    assert first.new_lifetime
+    # The second rank of the same restart shares the refusal; no third lifetime.
+    after, second = policy.propose(state, prop(1, 1, other_model, lifetime="b1"), 9.5, TIMEOUT)
+    assert second == Answered(first.outcome)
+    assert after.lifetime_index == state.lifetime_index == 2
+
+
+def test_newcomer_after_a_decided_round_one_is_a_restart() -> None:
+    state, _ = run_round(None, 1, [NVFP4, NVFP4])
+    state, result = policy.propose(state, prop(0, 1, NVFP4, lifetime="again"), 3.0, TIMEOUT)
+    assert isinstance(result, Waiting)
+    assert result.new_lifetime
+    assert state.lifetime_index == 2
+
+
 def test_unknown_lifetime_must_start_at_round_one() -> None:
     with pytest.raises(PreconditionFailed, match="never seen"):
         policy.propose(None, prop(0, 3, NVFP4), 0.0, TIMEOUT)
