@@ -36,7 +36,8 @@ from client.errors import (
     error_from_rpc,
 )
 from sidecar import policy
-from sidecar.policy import Action, CommitRecord, Decision, Plan, Proposal
+from sidecar.policy import CommitRecord, Decision, Proposal
+from sidecar.wire import decision_from_proto, plan_to_proto, proposal_to_proto
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
@@ -70,12 +71,6 @@ DEFAULT_UNAVAILABLE_RETRY_S = 30.0
 that starts a little after the ranks, or restarts."""
 _INITIAL_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-
-_ACTION_FROM_PROTO: dict[int, Action] = {
-    pb.ACTION_BUILD: Action.BUILD,
-    pb.ACTION_REUSE: Action.REUSE,
-    pb.ACTION_REBUILD: Action.REBUILD,
-}
 
 
 class Transport(Protocol):
@@ -115,61 +110,19 @@ class Transport(Protocol):
 # --- proto <-> domain ------------------------------------------------------
 
 
-def _proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
-    r = p.requirement
-    return pb.ProposeRequest(
-        group=p.group,
-        ep_size=p.ep_size,
-        ep_rank=p.ep_rank,
-        local_ranks=p.local_ranks,
-        lifetime=p.lifetime,
-        round=p.round,
-        requirement=pb.Requirement(
-            workspace_bytes=r.workspace_bytes,
-            max_num_tokens=r.max_num_tokens,
-            top_k=r.top_k,
-            num_experts=r.num_experts,
-            layer=r.layer,
-        ),
-    )
-
-
-def _plan_to_proto(plan: Plan) -> pb.Plan:
-    return pb.Plan(
-        workspace_bytes=plan.workspace_bytes,
-        max_num_tokens=plan.max_num_tokens,
-        top_k=plan.top_k,
-        num_experts=plan.num_experts,
-        generation=plan.generation,
-    )
-
-
 def _decision_from_proto(p: Proposal, response: pb.ProposeResponse, target: str) -> Decision:
-    action = _ACTION_FROM_PROTO.get(response.action)
-    if action is None or not response.HasField("plan"):
+    try:
+        decision = decision_from_proto(response, p.requirement.layer)
+    except ValueError as error:
         raise InternalError(
-            f"Propose to sidecar {target}: malformed answer for round {p.round} of group "
-            f"{p.group!r} (action={response.action}, plan present={response.HasField('plan')})"
-        )
-    if response.round != p.round:
+            f"Propose to sidecar {target}: {error} for round {p.round} of group {p.group!r}"
+        ) from error
+    if decision.round != p.round:
         raise InternalError(
             f"Propose to sidecar {target}: asked round {p.round} of group {p.group!r} but the "
-            f"answer is for round {response.round}"
+            f"answer is for round {decision.round}"
         )
-    plan = response.plan
-    return Decision(
-        round=response.round,
-        action=action,
-        plan=Plan(
-            workspace_bytes=plan.workspace_bytes,
-            max_num_tokens=plan.max_num_tokens,
-            top_k=plan.top_k,
-            num_experts=plan.num_experts,
-            generation=plan.generation,
-        ),
-        grew=response.grew,
-        layer=p.requirement.layer,
-    )
+    return decision
 
 
 # --- gRPC ------------------------------------------------------------------
@@ -288,7 +241,7 @@ class GrpcTransport:
                 once UNAVAILABLE has been retried for ``unavailable_retry``
                 seconds; RoundTimedOut when the call's own deadline fires.
         """
-        request = _proposal_to_proto(proposal)
+        request = proposal_to_proto(proposal)
         stub = self._stub_here()
         response = self._call(
             "Propose",
@@ -308,7 +261,7 @@ class GrpcTransport:
             ep_rank=record.ep_rank,
             lifetime=record.lifetime,
             round=record.round,
-            plan=_plan_to_proto(record.plan),
+            plan=plan_to_proto(record.plan),
             build_seconds=record.build_seconds,
         )
         stub = self._stub_here()

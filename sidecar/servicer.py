@@ -1,5 +1,8 @@
 """The gRPC servicer: converts between the wire and the domain, nothing else.
 
+Requests and plans convert through :mod:`sidecar.wire` (shared with the
+client); the group and event views, which only the sidecar sends, are here.
+
 Each method turns its request into domain values, calls the
 :class:`~sidecar.state.Coordinator`, and turns the result into a response;
 :class:`~sidecar.status.ErrorTranslator` turns errors into status codes.
@@ -16,30 +19,28 @@ from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 from sidecar.errors import InvalidArgument
-from sidecar.policy import Action, CommitRecord, Decision, GroupState, Plan, Proposal, Requirement
+from sidecar.policy import CommitRecord, GroupState
 from sidecar.state import Coordinator, EventKind, GroupEvent
 from sidecar.status import ErrorTranslator
+from sidecar.wire import (
+    action_to_proto,
+    decision_to_proto,
+    plan_from_proto,
+    plan_to_proto,
+    proposal_from_proto,
+)
 
 __all__ = [
     "SERVICE_NAME",
     "CoordinatorServicer",
-    "decision_to_proto",
     "event_to_proto",
     "group_to_proto",
-    "plan_from_proto",
-    "plan_to_proto",
-    "proposal_from_proto",
 ]
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WorkspaceCoordinator"].full_name
 
 _Context = grpc.aio.ServicerContext[Any, Any]
 
-_ACTION_TO_PROTO = {
-    Action.BUILD: pb.ACTION_BUILD,
-    Action.REUSE: pb.ACTION_REUSE,
-    Action.REBUILD: pb.ACTION_REBUILD,
-}
 _EVENT_TO_PROTO = {
     EventKind.ROUND_DECIDED: pb.EVENT_KIND_ROUND_DECIDED,
     EventKind.ROUND_REFUSED: pb.EVENT_KIND_ROUND_REFUSED,
@@ -55,64 +56,6 @@ def _timestamp(seconds: float) -> Timestamp:
     stamp = Timestamp()
     stamp.FromNanoseconds(round(seconds * 1e9))
     return stamp
-
-
-def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
-    """The domain proposal of a ``ProposeRequest``.
-
-    Raises:
-        InvalidArgument: the ``requirement`` message is missing.
-    """
-    if not request.HasField("requirement"):
-        raise InvalidArgument.of("requirement", None, "is missing; every proposal states its need")
-    r = request.requirement
-    return Proposal(
-        group=request.group,
-        ep_size=request.ep_size,
-        ep_rank=request.ep_rank,
-        local_ranks=request.local_ranks,
-        lifetime=request.lifetime,
-        round=request.round,
-        requirement=Requirement(
-            workspace_bytes=r.workspace_bytes,
-            max_num_tokens=r.max_num_tokens,
-            top_k=r.top_k,
-            num_experts=r.num_experts,
-            layer=r.layer,
-        ),
-    )
-
-
-def plan_to_proto(plan: Plan) -> pb.Plan:
-    """The wire form of a plan."""
-    return pb.Plan(
-        workspace_bytes=plan.workspace_bytes,
-        max_num_tokens=plan.max_num_tokens,
-        top_k=plan.top_k,
-        num_experts=plan.num_experts,
-        generation=plan.generation,
-    )
-
-
-def plan_from_proto(plan: pb.Plan) -> Plan:
-    """The domain form of a wire plan (its shape origin is unknown: left empty)."""
-    return Plan(
-        workspace_bytes=plan.workspace_bytes,
-        max_num_tokens=plan.max_num_tokens,
-        top_k=plan.top_k,
-        num_experts=plan.num_experts,
-        generation=plan.generation,
-    )
-
-
-def decision_to_proto(decision: Decision) -> pb.ProposeResponse:
-    """The response every rank of a decided round gets."""
-    return pb.ProposeResponse(
-        round=decision.round,
-        action=_ACTION_TO_PROTO[decision.action],
-        plan=plan_to_proto(decision.plan),
-        grew=decision.grew,
-    )
 
 
 def group_to_proto(state: GroupState) -> pb.Group:
@@ -163,9 +106,7 @@ def event_to_proto(event: GroupEvent) -> pb.GroupEvent:
         kind=_EVENT_TO_PROTO[event.kind],
         time=_timestamp(event.at),
         round=event.round,
-        action=_ACTION_TO_PROTO[event.action]
-        if event.action is not None
-        else pb.ACTION_UNSPECIFIED,
+        action=action_to_proto(event.action),
         ep_rank=event.ep_rank,
         layer=event.layer,
         message=event.message,
