@@ -43,6 +43,9 @@ SUPPORTED_FLASHINFER = "0.7.2.post1"
 
 _log = logging.getLogger(__name__)
 
+# The DLPack capsules of released workspaces (see FlashInferBackend.release).
+_CAPSULES_KEPT: list[object] = []
+
 # Instance attributes of MoeAlltoAll that reference the workspace memory.
 _WORKSPACE_ATTRIBUTES = ("_WORKSPACE", "workspace", "metainfo", "_recv_view_cache", "mnnvl_mem")
 
@@ -159,22 +162,24 @@ class FlashInferBackend:
         # FlashInfer wraps the workspace as a tensor through a DLPack capsule
         # whose DLManagedTensor lives in a Python object attached to that one
         # tensor. Views of it (the receive-view cache) share its storage, and
-        # the storage's deleter reads that struct when the LAST of them dies.
-        # If the attached object went first, the deleter would read freed
-        # memory: releasing without this crashed both ranks on 2 x H200. So
-        # keep the capsule alive until every tensor on the workspace is gone.
-        capsule_keepalive = [
-            getattr(tensor, "_capsule_wrapper", None)
+        # the storage's deleter reads that struct when the LAST of them dies,
+        # which may be after the attached object is gone: releasing without
+        # this crashed both ranks on 2 x H200. The struct is a few hundred
+        # bytes, so keep it for the life of the process instead of waiting
+        # for a full garbage collection to prove no view survives.
+        _CAPSULES_KEPT.extend(
+            wrapper
             for tensor in (state.get("workspace"), (entry or {}).get("workspace"))
-        ]
+            if (wrapper := getattr(tensor, "_capsule_wrapper", None)) is not None
+        )
         if entry is not None and entry.get("mnnvl_mem") is mnnvl_mem:
             del cache[key]
         ptr = int(mnnvl_mem.ptr)
         del entry, mnnvl_mem
         for attribute in _WORKSPACE_ATTRIBUTES:
             state.pop(attribute, None)
-        gc.collect()  # a reference cycle may still hold the MnnvlMemory or a view
-        del capsule_keepalive
+        if ptr in fi.MnnvlMemory.allocated_map:
+            gc.collect()  # a reference cycle may still hold the MnnvlMemory
         if ptr in fi.MnnvlMemory.allocated_map:
             self.unreleased += 1
             _log.warning(

@@ -116,6 +116,7 @@ def _sequence_rank(rank: int, world_size: int, target: str) -> dict[str, Any]:
         "rebuilds": counters.rebuilds,
         "reuses": counters.reuses,
         "rpcs": counters.rpcs,
+        "unreleased": manager.backend.unreleased,  # type: ignore[attr-defined]
     }
 
 
@@ -137,6 +138,7 @@ def test_regression_then_warm_restart_through_the_sidecar(tmp_path: Path) -> Non
         assert again["workspace"] == bf16["workspace"]  # never shrinks
         assert [s["new_object"] for s in result["steps"]] == [True, True, False]
         assert (result["builds"], result["rebuilds"], result["reuses"]) == (1, 1, 1)
+        assert result["unreleased"] == 0
         # Device memory: the first build takes the NVFP4 workspace, the
         # rebuild takes the union and gives the NVFP4 one back, the reuse
         # takes nothing: what stays held is the union workspace only.
