@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -324,12 +323,6 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    # torch warns at import when numpy is absent; the demo needs no numpy. The
-    # ranks are new interpreters, so they take the filter from the environment.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    os.environ["PYTHONWARNINGS"] = ",".join(
-        filter(None, (os.environ.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy"))
-    )
     # Imported here: the demo needs torch (the client extra), serve and groups
     # must not (the sidecar image has no torch).
     try:
