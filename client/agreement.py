@@ -13,7 +13,7 @@ slot  value
 3, 4  top_k and -top_k (MAX of the negation is -MIN)
 5, 6  num_experts and -num_experts
 7     1 when this rank's proposal failed, else 0
-8     payload bytes of the largest layer the rank has seen
+8     payload bytes of the largest layer the local plan serves
 ====  ===========================================================
 
 The agreed workspace is the largest of the ranks' workspaces, and at least
@@ -63,9 +63,6 @@ class LocalOutcome:
     layer: str
     plan: Plan | None = None
     failure: BaseException | None = None
-    payload_bytes: int = 0
-    """Payload bytes of the largest layer this rank has seen (see
-    :func:`client.sizing.payload_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +97,7 @@ def _vector(mine: LocalOutcome) -> torch.Tensor:
             p.num_experts,
             -p.num_experts,
             0,
-            mine.payload_bytes,
+            p.payload_bytes,
         ]
     return torch.tensor(values, dtype=torch.int64)
 
@@ -192,12 +189,13 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> A
     assert mine.plan is not None
     ep_size = dist.get_world_size(group)
     plan = Plan(
-        workspace_bytes=max(ws, workspace_for_payload(ep_size, tokens, payload)),
+        workspace_bytes=max(ws, workspace_for_payload(ep_size, tokens, payload) if payload else 0),
         max_num_tokens=tokens,
         top_k=top_k,
         num_experts=experts,
         generation=generation,
         shape_layer=mine.plan.shape_layer,
         shape_rank=mine.plan.shape_rank,
+        payload_bytes=payload,
     )
     return AgreementOutcome(plan=plan, collectives=1)

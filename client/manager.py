@@ -31,7 +31,7 @@ import torch.distributed as dist
 from client.agreement import LocalOutcome, agree
 from client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
 from client.errors import BackendError, CoordinatorError, InvalidArgument
-from client.sizing import layer_sizes, workspace_for_payload
+from client.sizing import layer_sizes
 from client.transport import (
     ENV_TARGET,
     Transport,
@@ -152,7 +152,6 @@ class WorkspaceManager:
         )
         self.lifetime = uuid.uuid4().hex
         self._round = 0
-        self._payload_union = 0
         self._built: Plan | None = None
         self._builds = 0
         self._rebuilds = 0
@@ -247,20 +246,6 @@ class WorkspaceManager:
         )
         return self._transport.propose(proposal).plan
 
-    def _serving_every_layer(self, plan: Plan) -> Plan:
-        """``plan``, grown if needed so it serves every layer seen so far.
-
-        The decider takes the maximum of sizes and of token counts
-        separately; a layer sized at fewer tokens than the plan's then needs
-        the larger auxiliary data of the plan's token count on top of its
-        payload. The generation moves as the decider moves it when a commit
-        exceeds its plan.
-        """
-        needed = workspace_for_payload(self.ep_size, plan.max_num_tokens, self._payload_union)
-        if needed <= plan.workspace_bytes:
-            return plan
-        return replace(plan, workspace_bytes=needed, generation=plan.generation + 1)
-
     def _agree(self, layer: str, plan: Plan | None, failure: BaseException | None) -> Plan:
         self._collectives += 1
         try:
@@ -271,7 +256,6 @@ class WorkspaceManager:
                     layer=layer,
                     plan=plan,
                     failure=failure,
-                    payload_bytes=self._payload_union,
                 ),
                 group_name=self.group,
             )
@@ -337,7 +321,6 @@ class WorkspaceManager:
                 )
             except ValueError as error:
                 raise InvalidArgument(f"layer {layer!r}: {error}") from error
-            self._payload_union = max(self._payload_union, sizes.payload_bytes)
             local = self._local_plan(
                 Requirement(
                     workspace_bytes=sizes.workspace_bytes,
@@ -345,6 +328,7 @@ class WorkspaceManager:
                     top_k=top_k,
                     num_experts=num_experts,
                     layer=layer,
+                    payload_bytes=sizes.payload_bytes,
                 )
             )
         except Exception as error:
@@ -353,8 +337,6 @@ class WorkspaceManager:
             # Still join the all-reduce, so the other ranks raise too instead
             # of waiting for this one forever.
             failure = error
-        if local is not None:
-            local = self._serving_every_layer(local)
         plan = self._agree(layer, local, failure) if self.agrees_across_ranks else local
         assert plan is not None
 

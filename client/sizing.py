@@ -1,26 +1,25 @@
-"""FlashInfer's MoE all-to-all workspace arithmetic, in pure Python.
+"""FlashInfer's workspace arithmetic, as the client names it (DESIGN section 3).
 
-Byte for byte what flashinfer-python 0.7.2.post1 computes in
-``moe_a2a_get_workspace_size_per_rank`` and ``calculateOffsets``
-(``csrc/trtllm_moe_alltoall.cu``), without loading FlashInfer: calling any
-FlashInfer function loads its CUDA module, which a CPU process (and the
-sidecar) must never do. Parity with the real function is checked on the GPU
-machine (``tests/gpu/test_sizing_parity.py``).
-
-Layout of one rank's workspace (every region start aligned to 128 bytes
-where FlashInfer aligns it)::
-
-    flag (4) | local token counter (4) | send counters (4*ep) | recv counters (4*ep)
-    | dispatch completion flags (4*ep) | combine completion flags (4*ep)
-    | top-k target ranks (4*22*max_tokens) | top-k send indices (4*22*max_tokens)
-    | eplb gathered stats (4*ep*eplb_experts)
-    | dispatch payloads (ep*runtime_tokens*bytes, one region per payload)
-    | combine payload (ep*runtime_tokens*bytes)
+The arithmetic lives in :mod:`sidecar.sizing`, which imports nothing but the
+standard library, because the decision core needs it too (to size a plan
+that serves every layer) and must not import torch through this package.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass
+from sidecar.sizing import (
+    ALIGNMENT,
+    KMAX_TOP_K,
+    AuxOffsets,
+    LayerSizes,
+    align,
+    aux_data_size,
+    aux_offsets,
+    combine_bytes_per_token,
+    dispatch_bytes_per_token,
+    layer_sizes,
+    payload_bytes,
+    workspace_for_payload,
+    workspace_size_per_rank,
+)
 
 __all__ = [
     "ALIGNMENT",
@@ -37,210 +36,3 @@ __all__ = [
     "workspace_for_payload",
     "workspace_size_per_rank",
 ]
-
-ALIGNMENT = 128
-"""FlashInfer's kCachelineAlignment."""
-KMAX_TOP_K = 22
-"""FlashInfer's kMaxTopK: the top-k regions are sized for it, whatever top_k is."""
-_INT32 = 4
-
-
-def align(offset: int, alignment: int = ALIGNMENT) -> int:
-    """Rounds ``offset`` up to a multiple of ``alignment``."""
-    return (offset + alignment - 1) // alignment * alignment
-
-
-@dataclass(frozen=True)
-class AuxOffsets:
-    """Start of each region of a rank's workspace (FlashInfer's metainfo)."""
-
-    flag_val: int
-    local_token_counter: int
-    send_counters: int
-    recv_counters: int
-    dispatch_completion_flags: int
-    combine_completion_flags: int
-    topk_target_ranks: int
-    topk_send_indices: int
-    eplb_gathered_stats: int
-    payload_data: int
-    """First byte of the dispatch payloads: the size of the auxiliary data."""
-
-
-def _check(name: str, value: int, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}={value!r}: must be an int >= {low}")
-
-
-def aux_offsets(ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0) -> AuxOffsets:
-    """FlashInfer's ``calculateOffsets`` for one rank.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    _check("ep_size", ep_size, 1)
-    _check("max_num_tokens", max_num_tokens, 0)
-    _check("eplb_stats_num_experts", eplb_stats_num_experts, 0)
-    offset = 0
-    flag_val = offset
-    offset += _INT32
-    local_token_counter = offset
-    offset += _INT32
-    send_counters = offset
-    offset += ep_size * _INT32
-    recv_counters = offset
-    offset += ep_size * _INT32
-    offset = align(offset)
-    dispatch_completion_flags = offset
-    offset += ep_size * _INT32
-    offset = align(offset)
-    combine_completion_flags = offset
-    offset += ep_size * _INT32
-    offset = align(offset)
-    topk_target_ranks = offset
-    offset += max_num_tokens * KMAX_TOP_K * _INT32
-    offset = align(offset)
-    topk_send_indices = offset
-    offset += max_num_tokens * KMAX_TOP_K * _INT32
-    offset = align(offset)
-    eplb_gathered_stats = offset
-    offset += ep_size * eplb_stats_num_experts * _INT32
-    offset = align(offset)
-    return AuxOffsets(
-        flag_val=flag_val,
-        local_token_counter=local_token_counter,
-        send_counters=send_counters,
-        recv_counters=recv_counters,
-        dispatch_completion_flags=dispatch_completion_flags,
-        combine_completion_flags=combine_completion_flags,
-        topk_target_ranks=topk_target_ranks,
-        topk_send_indices=topk_send_indices,
-        eplb_gathered_stats=eplb_gathered_stats,
-        payload_data=offset,
-    )
-
-
-def aux_data_size(ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0) -> int:
-    """FlashInfer's ``moe_a2a_get_aux_data_size``.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    return aux_offsets(ep_size, max_num_tokens, eplb_stats_num_experts).payload_data
-
-
-def workspace_size_per_rank(
-    ep_size: int,
-    max_num_tokens: int,
-    dispatch_bytes_per_token: int,
-    combine_bytes_per_token: int,
-    eplb_stats_num_experts: int = 0,
-) -> int:
-    """FlashInfer's ``moe_a2a_get_workspace_size_per_rank``, byte for byte.
-
-    Args:
-        ep_size: ranks in the EP group.
-        max_num_tokens: most tokens one rank dispatches in one call.
-        dispatch_bytes_per_token: sum of every dispatch payload's bytes per token.
-        combine_bytes_per_token: bytes per token of the combine payload.
-        eplb_stats_num_experts: experts reserved for EPLB stats (0: none).
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    payload = payload_bytes(
-        ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token
-    )
-    return workspace_for_payload(ep_size, max_num_tokens, payload, eplb_stats_num_experts)
-
-
-def payload_bytes(
-    ep_size: int,
-    max_num_tokens: int,
-    dispatch_bytes_per_token: int,
-    combine_bytes_per_token: int,
-) -> int:
-    """The payload part of :func:`workspace_size_per_rank`: everything but the
-    auxiliary data, i.e. the aligned dispatch and combine regions.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    _check("ep_size", ep_size, 1)
-    _check("max_num_tokens", max_num_tokens, 0)
-    _check("dispatch_bytes_per_token", dispatch_bytes_per_token, 0)
-    _check("combine_bytes_per_token", combine_bytes_per_token, 0)
-    return align(ep_size * max_num_tokens * dispatch_bytes_per_token) + align(
-        ep_size * max_num_tokens * combine_bytes_per_token
-    )
-
-
-def workspace_for_payload(
-    ep_size: int, max_num_tokens: int, payload: int, eplb_stats_num_experts: int = 0
-) -> int:
-    """Bytes per rank of a workspace built for ``max_num_tokens`` whose payload
-    regions hold ``payload`` bytes (see :func:`payload_bytes`).
-
-    The auxiliary data grows with the workspace's ``max_num_tokens``, not with
-    a layer's: a layer sized at fewer tokens than the workspace is built for
-    needs ``workspace_for_payload(ep, built_tokens, its payload)``, which can
-    exceed its own ``workspace_size_per_rank``. Taking the maximum of sizes
-    and the maximum of token counts separately is not enough.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    _check("payload", payload, 0)
-    return align(aux_data_size(ep_size, max_num_tokens, eplb_stats_num_experts)) + payload
-
-
-def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_token: int) -> int:
-    """vLLM's dispatch payload per token: hidden states, their scales, and
-    the int32 expert ids plus float32 weights of the top-k routing."""
-    return x_bytes_per_token + x_sf_bytes_per_token + 8 * top_k
-
-
-def combine_bytes_per_token(hidden_size: int) -> int:
-    """vLLM's combine payload per token: bf16 hidden states."""
-    return 2 * hidden_size
-
-
-@dataclass(frozen=True)
-class LayerSizes:
-    """What one MoE layer needs from the workspace on each rank."""
-
-    dispatch_bytes_per_token: int
-    combine_bytes_per_token: int
-    workspace_bytes: int
-    payload_bytes: int = 0
-    """The payload part of ``workspace_bytes`` (see :func:`payload_bytes`)."""
-
-
-def layer_sizes(
-    ep_size: int,
-    max_num_tokens: int,
-    top_k: int,
-    hidden_size: int,
-    x_bytes_per_token: int,
-    x_sf_bytes_per_token: int,
-) -> LayerSizes:
-    """The per-layer rule of DESIGN section 3, as vLLM sizes a layer.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    for name, value, low in (
-        ("top_k", top_k, 1),
-        ("hidden_size", hidden_size, 1),
-        ("x_bytes_per_token", x_bytes_per_token, 0),
-        ("x_sf_bytes_per_token", x_sf_bytes_per_token, 0),
-    ):
-        _check(name, value, low)
-    dispatch = dispatch_bytes_per_token(top_k, x_bytes_per_token, x_sf_bytes_per_token)
-    combine = combine_bytes_per_token(hidden_size)
-    return LayerSizes(
-        dispatch_bytes_per_token=dispatch,
-        combine_bytes_per_token=combine,
-        workspace_bytes=workspace_size_per_rank(ep_size, max_num_tokens, dispatch, combine),
-        payload_bytes=payload_bytes(ep_size, max_num_tokens, dispatch, combine),
-    )

@@ -37,6 +37,7 @@ from sidecar.errors import (
     RoundAborted,
     error_for_code,
 )
+from sidecar.sizing import workspace_for_payload
 
 __all__ = [
     "MAX_BYTES",
@@ -108,6 +109,9 @@ class Requirement:
     top_k: int
     num_experts: int
     layer: str = ""
+    payload_bytes: int = 0
+    """The part of ``workspace_bytes`` that is the layer's dispatch and
+    combine payload (:func:`sidecar.sizing.payload_bytes`); 0 when unknown."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,8 @@ class Plan:
     shape_layer: str = ""
     """The layer that fixed ``top_k``/``num_experts`` (for error messages)."""
     shape_rank: int = 0
+    payload_bytes: int = 0
+    """The largest layer payload the plan serves."""
 
     def covers(self, workspace_bytes: int, max_num_tokens: int) -> bool:
         """Whether a workspace of this plan serves the given sizes."""
@@ -340,6 +346,13 @@ def validate_proposal(p: Proposal) -> None:
         f"FlashInfer needs num_experts >= ep_size={p.ep_size}",
     )
     _check_name("requirement.layer", r.layer, allow_empty=True)
+    _check_range(
+        "requirement.payload_bytes",
+        r.payload_bytes,
+        0,
+        r.workspace_bytes,
+        f"part of requirement.workspace_bytes={r.workspace_bytes}",
+    )
 
 
 # --- the round machine ----------------------------------------------------
@@ -395,37 +408,47 @@ def _decide(state: GroupState, rnd: OpenRound, now: float) -> tuple[GroupState, 
     proposals = rnd.proposals
     by_ws = max(proposals, key=lambda q: (q.requirement.workspace_bytes, -q.ep_rank))
     by_tokens = max(proposals, key=lambda q: (q.requirement.max_num_tokens, -q.ep_rank))
-    need_ws = by_ws.requirement.workspace_bytes
-    need_tokens = by_tokens.requirement.max_num_tokens
+    by_payload = max(proposals, key=lambda q: (q.requirement.payload_bytes, -q.ep_rank))
     first = proposals[0]
     layer = first.requirement.layer
 
     base = state.plan or state.built
-    generation = state.generation
+    tokens = max(by_tokens.requirement.max_num_tokens, base.max_num_tokens if base else 0)
+    payload = max(by_payload.requirement.payload_bytes, base.payload_bytes if base else 0)
+    # The maximum of sizes and of token counts, taken apart, is not enough:
+    # FlashInfer's auxiliary data grows with the token count the workspace is
+    # built for, so every payload seen must fit beside the aux of `tokens`.
+    # (Payloads are 0 from clients that do not state them: sizes alone then.)
+    ws = max(
+        by_ws.requirement.workspace_bytes,
+        base.workspace_bytes if base else 0,
+        workspace_for_payload(state.ep_size, tokens, payload) if payload else 0,
+    )
     if base is None:
         grew = True
-        ws, tokens = need_ws, need_tokens
+        cause = by_ws
+        generation = state.generation + 1
         shape_layer, shape_rank = layer, first.ep_rank
     else:
-        ws, tokens = max(base.workspace_bytes, need_ws), max(base.max_num_tokens, need_tokens)
-        grew = ws > base.workspace_bytes or tokens > base.max_num_tokens
+        grew = not base.covers(ws, tokens)
+        if by_ws.requirement.workspace_bytes > base.workspace_bytes:
+            cause = by_ws
+        elif tokens > base.max_num_tokens:
+            cause = by_tokens
+        else:
+            cause = by_payload
+        generation = state.generation + 1 if grew else base.generation
         shape_layer, shape_rank = base.shape_layer, base.shape_rank
-    if grew:
-        generation += 1
-        plan = Plan(
-            workspace_bytes=ws,
-            max_num_tokens=tokens,
-            top_k=first.requirement.top_k,
-            num_experts=first.requirement.num_experts,
-            generation=generation,
-            shape_layer=shape_layer,
-            shape_rank=shape_rank,
-        )
-    else:
-        assert base is not None
-        plan = base
-    # What caused the growth: the bytes if they grew, else the token count.
-    cause = by_ws if base is None or ws > base.workspace_bytes else by_tokens
+    plan = Plan(
+        workspace_bytes=ws,
+        max_num_tokens=tokens,
+        top_k=first.requirement.top_k,
+        num_experts=first.requirement.num_experts,
+        generation=generation,
+        shape_layer=shape_layer,
+        shape_rank=shape_rank,
+        payload_bytes=payload,
+    )
 
     if state.built is None:
         action = Action.BUILD
@@ -452,7 +475,7 @@ def _decide(state: GroupState, rnd: OpenRound, now: float) -> tuple[GroupState, 
     state = replace(
         _close(state, decision),
         plan=plan,
-        generation=generation,
+        generation=generation if grew else state.generation,
         built=plan,
         history=history,
     )
@@ -674,6 +697,13 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> GroupState:
     _check_range("plan.workspace_bytes", c.plan.workspace_bytes, 1, MAX_BYTES)
     _check_range("plan.max_num_tokens", c.plan.max_num_tokens, 1, MAX_TOKENS)
     _check_range("plan.top_k", c.plan.top_k, 1, MAX_TOP_K)
+    _check_range(
+        "plan.payload_bytes",
+        c.plan.payload_bytes,
+        0,
+        c.plan.workspace_bytes,
+        "part of the workspace",
+    )
     if c.plan.generation < 1:
         raise InvalidArgument.of("plan.generation", c.plan.generation, "generations count from 1")
     if not 0.0 <= c.build_seconds < 86400.0:
@@ -711,6 +741,7 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> GroupState:
             base,
             workspace_bytes=max(base.workspace_bytes, c.plan.workspace_bytes),
             max_num_tokens=max(base.max_num_tokens, c.plan.max_num_tokens),
+            payload_bytes=max(base.payload_bytes, c.plan.payload_bytes),
             generation=generation,
         )
         growth = Growth(

@@ -81,6 +81,7 @@ def _plan(p: Plan) -> dict[str, Any]:
         "generation": p.generation,
         "shape_layer": p.shape_layer,
         "shape_rank": p.shape_rank,
+        "payload_bytes": p.payload_bytes,
     }
 
 
@@ -118,6 +119,7 @@ def _proposal(p: Proposal) -> dict[str, Any]:
             "top_k": r.top_k,
             "num_experts": r.num_experts,
             "layer": r.layer,
+            "payload_bytes": r.payload_bytes,
         },
     }
 
@@ -213,6 +215,7 @@ def _decode_plan(d: Any) -> Plan:
         generation=_int(d, "generation"),
         shape_layer=_str(d, "shape_layer"),
         shape_rank=_int(d, "shape_rank"),
+        payload_bytes=_int(d, "payload_bytes"),
     )
 
 
@@ -257,6 +260,7 @@ def _decode_proposal(d: Any) -> Proposal:
             top_k=_int(r, "top_k"),
             num_experts=_int(r, "num_experts"),
             layer=_str(r, "layer"),
+            payload_bytes=_int(r, "payload_bytes"),
         ),
     )
 

@@ -52,6 +52,7 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
             top_k=r.top_k,
             num_experts=r.num_experts,
             layer=r.layer,
+            payload_bytes=r.payload_bytes,
         ),
     )
 
@@ -78,6 +79,7 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
             top_k=r.top_k,
             num_experts=r.num_experts,
             layer=r.layer,
+            payload_bytes=r.payload_bytes,
         ),
     )
 
@@ -90,6 +92,7 @@ def plan_to_proto(plan: Plan) -> pb.Plan:
         top_k=plan.top_k,
         num_experts=plan.num_experts,
         generation=plan.generation,
+        payload_bytes=plan.payload_bytes,
     )
 
 
@@ -101,6 +104,7 @@ def plan_from_proto(plan: pb.Plan) -> Plan:
         top_k=plan.top_k,
         num_experts=plan.num_experts,
         generation=plan.generation,
+        payload_bytes=plan.payload_bytes,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -417,7 +417,9 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
         )
         with_payload = agree(
             ep_group,
-            LocalOutcome(rank, "L", plans[rank], payload_bytes=200_000 if rank == 0 else 10),
+            LocalOutcome(
+                rank, "L", replace(plans[rank], payload_bytes=200_000 if rank == 0 else 10)
+            ),
             group_name="g",
         )
         out["agreed_payload"] = with_payload.plan.workspace_bytes

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from sidecar import policy
+from sidecar import policy, sizing
 from sidecar.errors import (
     ErrorCode,
     InvalidArgument,
@@ -177,6 +177,40 @@ def test_growth_history_names_the_layer() -> None:
     ]
     assert state.history[-1].workspace_bytes == 30_000
     assert state.history[-1].max_num_tokens == 512
+
+
+def _sized(label: str, tokens: int, x_bytes: int, x_sf_bytes: int) -> Requirement:
+    """A layer's requirement as the client states it (hidden 256, top_k 2, EP 2)."""
+    s = sizing.layer_sizes(2, tokens, 2, 256, x_bytes, x_sf_bytes)
+    return Requirement(s.workspace_bytes, tokens, 2, 16, label, s.payload_bytes)
+
+
+def test_plan_serves_every_payload_at_the_plans_token_count() -> None:
+    # An NVFP4 layer at 20 tokens, then a bf16 layer at 16: the bf16 layer's
+    # payload must fit beside the auxiliary data of a 20-token workspace,
+    # which is more than either layer's own size.
+    nvfp4 = _sized("l0", 20, 128, 16)
+    bf16 = _sized("mtp", 16, 512, 0)
+    state, outcomes = run_sequence([nvfp4, bf16])
+    decision = outcomes[1]
+    assert isinstance(decision, Decision)
+    assert decision.action is Action.REBUILD
+    assert decision.plan.max_num_tokens == 20
+    assert decision.plan.payload_bytes == bf16.payload_bytes
+    assert decision.plan.workspace_bytes == sizing.workspace_for_payload(2, 20, bf16.payload_bytes)
+    assert decision.plan.workspace_bytes > max(nvfp4.workspace_bytes, bf16.workspace_bytes)
+    assert state.history[-1].layer == "mtp"
+
+
+def test_more_tokens_lift_the_room_for_an_earlier_payload() -> None:
+    bf16 = _sized("mtp", 16, 512, 0)
+    nvfp4 = _sized("l0", 20, 128, 16)
+    _, outcomes = run_sequence([bf16, nvfp4])
+    decision = outcomes[1]
+    assert isinstance(decision, Decision)
+    assert decision.action is Action.REBUILD
+    assert decision.plan.workspace_bytes == sizing.workspace_for_payload(2, 20, bf16.payload_bytes)
+    assert decision.plan.workspace_bytes > max(nvfp4.workspace_bytes, bf16.workspace_bytes)
 
 
 # --- refusals -------------------------------------------------------------------
@@ -453,6 +487,7 @@ BAD = [
     (_with(req_top_k=23), "requirement.top_k=23"),
     (_with(req_num_experts=1), "requirement.num_experts=1"),
     (_with(req_layer="y" * 300), "requirement.layer"),
+    (_with(req_payload_bytes=10_001), "requirement.payload_bytes=10001"),
 ]
 
 

@@ -100,6 +100,7 @@ class Requirement(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_FIELD_NUMBER: _builtins.int
     LAYER_FIELD_NUMBER: _builtins.int
+    PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
     workspace_bytes: _builtins.int
     """Per-rank workspace bytes, as FlashInfer's
     moe_a2a_get_workspace_size_per_rank computes them for this layer.
@@ -111,6 +112,13 @@ class Requirement(_message.Message):
     """Free-form label of the layer (e.g. "model.layers.61.mlp"), used in
     history and error messages. Every rank reports the same label per round.
     """
+    payload_bytes: _builtins.int
+    """The part of workspace_bytes that is this layer's dispatch and combine
+    payload (the rest is FlashInfer's auxiliary data, which grows with the
+    token count a workspace is built for). The sidecar sizes a plan so that
+    every layer's payload fits beside the auxiliary data of the plan's
+    max_num_tokens. 0: unknown (only workspace_bytes is then honoured).
+    """
     def __init__(
         self,
         *,
@@ -119,10 +127,11 @@ class Requirement(_message.Message):
         top_k: _builtins.int = ...,
         num_experts: _builtins.int = ...,
         layer: _builtins.str = ...,
+        payload_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer", b"layer", "max_num_tokens", b"max_num_tokens", "num_experts", b"num_experts", "top_k", b"top_k", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer", b"layer", "max_num_tokens", b"max_num_tokens", "num_experts", b"num_experts", "payload_bytes", b"payload_bytes", "top_k", b"top_k", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -181,12 +190,15 @@ class Plan(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
     workspace_bytes: _builtins.int
     max_num_tokens: _builtins.int
     top_k: _builtins.int
     num_experts: _builtins.int
     generation: _builtins.int
     """Moves only when the plan grows; never reused for a group."""
+    payload_bytes: _builtins.int
+    """The largest layer payload the plan serves (see Requirement.payload_bytes)."""
     def __init__(
         self,
         *,
@@ -195,10 +207,11 @@ class Plan(_message.Message):
         top_k: _builtins.int = ...,
         num_experts: _builtins.int = ...,
         generation: _builtins.int = ...,
+        payload_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "max_num_tokens", b"max_num_tokens", "num_experts", b"num_experts", "top_k", b"top_k", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "max_num_tokens", b"max_num_tokens", "num_experts", b"num_experts", "payload_bytes", b"payload_bytes", "top_k", b"top_k", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
