@@ -27,13 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client.simulate import (  # noqa: E402
+from moe_sidecar.client.simulate import (  # noqa: E402
     ModelPreset,
     MoeLayer,
     SimulationConfig,
     SimulationResult,
     run_simulation,
 )
+
 from tests.multiprocess.harness import running_sidecar  # noqa: E402
 
 TARGET_ADDED_S = 0.1

@@ -2,10 +2,10 @@
 
     .venv/bin/python bench/bench_sidecar.py [--quick]
 
-Starts ``python -m sidecar`` as a subprocess (its own process, so that its
+Starts ``python -m moe_sidecar`` as a subprocess (its own process, so that its
 resident memory is its own), drives simulated local ranks at it from this
 process with grpc.aio (one channel per rank, as real ranks have), and runs
-the same rounds through :func:`sidecar.policy.propose` in this process as the
+the same rounds through :func:`moe_sidecar.policy.propose` in this process as the
 baseline. Every round after the first is a REUSE round, the common case.
 
 Prints, for 1, 8 and 64 local ranks: round latency p50/p99 (from releasing
@@ -36,14 +36,13 @@ from typing import Any
 import grpc
 import psutil  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from moe_sidecar import policy
+from moe_sidecar.logs import configure_logging
+from moe_sidecar.policy import GroupState, Proposal, Requirement
+from moe_sidecar.state import Coordinator
+from moe_sidecar.store import StateStore
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from sidecar import policy
-from sidecar.logs import configure_logging
-from sidecar.policy import GroupState, Proposal, Requirement
-from sidecar.state import Coordinator
-from sidecar.store import StateStore
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"p99_ms_at_8": 1.0, "proposals_per_s": 2000.0, "rss_mb_1000_groups": 80.0}

@@ -101,7 +101,7 @@ def _reuse_round_seconds(manager: Any, rounds: int) -> list[float]:
 
 def _bare_core_seconds(rounds: int) -> list[float]:
     """The in-process decision alone: policy.propose for a 1-rank group."""
-    from sidecar import policy
+    from moe_sidecar import policy
 
     requirement = policy.Requirement(10_000, workers.TOKENS, workers.TOP_K, workers.NUM_EXPERTS)
     state: policy.GroupState | None = None
@@ -116,10 +116,9 @@ def _bare_core_seconds(rounds: int) -> list[float]:
 
 def _bench_rank(rank: int, world_size: int, target: str, iterations: int, rounds: int) -> Any:
     import torch.distributed as dist
-
-    from client import WorkspaceManager, sizing
-    from client.backends import BuildSpec
-    from client.backends.flashinfer import FlashInferBackend
+    from moe_sidecar.client import WorkspaceManager, sizing
+    from moe_sidecar.client.backends import BuildSpec
+    from moe_sidecar.client.backends.flashinfer import FlashInferBackend
 
     workers.warm_up_cuda(rank)
     out: dict[str, Any] = {}

@@ -6,8 +6,8 @@ MoE all-to-all workspace, deciding through the node's sidecar
 in-process. ``sizing`` is FlashInfer's workspace arithmetic in pure Python.
 """
 
-from client import sizing
-from client.errors import (
+from moe_sidecar.client import sizing
+from moe_sidecar.client.errors import (
     AdminDisabled,
     AgreementError,
     BackendError,
@@ -20,8 +20,8 @@ from client.errors import (
     RoundAborted,
     RoundTimedOut,
 )
-from client.manager import ManagerCounters, WorkspaceManager
-from client.transport import EMBEDDED, ENV_TARGET
+from moe_sidecar.client.manager import ManagerCounters, WorkspaceManager
+from moe_sidecar.client.transport import EMBEDDED, ENV_TARGET
 
 __all__ = [
     "EMBEDDED",

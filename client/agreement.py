@@ -18,7 +18,7 @@ slot  value
 
 The agreed workspace is the largest of the ranks' workspaces, and at least
 the auxiliary data at the agreed ``max_num_tokens`` plus the largest payload
-(:func:`client.sizing.workspace_for_payload`): FlashInfer's auxiliary data
+(:func:`moe_sidecar.client.sizing.workspace_for_payload`): FlashInfer's auxiliary data
 grows with the token count the workspace is built for.
 
 A rank whose proposal failed still joins the collective, so every rank takes
@@ -37,17 +37,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from client.errors import (
+from moe_sidecar.client.errors import (
     AgreementError,
     CoordinatorError,
     ErrorCode,
     InvalidArgument,
     RankFailure,
 )
-from client.sizing import workspace_for_payload
-from sidecar.errors import error_for_code
-from sidecar.policy import Plan
+from moe_sidecar.client.sizing import workspace_for_payload
+from moe_sidecar.errors import error_for_code
+from moe_sidecar.policy import Plan
 
 __all__ = ["AgreementOutcome", "LocalOutcome", "agree", "failure_code"]
 

@@ -1,7 +1,7 @@
 """The errors a rank sees, and the one place gRPC status codes become them.
 
 A caller catches the same classes in sidecar mode and in embedded mode: the
-typed errors of :mod:`sidecar.errors`, re-exported here, plus two that only
+typed errors of :mod:`moe_sidecar.errors`, re-exported here, plus two that only
 the client raises (:class:`AgreementError`, :class:`BackendError`).
 
 :func:`error_from_rpc` is the only code that turns a ``grpc.RpcError`` into a
@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
-
-from sidecar.errors import (
+from moe_sidecar.errors import (
     AdminDisabled,
     CoordinatorError,
     CoordinatorUnavailable,
@@ -84,7 +83,7 @@ class BackendError(RuntimeError):
     """
 
 
-# Codes the sidecar sends on purpose, one per typed error (sidecar.status is
+# Codes the sidecar sends on purpose, one per typed error (moe_sidecar.status is
 # the other direction). Everything else comes from the transport itself.
 _CODE_BY_STATUS: dict[grpc.StatusCode, ErrorCode] = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,

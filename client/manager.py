@@ -2,11 +2,11 @@
 
 Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
 
-1. size the layer with :mod:`client.sizing` and propose it (one RPC to the
+1. size the layer with :mod:`moe_sidecar.client.sizing` and propose it (one RPC to the
    node's sidecar, or the in-process core in embedded mode);
 2. when the EP group spans more ranks than one decider sees (``ep_size >
    local_ranks``), and always in embedded mode, agree across the EP group with
-   one all-reduce on ``cpu_group`` (:mod:`client.agreement`);
+   one all-reduce on ``cpu_group`` (:mod:`moe_sidecar.client.agreement`);
 3. only when the agreed plan exceeds what is built (or nothing is built yet):
    build through the backend, pass a barrier on ``cpu_group`` (never the
    world: pipeline stages rebuild a different number of times), release the
@@ -27,17 +27,16 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-
-from client.agreement import LocalOutcome, agree
-from client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
-from client.errors import BackendError, CoordinatorError, InvalidArgument
-from client.sizing import layer_sizes
-from client.transport import (
+from moe_sidecar.client.agreement import LocalOutcome, agree
+from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
+from moe_sidecar.client.errors import BackendError, CoordinatorError, InvalidArgument
+from moe_sidecar.client.sizing import layer_sizes
+from moe_sidecar.client.transport import (
     ENV_TARGET,
     Transport,
     transport_for,
 )
-from sidecar.policy import (
+from moe_sidecar.policy import (
     Action,
     CommitRecord,
     Plan,
@@ -99,7 +98,7 @@ class WorkspaceManager:
             unset or empty (or ``"embedded"``) means embedded mode.
         backend: ``"flashinfer"`` (FlashInfer's ``MoeAlltoAll``, GPU),
             ``"reference"`` (the CPU copy of its contract over gloo), or an
-            object implementing :class:`client.backends.AlltoAllBackend`.
+            object implementing :class:`moe_sidecar.client.backends.AlltoAllBackend`.
         local_ranks: how many ranks of this EP group run on this node (i.e.
             talk to the same sidecar). Default: env ``MOE_SIDECAR_LOCAL_RANKS``,
             else counted once at construction by exchanging hostnames on
@@ -298,7 +297,7 @@ class WorkspaceManager:
             InvalidArgument: an argument out of range.
             PreconditionFailed: another ``top_k``/``num_experts`` than earlier
                 layers, or ranks disagreeing on the layer (an
-                :class:`~client.errors.AgreementError` when the cross-rank
+                :class:`~moe_sidecar.client.errors.AgreementError` when the cross-rank
                 all-reduce found it); the message names ranks and layers.
             RoundTimedOut: a local rank never proposed this round; the message
                 names it and the last layer it reported.

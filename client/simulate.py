@@ -1,7 +1,7 @@
 """``moe-sidecar simulate``: a model's MoE layers on N CPU ranks, end to end.
 
 Spawns one process per EP rank (gloo on 127.0.0.1), and in each runs the
-model's MoE layer sequence through :class:`client.WorkspaceManager` with the
+model's MoE layer sequence through :class:`moe_sidecar.client.WorkspaceManager` with the
 ``reference`` backend: the same rounds, builds, rebuilds and commits an
 inference server does at start-up, against a running sidecar (``--target``,
 default ``$MOE_SIDECAR_TARGET``) or, with no target, the decision core inside
@@ -17,7 +17,7 @@ the layers that caused them, the sidecar's history of the group, wall time.
 Run it twice against one sidecar and the second run builds once (the warm
 restart).
 
-The ``sidecar`` package imports no torch; this module does, so ``sidecar.cli``
+The ``sidecar`` package imports no torch; this module does, so ``moe_sidecar.cli``
 imports it only when ``simulate`` runs.
 """
 
@@ -42,15 +42,14 @@ import grpc
 import torch
 import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from moe_sidecar.cli import format_bytes
+from moe_sidecar.client.backends.reference import expert_owner
+from moe_sidecar.client.errors import CoordinatorError
+from moe_sidecar.client.manager import WorkspaceManager
+from moe_sidecar.client.transport import EMBEDDED, ENV_TARGET
+from moe_sidecar.policy import MAX_EP_SIZE, Growth
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from client.backends.reference import expert_owner
-from client.errors import CoordinatorError
-from client.manager import WorkspaceManager
-from client.transport import EMBEDDED, ENV_TARGET
-from sidecar.cli import format_bytes
-from sidecar.policy import MAX_EP_SIZE, Growth
 
 __all__ = [
     "MODELS",
@@ -675,7 +674,7 @@ def _list_models() -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """The ``moe-sidecar simulate`` command, on flags parsed by ``sidecar.cli``.
+    """The ``moe-sidecar simulate`` command, on flags parsed by ``moe_sidecar.cli``.
 
     Returns 0 when every rank finished and every check held, 1 on any
     failure (printed with the error), 2 for bad flags.

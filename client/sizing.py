@@ -1,11 +1,11 @@
 """FlashInfer's workspace arithmetic, as the client names it (DESIGN section 3).
 
-The arithmetic lives in :mod:`sidecar.sizing`, which imports nothing but the
+The arithmetic lives in :mod:`moe_sidecar.sizing`, which imports nothing but the
 standard library, because the decision core needs it too (to size a plan
 that serves every layer) and must not import torch through this package.
 """
 
-from sidecar.sizing import (
+from moe_sidecar.sizing import (
     ALIGNMENT,
     KMAX_TOP_K,
     AuxOffsets,

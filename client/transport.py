@@ -1,16 +1,16 @@
 """How a rank reaches the decision core: a sidecar over gRPC, or in-process.
 
 Both transports take and return the decision core's own types
-(:class:`sidecar.policy.Proposal`, :class:`~sidecar.policy.Decision`,
-:class:`~sidecar.policy.CommitRecord`) and raise the typed errors of
-:mod:`client.errors`, so the manager cannot tell them apart.
+(:class:`moe_sidecar.policy.Proposal`, :class:`~moe_sidecar.policy.Decision`,
+:class:`~moe_sidecar.policy.CommitRecord`) and raise the typed errors of
+:mod:`moe_sidecar.client.errors`, so the manager cannot tell them apart.
 
 * :class:`GrpcTransport` talks to the node's sidecar. Ranks run synchronous
   code, so it is a synchronous client: every call has a deadline, UNAVAILABLE
   is retried with exponential backoff (proposals and commits are idempotent),
   and the channel is created lazily in the process that uses it, and created
   anew if the object crossed a fork.
-* :class:`EmbeddedTransport` drives :mod:`sidecar.policy` in-process with one
+* :class:`EmbeddedTransport` drives :mod:`moe_sidecar.policy` in-process with one
   local rank per group; the manager then agrees across the EP group itself.
 
 :func:`transport_for` picks one: ``MOE_SIDECAR_TARGET`` (or an explicit
@@ -27,17 +27,16 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
-from moe_workspace.v1 import coordinator_pb2 as pb
-from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from client.errors import (
+from moe_sidecar import policy
+from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InternalError,
     error_from_rpc,
 )
-from sidecar import policy
-from sidecar.policy import CommitRecord, Decision, Proposal
-from sidecar.wire import decision_from_proto, plan_to_proto, proposal_to_proto
+from moe_sidecar.policy import CommitRecord, Decision, Proposal
+from moe_sidecar.wire import decision_from_proto, plan_to_proto, proposal_to_proto
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",

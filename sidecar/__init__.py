@@ -1,11 +1,11 @@
 """moe-sidecar: the per-node daemon that decides MoE all-to-all workspace plans.
 
 Imports neither torch nor flashinfer. The pure decision core is
-:mod:`sidecar.policy`; errors shared with the client are in
-:mod:`sidecar.errors`.
+:mod:`moe_sidecar.policy`; errors shared with the client are in
+:mod:`moe_sidecar.errors`.
 """
 
-from sidecar.errors import (
+from moe_sidecar.errors import (
     AdminDisabled,
     CoordinatorError,
     CoordinatorUnavailable,
@@ -17,7 +17,7 @@ from sidecar.errors import (
     RoundAborted,
     RoundTimedOut,
 )
-from sidecar.policy import Action, Decision, Plan, Requirement
+from moe_sidecar.policy import Action, Decision, Plan, Requirement
 
 __all__ = [
     "Action",

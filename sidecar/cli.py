@@ -22,13 +22,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 import grpc
+from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
+from moe_sidecar.logs import configure_logging
+from moe_sidecar.server import StartupError, serve
+from moe_sidecar.store import StoreError
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
-from sidecar.logs import configure_logging
-from sidecar.server import StartupError, serve
-from sidecar.store import StoreError
 
 __all__ = [
     "COMMANDS",
@@ -45,7 +44,7 @@ __all__ = [
 TARGET_ENV = "MOE_SIDECAR_TARGET"
 DEFAULT_TARGET = "127.0.0.1:50051"
 
-_log = logging.getLogger("sidecar.cli")
+_log = logging.getLogger("moe_sidecar.cli")
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 SERVE = Command(
     name="serve",
-    help="run the sidecar (the default of `python -m sidecar`)",
+    help="run the sidecar (the default of `python -m moe_sidecar`)",
     add_arguments=add_serve_arguments,
     run=_run_serve,
 )
@@ -326,7 +325,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     # Imported here: the demo needs torch (the client extra), serve and groups
     # must not (the sidecar image has no torch).
     try:
-        from client.simulate import run_cli
+        from moe_sidecar.client.simulate import run_cli
     except ModuleNotFoundError as error:
         if error.name != "torch":
             raise

@@ -1,8 +1,8 @@
 """Typed errors of the coordinator, shared by the sidecar and the client.
 
 Each error carries an :class:`ErrorCode`. The sidecar maps codes to gRPC
-status codes in exactly one place (``sidecar.status``); the client maps them
-back in exactly one place (``client.errors``), so a caller catches the same
+status codes in exactly one place (``moe_sidecar.status``); the client maps them
+back in exactly one place (``moe_sidecar.client.errors``), so a caller catches the same
 exception types in sidecar mode and in embedded mode. This module imports
 neither grpc nor torch.
 """

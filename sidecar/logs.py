@@ -21,8 +21,8 @@ __all__ = [
     "extra_fields",
 ]
 
-LOGGER_NAME = "sidecar"
-"""Every sidecar module logs under this logger (``sidecar.<module>``)."""
+LOGGER_NAME = "moe_sidecar"
+"""Every sidecar module logs under this logger (``moe_sidecar.<module>``)."""
 
 # Attributes every LogRecord has; anything else on a record came from ``extra``.
 _STANDARD = frozenset(

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
-from sidecar.errors import (
+from moe_sidecar.errors import (
     CoordinatorError,
     ErrorCode,
     InvalidArgument,
@@ -37,7 +37,7 @@ from sidecar.errors import (
     RoundAborted,
     error_for_code,
 )
-from sidecar.sizing import workspace_for_payload
+from moe_sidecar.sizing import workspace_for_payload
 
 __all__ = [
     "MAX_BYTES",
@@ -111,7 +111,7 @@ class Requirement:
     layer: str = ""
     payload_bytes: int = 0
     """The part of ``workspace_bytes`` that is the layer's dispatch and
-    combine payload (:func:`sidecar.sizing.payload_bytes`); 0 when unknown."""
+    combine payload (:func:`moe_sidecar.sizing.payload_bytes`); 0 when unknown."""
 
 
 @dataclass(frozen=True)

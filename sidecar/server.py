@@ -28,14 +28,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from moe_sidecar.config import ListenAddress, SidecarConfig
+from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
+from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer
+from moe_sidecar.state import Clock, Coordinator
+from moe_sidecar.status import ErrorTranslator
+from moe_sidecar.store import StateStore
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from sidecar.config import ListenAddress, SidecarConfig
-from sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
-from sidecar.servicer import SERVICE_NAME, CoordinatorServicer
-from sidecar.state import Clock, Coordinator
-from sidecar.status import ErrorTranslator
-from sidecar.store import StateStore
 
 __all__ = [
     "HEALTH_HOST",
@@ -54,7 +53,7 @@ Prometheus reach them; the coordinator itself listens only where told."""
 SOCKET_MODE = 0o660
 """Owner and group (the inference container's) may connect; nobody else."""
 
-_log = logging.getLogger("sidecar.server")
+_log = logging.getLogger("moe_sidecar.server")
 
 # SO_REUSEPORT (gRPC's default on Linux) would let a second sidecar bind the
 # same TCP port and silently split the ranks of a group between two state

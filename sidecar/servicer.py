@@ -1,11 +1,11 @@
 """The gRPC servicer: converts between the wire and the domain, nothing else.
 
-Requests and plans convert through :mod:`sidecar.wire` (shared with the
+Requests and plans convert through :mod:`moe_sidecar.wire` (shared with the
 client); the group and event views, which only the sidecar sends, are here.
 
 Each method turns its request into domain values, calls the
-:class:`~sidecar.state.Coordinator`, and turns the result into a response;
-:class:`~sidecar.status.ErrorTranslator` turns errors into status codes.
+:class:`~moe_sidecar.state.Coordinator`, and turns the result into a response;
+:class:`~moe_sidecar.status.ErrorTranslator` turns errors into status codes.
 """
 
 from __future__ import annotations
@@ -15,20 +15,19 @@ from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from moe_workspace.v1 import coordinator_pb2 as pb
-from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from sidecar.errors import InvalidArgument
-from sidecar.policy import CommitRecord, GroupState
-from sidecar.state import Coordinator, EventKind, GroupEvent
-from sidecar.status import ErrorTranslator
-from sidecar.wire import (
+from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.policy import CommitRecord, GroupState
+from moe_sidecar.state import Coordinator, EventKind, GroupEvent
+from moe_sidecar.status import ErrorTranslator
+from moe_sidecar.wire import (
     action_to_proto,
     decision_to_proto,
     plan_from_proto,
     plan_to_proto,
     proposal_from_proto,
 )
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "SERVICE_NAME",

@@ -1,7 +1,7 @@
 """The one state holder of the sidecar: :class:`Coordinator`.
 
 It owns every mutable thing the sidecar has: the groups (driven only through
-the pure functions of :mod:`sidecar.policy`), the store they persist to, the
+the pure functions of :mod:`moe_sidecar.policy`), the store they persist to, the
 futures of Proposes waiting for their round, the round deadline timers, the
 Watch subscribers, and the metrics that describe them. Everything runs on one
 asyncio event loop, so no locks: each method applies a policy step, persists
@@ -27,15 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from sidecar import policy
-from sidecar.errors import (
+from moe_sidecar import policy
+from moe_sidecar.errors import (
     AdminDisabled,
     CoordinatorError,
     CoordinatorUnavailable,
     GroupNotFound,
 )
-from sidecar.metrics import SidecarMetrics
-from sidecar.policy import (
+from moe_sidecar.metrics import SidecarMetrics
+from moe_sidecar.policy import (
     Action,
     Answered,
     CommitRecord,
@@ -47,7 +47,7 @@ from sidecar.policy import (
     Refusal,
     Waiting,
 )
-from sidecar.store import StateStore
+from moe_sidecar.store import StateStore
 
 __all__ = [
     "WATCH_QUEUE_LIMIT",
@@ -64,7 +64,7 @@ Clock: TypeAlias = Callable[[], float]
 WATCH_QUEUE_LIMIT = 1024
 """Undelivered events a Watch stream may hold before it is cut off."""
 
-_log = logging.getLogger("sidecar.state")
+_log = logging.getLogger("moe_sidecar.state")
 
 _RoundKey: TypeAlias = tuple[int, int]
 """(lifetime index, round number): round numbers restart with every lifetime."""

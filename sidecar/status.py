@@ -1,8 +1,8 @@
 """The one place where coordinator errors become gRPC status codes.
 
 :class:`ErrorTranslator` wraps every servicer method: a
-:class:`~sidecar.errors.CoordinatorError` aborts the call with the code of
-its :class:`~sidecar.errors.ErrorCode` and its message; any other exception
+:class:`~moe_sidecar.errors.CoordinatorError` aborts the call with the code of
+its :class:`~moe_sidecar.errors.ErrorCode` and its message; any other exception
 is a bug, logged with its traceback and answered INTERNAL, so no request can
 take the server down. Cancellation is never swallowed.
 """
@@ -15,9 +15,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 import grpc
-
-from sidecar.errors import CoordinatorError, ErrorCode
-from sidecar.metrics import SidecarMetrics
+from moe_sidecar.errors import CoordinatorError, ErrorCode
+from moe_sidecar.metrics import SidecarMetrics
 
 __all__ = ["GRPC_STATUS_FOR", "ErrorTranslator", "grpc_status_for"]
 
@@ -34,7 +33,7 @@ GRPC_STATUS_FOR: Mapping[ErrorCode, grpc.StatusCode] = {
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
-_log = logging.getLogger("sidecar.status")
+_log = logging.getLogger("moe_sidecar.status")
 
 
 def grpc_status_for(code: ErrorCode) -> grpc.StatusCode:

@@ -1,6 +1,6 @@
 """Durable group state: one SQLite database (WAL) in the state directory.
 
-Each group is one row holding its whole :class:`~sidecar.policy.GroupState`
+Each group is one row holding its whole :class:`~moe_sidecar.policy.GroupState`
 as JSON: the stored plan, the generation counter, the growth history, the
 ranks, the open round and the outcomes of recent closed rounds (so that a
 rank retrying after a sidecar crash gets the very decision it missed). A
@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sidecar.errors import ErrorCode
-from sidecar.policy import (
+from moe_sidecar.errors import ErrorCode
+from moe_sidecar.policy import (
     Action,
     Decision,
     GroupState,

@@ -2,16 +2,15 @@
 
 Shared by both ends of the gRPC connection: the sidecar's servicer and the
 client's gRPC transport. It imports the generated code and
-:mod:`sidecar.policy` only (no server state, no metrics), so a rank process
+:mod:`moe_sidecar.policy` only (no server state, no metrics), so a rank process
 can use it without pulling in the daemon.
 """
 
 from __future__ import annotations
 
+from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.policy import Action, Decision, Plan, Proposal, Requirement
 from moe_workspace.v1 import coordinator_pb2 as pb
-
-from sidecar.errors import InvalidArgument
-from sidecar.policy import Action, Decision, Plan, Proposal, Requirement
 
 __all__ = [
     "action_to_proto",

@@ -7,8 +7,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-
-from client.backends.base import AlltoAll, AlltoAllBackend, BuildSpec
+from moe_sidecar.client.backends.base import AlltoAll, AlltoAllBackend, BuildSpec
 
 __all__ = ["BACKENDS", "AlltoAll", "AlltoAllBackend", "BuildSpec", "backend_for"]
 
@@ -22,11 +21,11 @@ def backend_for(name: str, group: dist.ProcessGroup) -> AlltoAllBackend:
         ValueError: an unknown name.
     """
     if name == "flashinfer":
-        from client.backends.flashinfer import FlashInferBackend
+        from moe_sidecar.client.backends.flashinfer import FlashInferBackend
 
         return FlashInferBackend(group)
     if name == "reference":
-        from client.backends.reference import ReferenceBackend
+        from moe_sidecar.client.backends.reference import ReferenceBackend
 
         return ReferenceBackend(group)
     raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")

@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
-
-from client.errors import BackendError
+from moe_sidecar.client.errors import BackendError
 
 __all__ = ["GroupCommunicator"]
 

@@ -6,7 +6,7 @@ ep_size``, ``rank = ep_rank``), so ``moe_ep_size``/``moe_ep_rank`` are the
 EP group's size and rank, and ``pp_rank = cp_rank = 0`` on every rank: the
 ``Split(pp_rank * cp_size + cp_rank, tp_rank)`` that ``MoeAlltoAll`` makes
 on its communicator has a single color and keeps the EP group as it is. The
-communicator (:class:`client.backends.communicator.GroupCommunicator`) runs
+communicator (:class:`moe_sidecar.client.backends.communicator.GroupCommunicator`) runs
 FlashInfer's handle exchange on the EP group's CPU group only.
 
 Releasing: ``del moe_alltoall`` frees nothing, because the class-level
@@ -31,10 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from client.backends.base import AlltoAll, BuildSpec
-from client.backends.communicator import GroupCommunicator
-from client.errors import BackendError
+from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
+from moe_sidecar.client.backends.communicator import GroupCommunicator
+from moe_sidecar.client.errors import BackendError
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
 

@@ -5,7 +5,7 @@ tested, on machines without GPUs. It is faithful where that matters:
 
 * each rank owns a workspace byte buffer of exactly
   ``workspace_size_per_rank`` bytes, laid out with FlashInfer's offsets
-  (:func:`client.sizing.aux_offsets`): counters, top-k target ranks and send
+  (:func:`moe_sidecar.client.sizing.aux_offsets`): counters, top-k target ranks and send
   indices, then one region per dispatch payload, then the combine region;
 * dispatch sends each token once to every rank that owns one of its top-k
   experts (FlashInfer's contiguous ceil/floor expert-to-rank partition;
@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from client.backends.base import AlltoAll, BuildSpec
-from client.errors import BackendError
-from client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
+from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
+from moe_sidecar.client.errors import BackendError
+from moe_sidecar.client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
 
 __all__ = [
     "ReferenceAlltoAll",

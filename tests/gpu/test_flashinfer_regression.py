@@ -29,10 +29,9 @@ GROUP = "gpu-regression:nvfp4+bf16-mtp/ep2/pp0"
 
 def _overflow_rank(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
-
-    from client import sizing
-    from client.backends import BuildSpec
-    from client.backends.flashinfer import FlashInferBackend
+    from moe_sidecar.client import sizing
+    from moe_sidecar.client.backends import BuildSpec
+    from moe_sidecar.client.backends.flashinfer import FlashInferBackend
 
     workers.warm_up_cuda(rank)
     first = sizing.layer_sizes(
@@ -76,8 +75,7 @@ def test_first_layer_sizing_overflows_on_the_bf16_combine(tmp_path: Path) -> Non
 
 def _sequence_rank(rank: int, world_size: int, target: str) -> dict[str, Any]:
     import torch.distributed as dist
-
-    from client import WorkspaceManager
+    from moe_sidecar.client import WorkspaceManager
 
     workers.warm_up_cuda(rank)
     manager = WorkspaceManager(world(), group=GROUP, target=target, backend="flashinfer")

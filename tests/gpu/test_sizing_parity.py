@@ -1,4 +1,4 @@
-"""client.sizing equals FlashInfer's moe_a2a_get_workspace_size_per_rank.
+"""moe_sidecar.client.sizing equals FlashInfer's moe_a2a_get_workspace_size_per_rank.
 
 Over a grid of EP sizes (1..64), token counts (1..8192), payload sizes and
 EPLB sizes, byte for byte. Runs on the GPU machine: FlashInfer's function
@@ -10,8 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from client import sizing
+from moe_sidecar.client import sizing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from moe_sidecar.config import SidecarConfig
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
-from sidecar.config import SidecarConfig
 
 GROUP = "deepseek-v3:fp4/tp1-ep8/pp0"
 

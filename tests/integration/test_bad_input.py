@@ -10,9 +10,9 @@ from typing import Any
 
 import grpc
 import pytest
+from moe_sidecar.server import RunningServer, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar.server import RunningServer, running_server
 from tests.integration.helpers import (
     NVFP4,
     coordinator_stub,

@@ -37,12 +37,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from moe_sidecar import cli
+from moe_sidecar.config import SidecarConfig, config_from_flags
+from moe_sidecar.servicer import SERVICE_NAME
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
-from sidecar import cli
-from sidecar.config import SidecarConfig, config_from_flags
-from sidecar.servicer import SERVICE_NAME
 from tests.dockerfile import (
     REPO,
     Stage,
@@ -187,10 +187,10 @@ def test_build_context_holds_what_the_build_copies_and_nothing_else() -> None:
 def test_sidecar_depends_on_and_imports_neither_torch_nor_flashinfer() -> None:
     probe = (
         "import importlib.metadata, json, sys\n"
-        "import sidecar, sidecar.cli, sidecar.server, sidecar.__main__\n"
-        "sidecar.cli.build_parser()\n"
+        "import moe_sidecar, moe_sidecar.cli, moe_sidecar.server, moe_sidecar.__main__\n"
+        "moe_sidecar.cli.build_parser()\n"
         "print(json.dumps({'modules': sorted(m for m in sys.modules"
-        " if m.split('.')[0] in ('torch', 'flashinfer', 'client')),"
+        " if m.split('.')[0] in ('torch', 'flashinfer') or m.startswith('moe_sidecar.client')),"
         " 'requires': importlib.metadata.requires('moe-sidecar')}))\n"
     )
     found = subprocess.run(

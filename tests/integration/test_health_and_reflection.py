@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from moe_sidecar.server import running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar.server import running_server
 from tests.integration.helpers import coordinator_stub, make_config, propose_request
 
 pytestmark = pytest.mark.timeout(30)

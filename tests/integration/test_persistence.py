@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from moe_sidecar.server import running_server
+from moe_sidecar.store import DATABASE_FILE, StoreError
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar.server import running_server
-from sidecar.store import DATABASE_FILE, StoreError
 from tests.integration.helpers import (
     BF16,
     NVFP4,
@@ -76,13 +76,13 @@ async def test_state_survives_stop_and_start(tmp_path: Path) -> None:
 def _start_sidecar_process(
     tmp_path: Path, socket_target: str, state_dir: Path
 ) -> subprocess.Popen[bytes]:
-    """``python -m sidecar`` in a subprocess, returned once it reports SERVING."""
+    """``python -m moe_sidecar`` in a subprocess, returned once it reports SERVING."""
     with (tmp_path / "sidecar.stderr").open("wb") as stderr:
         process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "sidecar",
+                "moe_sidecar",
                 "--listen",
                 socket_target,
                 "--state-dir",

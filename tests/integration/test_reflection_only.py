@@ -40,11 +40,11 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from moe_sidecar.config import DEFAULT_LISTEN, SidecarConfig
+from moe_sidecar.server import RunningServer, running_server
+from moe_sidecar.servicer import SERVICE_NAME
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar.config import DEFAULT_LISTEN, SidecarConfig
-from sidecar.server import RunningServer, running_server
-from sidecar.servicer import SERVICE_NAME
 from tests.dockerfile import REPO, parse_dockerfile
 from tests.integration.helpers import coordinator_stub, make_config, run_round
 

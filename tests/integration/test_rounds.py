@@ -7,9 +7,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from moe_sidecar.server import running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar.server import running_server
 from tests.integration.helpers import (
     BF16,
     GROUP,

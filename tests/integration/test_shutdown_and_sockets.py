@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from moe_sidecar.server import SOCKET_MODE, StartupError, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar.server import SOCKET_MODE, StartupError, running_server
 from tests.integration.helpers import coordinator_stub, make_config, propose_request, rpc_error
 
 pytestmark = pytest.mark.timeout(30)
@@ -110,7 +110,7 @@ def test_sigterm_drains_the_cli_server(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "sidecar",
+            "moe_sidecar",
             "--listen",
             f"unix://{sock}",
             "--state-dir",
@@ -145,7 +145,7 @@ def test_sigterm_drains_the_cli_server(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_bad_config(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "sidecar", "--state-dir", str(tmp_path)],
+        [sys.executable, "-m", "moe_sidecar", "--state-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         env={**os.environ, "MOE_SIDECAR_LISTN": "x"},

@@ -10,10 +10,10 @@ from typing import Any
 
 import grpc
 import pytest
+from moe_sidecar import cli
+from moe_sidecar.server import RunningServer, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-from sidecar import cli
-from sidecar.server import RunningServer, running_server
 from tests.integration.helpers import (
     BF16,
     coordinator_stub,

@@ -7,7 +7,7 @@ Every rank has a watchdog: past its timeout it dumps every thread's stack to
 a file and exits, and the parent puts those stacks, and every traceback a
 rank sent back, into the test failure.
 
-``Sidecar`` starts ``python -m sidecar`` on a Unix socket in a temporary
+``Sidecar`` starts ``python -m moe_sidecar`` on a Unix socket in a temporary
 directory and stops it.
 """
 
@@ -152,7 +152,7 @@ def run_ranks(
 
 
 class Sidecar:
-    """A real ``python -m sidecar`` on a Unix socket, for one test."""
+    """A real ``python -m moe_sidecar`` on a Unix socket, for one test."""
 
     def __init__(self, directory: Path, *, round_timeout: float = 20.0) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,7 @@ class Sidecar:
         command = [
             sys.executable,
             "-m",
-            "sidecar",
+            "moe_sidecar",
             "--listen",
             self.target,
             "--state-dir",

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from moe_sidecar.client.sizing import layer_sizes
 
-from client.sizing import layer_sizes
 from tests.multiprocess import workers
 from tests.multiprocess.harness import Sidecar, run_ranks
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from moe_sidecar.client.simulate import MODELS
+from moe_sidecar.client.sizing import layer_sizes
 
-from client.simulate import MODELS
-from client.sizing import layer_sizes
 from tests.multiprocess.harness import Sidecar
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]

@@ -175,7 +175,7 @@ def run_layers(
     check_numerics: bool,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    from client.backends.reference import live_workspace_bytes
+    from moe_sidecar.client.backends.reference import live_workspace_bytes
 
     records = []
     for i, layer in enumerate(layers):
@@ -220,16 +220,16 @@ def run_layers(
 
 
 def _manager(cpu_group: Any, group: str, target: str | None, **kw: Any) -> Any:
-    from client import WorkspaceManager
+    from moe_sidecar.client import WorkspaceManager
 
     return WorkspaceManager(cpu_group, group=group, target=target, backend="reference", **kw)
 
 
 def regression_worker(rank: int, world: int, target: str | None, group: str) -> dict[str, Any]:
     """The seed's sequence, then the same workspace without the coordinator."""
-    from client.backends import BuildSpec
-    from client.backends.reference import ReferenceBackend
-    from client.sizing import layer_sizes
+    from moe_sidecar.client.backends import BuildSpec
+    from moe_sidecar.client.backends.reference import ReferenceBackend
+    from moe_sidecar.client.sizing import layer_sizes
 
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
@@ -325,7 +325,7 @@ def divergence_worker(rank: int, world: int, target: str, group: str) -> dict[st
 
 
 def _expect_failure(call: Callable[[], None]) -> dict[str, Any]:
-    from client.errors import rpc_status
+    from moe_sidecar.client.errors import rpc_status
 
     started = time.monotonic()
     try:
@@ -397,13 +397,13 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
     end. Any collective that ran on the world instead of the EP group would
     leave ranks 0 and 1 waiting for it until the watchdog fires.
     """
-    from client.agreement import LocalOutcome, agree
-    from client.backends import BuildSpec
-    from client.backends.communicator import GroupCommunicator
-    from client.backends.reference import ReferenceBackend, live_workspace_bytes
-    from client.errors import BackendError, PreconditionFailed
-    from client.sizing import aux_data_size
-    from sidecar.policy import Plan
+    from moe_sidecar.client.agreement import LocalOutcome, agree
+    from moe_sidecar.client.backends import BuildSpec
+    from moe_sidecar.client.backends.communicator import GroupCommunicator
+    from moe_sidecar.client.backends.reference import ReferenceBackend, live_workspace_bytes
+    from moe_sidecar.client.errors import BackendError, PreconditionFailed
+    from moe_sidecar.client.sizing import aux_data_size
+    from moe_sidecar.policy import Plan
 
     ep_group = dist.new_group([0, 1], backend="gloo")
     out: dict[str, Any] = {}

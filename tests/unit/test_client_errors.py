@@ -10,9 +10,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-
-from client import errors
-from client.errors import error_from_rpc, rpc_status
+from moe_sidecar.client import errors
+from moe_sidecar.client.errors import error_from_rpc, rpc_status
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from client import sizing
+from moe_sidecar.client import sizing
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-
-from sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
+from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -8,9 +8,8 @@ import json
 import logging
 
 import pytest
-
-from sidecar import cli
-from sidecar.logs import LOGGER_NAME, configure_logging
+from moe_sidecar import cli
+from moe_sidecar.logs import LOGGER_NAME, configure_logging
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -29,10 +28,10 @@ def test_json_lines_carry_the_decision_fields(restore_logger: object) -> None:
     stream = io.StringIO()
     configure_logging("json", "INFO", stream)
     configure_logging("json", "INFO", stream)  # not twice the lines
-    logging.getLogger("sidecar.state").info(
+    logging.getLogger("moe_sidecar.state").info(
         "round decided", extra={"group": "g", "round": 3, "ranks": [0, 1], "layer": "mtp"}
     )
-    logging.getLogger("sidecar.state").debug("hidden")
+    logging.getLogger("moe_sidecar.state").debug("hidden")
     lines = stream.getvalue().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
@@ -43,7 +42,7 @@ def test_json_lines_carry_the_decision_fields(restore_logger: object) -> None:
         [0, 1],
         "mtp",
     )
-    assert record["logger"] == "sidecar.state" and record["time"].endswith("Z")
+    assert record["logger"] == "moe_sidecar.state" and record["time"].endswith("Z")
 
 
 def test_text_lines_and_tracebacks(restore_logger: object) -> None:
@@ -52,9 +51,9 @@ def test_text_lines_and_tracebacks(restore_logger: object) -> None:
     try:
         raise ValueError("bad")
     except ValueError:
-        logging.getLogger("sidecar.x").exception("failed", extra={"group": "g"})
+        logging.getLogger("moe_sidecar.x").exception("failed", extra={"group": "g"})
     text = stream.getvalue()
-    assert "ERROR   sidecar.x: failed group='g'" in text
+    assert "ERROR   moe_sidecar.x: failed group='g'" in text
     assert "ValueError: bad" in text
     with pytest.raises(ValueError, match="log_format='xml'"):
         configure_logging("xml", "INFO", stream)

@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
-
-from sidecar import policy, sizing
-from sidecar.errors import (
+from moe_sidecar import policy, sizing
+from moe_sidecar.errors import (
     ErrorCode,
     InvalidArgument,
     PreconditionFailed,
     RoundAborted,
 )
-from sidecar.policy import (
+from moe_sidecar.policy import (
     Action,
     Answered,
     Closed,

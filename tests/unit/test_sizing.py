@@ -7,8 +7,7 @@ Parity with FlashInfer itself over a grid runs on the GPU machine
 from __future__ import annotations
 
 import pytest
-
-from client import sizing
+from moe_sidecar.client import sizing
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -7,11 +7,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-
-from sidecar.errors import CoordinatorUnavailable, RoundTimedOut
-from sidecar.policy import Action, Proposal, Requirement
-from sidecar.state import Coordinator, EventKind
-from sidecar.store import StateStore
+from moe_sidecar.errors import CoordinatorUnavailable, RoundTimedOut
+from moe_sidecar.policy import Action, Proposal, Requirement
+from moe_sidecar.state import Coordinator, EventKind
+from moe_sidecar.store import StateStore
 
 pytestmark = pytest.mark.timeout(10)
 

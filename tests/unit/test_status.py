@@ -9,10 +9,9 @@ from typing import Any
 
 import grpc
 import pytest
-
-from sidecar.errors import ErrorCode, GroupNotFound, RoundTimedOut
-from sidecar.metrics import SidecarMetrics
-from sidecar.status import GRPC_STATUS_FOR, ErrorTranslator, grpc_status_for
+from moe_sidecar.errors import ErrorCode, GroupNotFound, RoundTimedOut
+from moe_sidecar.metrics import SidecarMetrics
+from moe_sidecar.status import GRPC_STATUS_FOR, ErrorTranslator, grpc_status_for
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -106,7 +105,7 @@ async def test_translation_on_a_real_server(
         assert info.value.details() == "group='g': no such group on this sidecar"
 
         with (
-            caplog.at_level(logging.ERROR, logger="sidecar.status"),
+            caplog.at_level(logging.ERROR, logger="moe_sidecar.status"),
             pytest.raises(grpc.aio.AioRpcError) as info,
         ):
             await unary("Bug")(b"", timeout=5)

@@ -7,10 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
-from sidecar import policy
-from sidecar.policy import CommitRecord, GroupState, Proposal, Requirement
-from sidecar.store import DATABASE_FILE, StateStore, StoreError, decode_group, encode_group
+from moe_sidecar import policy
+from moe_sidecar.policy import CommitRecord, GroupState, Proposal, Requirement
+from moe_sidecar.store import DATABASE_FILE, StateStore, StoreError, decode_group, encode_group
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from client.errors import (
+from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InvalidArgument,
     RoundTimedOut,
     rpc_status,
 )
-from client.transport import EmbeddedTransport, GrpcTransport, transport_for
-from sidecar.policy import Action, CommitRecord, Proposal, Requirement
+from moe_sidecar.client.transport import EmbeddedTransport, GrpcTransport, transport_for
+from moe_sidecar.policy import Action, CommitRecord, Proposal, Requirement
+
 from tests.multiprocess.harness import Sidecar, running_sidecar
 
 pytestmark = pytest.mark.timeout(60)
