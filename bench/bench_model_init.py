@@ -34,7 +34,6 @@ from moe_sidecar.client.simulate import (  # noqa: E402
     SimulationResult,
     run_simulation,
 )
-
 from tests.multiprocess.harness import running_sidecar  # noqa: E402
 
 TARGET_ADDED_S = 0.1

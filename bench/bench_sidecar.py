@@ -36,23 +36,35 @@ from typing import Any
 import grpc
 import psutil  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from moe_sidecar import policy
+from moe_sidecar.group import GroupState, Proposal, Requirement
 from moe_sidecar.logs import configure_logging
-from moe_sidecar.policy import GroupState, Proposal, Requirement
+from moe_sidecar.plan import Capacities
 from moe_sidecar.state import Coordinator
 from moe_sidecar.store import StateStore
+from moe_sidecar.wire_codec import capacities_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"p99_ms_at_8": 1.0, "proposals_per_s": 2000.0, "rss_mb_1000_groups": 80.0}
 NEED = Requirement(
-    workspace_bytes=29_360_128,
-    max_num_tokens=256,
-    top_k=8,
-    num_experts=256,
+    # A DeepSeek-V3 NVFP4 layer: hidden/2 + hidden/16 + 8 * top_k, then bf16 combine.
+    Capacities(
+        max_tokens=256,
+        dispatch_bytes_per_token=3584 + 448 + 64,
+        combine_bytes_per_token=14336,
+        top_k=8,
+        num_experts=256,
+    ),
     layer="model.layers.3.mlp",
 )
+
+
+def _grown(rnd: int) -> Capacities:
+    """Round ``rnd``'s layer: a larger dispatch payload each round, so each round grows."""
+    return Capacities(256, NEED.capacities.dispatch_bytes_per_token * rnd, 14336, 8, 256)
 
 
 @dataclass
@@ -83,11 +95,7 @@ def _request(
         lifetime=f"bench-{group}-{rank}",
         round=rnd,
         requirement=pb.Requirement(
-            workspace_bytes=NEED.workspace_bytes,
-            max_num_tokens=NEED.max_num_tokens,
-            top_k=NEED.top_k,
-            num_experts=NEED.num_experts,
-            layer=NEED.layer,
+            capacities=capacities_to_proto(NEED.capacities), layer=NEED.layer
         ),
     )
 
@@ -107,7 +115,7 @@ def core_rounds(ranks: int, rounds: int, warmup: int) -> Series:
         t0 = time.perf_counter()
         for rank in range(ranks):
             proposal = Proposal("core", ep_size, rank, ranks, f"core-{rank}", rnd, NEED)
-            state, _ = policy.propose(state, proposal, time.time(), 60.0)
+            state = policy.propose(state, proposal, time.time(), 60.0).state
         if rnd > warmup:
             latencies.append(time.perf_counter() - t0)
     return Series(latencies, time.perf_counter() - started, ranks * rounds)
@@ -122,11 +130,11 @@ def core_heap_of_groups(groups: int, ranks: int, rounds: int) -> int:
         name = f"model-{g}/ep{ranks}"
         state = None
         for rnd in range(1, rounds + 1):
-            need = Requirement(NEED.workspace_bytes * rnd, 256, 8, 256, f"layer.{rnd}")
+            need = Requirement(_grown(rnd), f"layer.{rnd}")
             for rank in range(ranks):
-                state, _ = policy.propose(
+                state = policy.propose(
                     state, Proposal(name, ranks, rank, ranks, f"l{rank}", rnd, need), 0.0, 60.0
-                )
+                ).state
         assert state is not None
         states[name] = state
     size = tracemalloc.get_traced_memory()[0] - before
@@ -236,7 +244,9 @@ async def sidecar_rounds(target: str, group: str, ranks: int, rounds: int, warmu
     async def propose(channel: grpc.aio.Channel, rank: int, rnd: int) -> None:
         stub: Any = pb_grpc.WorkspaceCoordinatorStub(channel)
         answer = await stub.Propose(_request(group, ranks, rank, rnd), timeout=30)
-        assert answer.round == rnd and answer.plan.workspace_bytes == NEED.workspace_bytes
+        assert answer.round == rnd and answer.plan.capacities == capacities_to_proto(
+            NEED.capacities
+        )
 
     return await _timed_rounds(target, ranks, rounds, warmup, propose)
 
@@ -263,13 +273,7 @@ async def fill_groups(target: str, groups: int, ranks: int, rounds: int, paralle
     async def one(g: int, stubs: list[Any]) -> None:
         name = f"model-{g}/ep{ranks}"
         for rnd in range(1, rounds + 1):
-            need = pb.Requirement(
-                workspace_bytes=NEED.workspace_bytes * rnd,
-                max_num_tokens=256,
-                top_k=8,
-                num_experts=256,
-                layer=f"layer.{rnd}",
-            )
+            need = pb.Requirement(capacities=capacities_to_proto(_grown(rnd)), layer=f"layer.{rnd}")
             await asyncio.gather(
                 *(
                     stubs[rank].Propose(

@@ -102,20 +102,25 @@ def _reuse_round_seconds(manager: Any, rounds: int) -> list[float]:
 def _bare_core_seconds(rounds: int) -> list[float]:
     """The in-process decision alone: policy.propose for a 1-rank group."""
     from moe_sidecar import policy
+    from moe_sidecar.group import GroupState, Proposal, Requirement
+    from moe_sidecar.plan import Capacities
 
-    requirement = policy.Requirement(10_000, workers.TOKENS, workers.TOP_K, workers.NUM_EXPERTS)
-    state: policy.GroupState | None = None
+    requirement = Requirement(
+        Capacities(workers.TOKENS, 100, 200, workers.TOP_K, workers.NUM_EXPERTS)
+    )
+    state: GroupState | None = None
     samples = []
     for n in range(1, rounds + 1):
-        proposal = policy.Proposal("bench", 2, 0, 1, "life", n, requirement)
+        proposal = Proposal("bench", 2, 0, 1, "life", n, requirement)
         started = time.perf_counter()
-        state, _ = policy.propose(state, proposal, float(n), 60.0)
+        state = policy.propose(state, proposal, float(n), 60.0).state
         samples.append(time.perf_counter() - started)
     return samples
 
 
 def _bench_rank(rank: int, world_size: int, target: str, iterations: int, rounds: int) -> Any:
     import torch.distributed as dist
+
     from moe_sidecar.client import WorkspaceManager, sizing
     from moe_sidecar.client.backends import BuildSpec
     from moe_sidecar.client.backends.flashinfer import FlashInferBackend
@@ -124,22 +129,16 @@ def _bench_rank(rank: int, world_size: int, target: str, iterations: int, rounds
     out: dict[str, Any] = {}
 
     def spec(layer: workers.Layer) -> BuildSpec:
-        sizes = sizing.layer_sizes(
+        capacities = sizing.layer_capacities(
             world_size,
             workers.TOKENS,
             workers.TOP_K,
+            workers.NUM_EXPERTS,
             workers.HIDDEN,
             layer.x_bytes_per_token,
             layer.x_sf_bytes_per_token,
         )
-        return BuildSpec(
-            world_size,
-            rank,
-            workers.TOKENS,
-            workers.TOP_K,
-            workers.NUM_EXPERTS,
-            sizes.workspace_bytes,
-        )
+        return BuildSpec(world_size, rank, capacities, capacities.workspace_bytes(world_size))
 
     def load_flashinfer() -> None:
         import flashinfer.comm.trtllm_moe_alltoall  # noqa: F401

@@ -21,7 +21,7 @@ from moe_sidecar.client.errors import (
     RoundTimedOut,
 )
 from moe_sidecar.client.manager import ManagerCounters, WorkspaceManager
-from moe_sidecar.client.transport import EMBEDDED, ENV_TARGET
+from moe_sidecar.defaults import EMBEDDED, ENV_TARGET
 
 __all__ = [
     "EMBEDDED",

@@ -2,41 +2,33 @@
 
 Each node's sidecar (or, embedded, each rank's own core) decides for the
 ranks it sees. When an EP group spans more ranks than one decider sees, its
-ranks agree with ONE ``all_reduce(MAX)`` of a small int64 vector:
+ranks agree with ONE ``all_gather`` of a small int64 row per rank::
 
-====  ===========================================================
-slot  value
-====  ===========================================================
-0     workspace bytes of the local plan
-1     max_num_tokens of the local plan
-2     generation of the local plan
-3, 4  top_k and -top_k (MAX of the negation is -MIN)
-5, 6  num_experts and -num_experts
-7     1 when this rank's proposal failed, else 0
-8     payload bytes of the largest layer the local plan serves
-====  ===========================================================
+    failed | epoch | generation | capacities (one slot per field, in
+    moe_sidecar.plan.Capacities' order)
 
-The agreed workspace is the largest of the ranks' workspaces, and at least
-the auxiliary data at the agreed ``max_num_tokens`` plus the largest payload
-(:func:`moe_sidecar.client.sizing.workspace_for_payload`): FlashInfer's auxiliary data
-grows with the token count the workspace is built for.
+and every rank then folds the gathered plans with the decision core's own
+:func:`moe_sidecar.plan.join`. The same rows in, the same join, so every rank
+holds the same plan, and the manager derives the same action from it with
+:func:`moe_sidecar.plan.decide_action`. Nothing here takes a maximum.
 
 A rank whose proposal failed still joins the collective, so every rank takes
 the same branch: either all proceed with the same plan, or all raise. Only
-on the failure branch does one more collective (``all_gather_object``) run,
-to name the ranks and layers involved.
+on a failure or a shape mismatch does one more collective
+(``all_gather_object``) run, to name the ranks and layers involved.
 
 Every collective here runs on the group passed in, never the world: ranks of
-other EP groups (other pipeline stages) are not involved and may be doing
-something else entirely.
+other EP groups (other pipeline stages) are not involved.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
+
 from moe_sidecar.client.errors import (
     AgreementError,
     CoordinatorError,
@@ -44,14 +36,13 @@ from moe_sidecar.client.errors import (
     InvalidArgument,
     RankFailure,
 )
-from moe_sidecar.client.sizing import workspace_for_payload
 from moe_sidecar.errors import error_for_code
-from moe_sidecar.policy import Plan
+from moe_sidecar.plan import Capacities, Plan, ShapeMismatch, join
 
-__all__ = ["AgreementOutcome", "LocalOutcome", "agree", "failure_code"]
+__all__ = ["LocalOutcome", "agree", "failure_code"]
 
-# Neutral element for MAX of a negated field on a rank that has no value.
-_NO_VALUE = -(1 << 62)
+_CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
+_ROW = 3 + len(_CAPACITY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -64,15 +55,6 @@ class LocalOutcome:
     failure: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class AgreementOutcome:
-    """The plan every rank of the EP group now holds the same view of."""
-
-    plan: Plan
-    collectives: int
-    """Collectives this agreement issued (1 on success)."""
-
-
 def failure_code(error: BaseException) -> ErrorCode:
     """The error code a failure is reported under on every rank."""
     if isinstance(error, CoordinatorError):
@@ -82,30 +64,29 @@ def failure_code(error: BaseException) -> ErrorCode:
     return ErrorCode.INTERNAL
 
 
-def _vector(mine: LocalOutcome) -> torch.Tensor:
+def _row(mine: LocalOutcome) -> torch.Tensor:
     if mine.failure is not None or mine.plan is None:
-        values = [0, 0, 0, 0, _NO_VALUE, 0, _NO_VALUE, 1, 0]
-    else:
-        p = mine.plan
-        values = [
-            p.workspace_bytes,
-            p.max_num_tokens,
-            p.generation,
-            p.top_k,
-            -p.top_k,
-            p.num_experts,
-            -p.num_experts,
-            0,
-            p.payload_bytes,
-        ]
-    return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor([1] + [0] * (_ROW - 1), dtype=torch.int64)
+    p = mine.plan
+    return torch.tensor(
+        [0, p.epoch, p.generation, *(getattr(p.capacities, name) for name in _CAPACITY_FIELDS)],
+        dtype=torch.int64,
+    )
+
+
+def _plan(row: list[int]) -> Plan:
+    return Plan(
+        capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[3:], strict=True))),
+        epoch=row[1],
+        generation=row[2],
+    )
 
 
 def _layer_text(layer: str) -> str:
     return repr(layer) if layer else "(unnamed layer)"
 
 
-def _gather(group: dist.ProcessGroup, item: object) -> list[object]:
+def _gather_objects(group: dist.ProcessGroup, item: object) -> list[object]:
     gathered: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, item, group=group)
     return gathered
@@ -118,7 +99,7 @@ def _raise_failures(group: dist.ProcessGroup, mine: LocalOutcome, group_name: st
         code = failure_code(error) if error is not None else ErrorCode.INTERNAL
         text = str(error) if error is not None else "no plan and no error"
         item = (mine.ep_rank, mine.layer, code.value, text)
-    gathered = _gather(group, item)
+    gathered = _gather_objects(group, item)
     failures = [entry for entry in gathered if isinstance(entry, tuple)]
     parts = [
         f"rank {rank} (layer {_layer_text(layer)}): {text}" for rank, layer, _, text in failures
@@ -131,36 +112,34 @@ def _raise_failures(group: dist.ProcessGroup, mine: LocalOutcome, group_name: st
     raise error_for_code(first_code, message) from mine.failure
 
 
-def _raise_disagreement(group: dist.ProcessGroup, mine: LocalOutcome, group_name: str) -> None:
-    assert mine.plan is not None
-    gathered = _gather(group, (mine.ep_rank, mine.layer, mine.plan.top_k, mine.plan.num_experts))
-    shapes = [entry for entry in gathered if isinstance(entry, tuple)]
-    # Name the ranks that differ from the most common shape.
-    counts: dict[tuple[int, int], int] = {}
-    for _, _, top_k, num_experts in shapes:
-        counts[(top_k, num_experts)] = counts.get((top_k, num_experts), 0) + 1
-    majority = max(counts, key=lambda shape: (counts[shape], -shape[0], -shape[1]))
+def _raise_disagreement(
+    group: dist.ProcessGroup, mine: LocalOutcome, plans: list[Plan], group_name: str
+) -> None:
+    layers = _gather_objects(group, mine.layer)
+    shapes = [plan.capacities.shape for plan in plans]
     failures = tuple(
-        RankFailure(ep_rank=rank, layer=layer, detail=f"top_k={top_k}, num_experts={num_experts}")
-        for rank, layer, top_k, num_experts in shapes
+        RankFailure(ep_rank=rank, layer=str(layer), detail=f"top_k={top_k}, num_experts={experts}")
+        for rank, ((top_k, experts), layer) in enumerate(zip(shapes, layers, strict=True))
     )
-    odd = [f for f in failures if f.detail != f"top_k={majority[0]}, num_experts={majority[1]}"]
+    # Name the ranks that differ from the most common shape (ties: the smaller shape).
+    counts = {shape: shapes.count(shape) for shape in shapes}
+    top_k, experts = max(counts, key=lambda shape: (counts[shape], -shape[0], -shape[1]))
+    majority = f"top_k={top_k}, num_experts={experts}"
+    odd = [f for f in failures if f.detail != majority]
     raise AgreementError(
         f"ranks of EP group {group_name!r} disagree on the MoE layer shape: "
         + "; ".join(f"rank {f.ep_rank} layer {_layer_text(f.layer)} has {f.detail}" for f in odd)
-        + f" while {counts[majority]} rank(s) have top_k={majority[0]}, "
-        f"num_experts={majority[1]}; every rank must run the same layers in the same order",
+        + f" while {counts[(top_k, experts)]} rank(s) have {majority}; every rank must run the same "
+        "layers in the same order",
         failures,
     )
 
 
-def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> AgreementOutcome:
+def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
     """Makes every rank of ``group`` hold the same plan, or raise the same error.
 
-    The agreed plan is the element-wise maximum of the ranks' workspace
-    bytes, token counts and generations, its workspace raised where the
-    agreed token count needs more auxiliary data; ``top_k`` and
-    ``num_experts`` must be equal everywhere.
+    The agreed plan is the join (:func:`moe_sidecar.plan.join`) of every
+    rank's local plan.
 
     Args:
         group: the EP group's CPU (gloo) process group; nothing else is used.
@@ -176,25 +155,15 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> A
     """
     if mine.plan is None and mine.failure is None:
         raise InvalidArgument("agree() needs a plan or a failure")
-    vector = _vector(mine)
-    dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
-    ws, tokens, generation, top_k, neg_top_k, experts, neg_experts, failed, payload = (
-        int(v) for v in vector.tolist()
-    )
-    if failed:
+    row = _row(mine)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, row, group=group)
+    values = [[int(v) for v in r.tolist()] for r in rows]
+    if any(v[0] for v in values):
         _raise_failures(group, mine, group_name)
-    if top_k != -neg_top_k or experts != -neg_experts:
-        _raise_disagreement(group, mine, group_name)
-    assert mine.plan is not None
-    ep_size = dist.get_world_size(group)
-    plan = Plan(
-        workspace_bytes=max(ws, workspace_for_payload(ep_size, tokens, payload) if payload else 0),
-        max_num_tokens=tokens,
-        top_k=top_k,
-        num_experts=experts,
-        generation=generation,
-        shape_layer=mine.plan.shape_layer,
-        shape_rank=mine.plan.shape_rank,
-        payload_bytes=payload,
-    )
-    return AgreementOutcome(plan=plan, collectives=1)
+    plans = [_plan(v) for v in values]
+    try:
+        return functools.reduce(join, plans)
+    except ShapeMismatch:
+        _raise_disagreement(group, mine, plans, group_name)
+        raise  # pragma: no cover - _raise_disagreement always raises

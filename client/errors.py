@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+
 from moe_sidecar.errors import (
     AdminDisabled,
     CoordinatorError,

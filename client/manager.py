@@ -2,15 +2,20 @@
 
 Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
 
-1. size the layer with :mod:`moe_sidecar.client.sizing` and propose it (one RPC to the
-   node's sidecar, or the in-process core in embedded mode);
+1. size the layer as capacities (:mod:`moe_sidecar.client.sizing`) and
+   propose it (one RPC to the node's sidecar, or the in-process core in
+   embedded mode); the answer is a decision: BUILD, REUSE or REBUILD and a plan;
 2. when the EP group spans more ranks than one decider sees (``ep_size >
    local_ranks``), and always in embedded mode, agree across the EP group with
-   one all-reduce on ``cpu_group`` (:mod:`moe_sidecar.client.agreement`);
-3. only when the agreed plan exceeds what is built (or nothing is built yet):
-   build through the backend, pass a barrier on ``cpu_group`` (never the
-   world: pipeline stages rebuild a different number of times), release the
-   superseded workspace, and commit the generation now held.
+   one all-gather on ``cpu_group`` (:mod:`moe_sidecar.client.agreement`): the
+   plans are folded with the core's join and the action is derived from the
+   agreed plan with the core's own :func:`~moe_sidecar.plan.decide_action`;
+   otherwise the manager executes the action it received, as it is;
+3. BUILD/REBUILD: build through the backend at the plan's capacities (the
+   backend's size function turns them into bytes), pass a barrier on
+   ``cpu_group`` (never the world: pipeline stages rebuild a different
+   number of times), release the superseded workspace, and commit the plan
+   now held.
 
 So a REUSE round of a node-local group in sidecar mode costs exactly one RPC
 and no collective.
@@ -23,32 +28,22 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from moe_sidecar.client.agreement import LocalOutcome, agree
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
-from moe_sidecar.client.errors import BackendError, CoordinatorError, InvalidArgument
-from moe_sidecar.client.sizing import layer_sizes
-from moe_sidecar.client.transport import (
-    ENV_TARGET,
-    Transport,
-    transport_for,
-)
-from moe_sidecar.policy import (
-    Action,
-    CommitRecord,
-    Plan,
-    Proposal,
-    Requirement,
-    validate_group_name,
-)
+from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument
+from moe_sidecar.client.sizing import layer_capacities
+from moe_sidecar.client.transport import Transport, transport_for
+from moe_sidecar.defaults import ENV_LOCAL_RANKS, ENV_TARGET
+from moe_sidecar.group import CommitRecord, Decision, Proposal, Requirement
+from moe_sidecar.plan import Action, Plan, decide_action
+from moe_sidecar.policy import validate_group_name
 
-__all__ = ["ENV_LOCAL_RANKS", "ManagerCounters", "WorkspaceManager"]
-
-ENV_LOCAL_RANKS = "MOE_SIDECAR_LOCAL_RANKS"
-"""How many ranks of the EP group run on this node, when not passed in."""
+__all__ = ["ManagerCounters", "WorkspaceManager"]
 
 _log = logging.getLogger(__name__)
 
@@ -151,6 +146,8 @@ class WorkspaceManager:
         )
         self.lifetime = uuid.uuid4().hex
         self._round = 0
+        """Round of the current lifetime (the n-th initialize() since it began)."""
+        self._initializes = 0
         self._built: Plan | None = None
         self._builds = 0
         self._rebuilds = 0
@@ -211,7 +208,7 @@ class WorkspaceManager:
     def counters(self) -> ManagerCounters:
         """A snapshot of what this manager has done."""
         return ManagerCounters(
-            rounds=self._round,
+            rounds=self._initializes,
             builds=self._builds,
             rebuilds=self._rebuilds,
             reuses=self._reuses,
@@ -224,44 +221,69 @@ class WorkspaceManager:
         self.moe_alltoall = handle
         self._built = plan
         self.initialized = handle is not None
-        self.workspace_size = plan.workspace_bytes if plan else 0
-        self.max_num_tokens = plan.max_num_tokens if plan else 0
-        self.top_k = plan.top_k if plan else 0
-        self.num_experts = plan.num_experts if plan else 0
+        self.workspace_size = (
+            self.backend.workspace_bytes(plan.capacities, self.ep_size) if plan else 0
+        )
+        self.max_num_tokens = plan.capacities.max_tokens if plan else 0
+        self.top_k = plan.capacities.top_k if plan else 0
+        self.num_experts = plan.capacities.num_experts if plan else 0
         if plan is not None:
             self.generation = plan.generation
 
     # --- the round ---------------------------------------------------------
 
-    def _local_plan(self, proposal_args: Requirement) -> Plan:
-        proposal = Proposal(
-            group=self.group,
-            ep_size=self.ep_size,
-            ep_rank=self.ep_rank,
-            local_ranks=self.local_ranks,
-            lifetime=self.lifetime,
-            round=self._round,
-            requirement=proposal_args,
+    def _propose(self, requirement: Requirement) -> Decision:
+        return self._transport.propose(
+            Proposal(
+                group=self.group,
+                ep_size=self.ep_size,
+                ep_rank=self.ep_rank,
+                local_ranks=self.local_ranks,
+                lifetime=self.lifetime,
+                round=self._round,
+                requirement=requirement,
+            )
         )
-        return self._transport.propose(proposal).plan
 
-    def _agree(self, layer: str, plan: Plan | None, failure: BaseException | None) -> Plan:
+    def _agree(self, layer: str, decision: Decision | None, failure: BaseException | None) -> Plan:
         self._collectives += 1
         try:
-            outcome = agree(
+            return agree(
                 self.cpu_group,
                 LocalOutcome(
                     ep_rank=self.ep_rank,
                     layer=layer,
-                    plan=plan,
+                    plan=decision.plan if decision is not None else None,
                     failure=failure,
                 ),
                 group_name=self.group,
             )
-        except CoordinatorError:
+        except BaseException:
             self._collectives += 1  # the all_gather_object naming who failed
             raise
-        return outcome.plan
+
+    def _decide(
+        self, layer: str, decision: Decision | None, failure: BaseException | None
+    ) -> tuple[Action, Plan]:
+        """The action and plan of this round, from the decision received.
+
+        A group one decider sees whole executes the decision as it came. A
+        group agreed across deciders (nodes, or embedded ranks) joins every
+        rank's plan and derives the action with the core's own function.
+        """
+        if self.agrees_across_ranks:
+            plan = self._agree(layer, decision, failure)
+            return decide_action(self._built, plan), plan
+        assert decision is not None
+        if decision.action is Action.REUSE and (
+            self._built is None or not self._built.covers(decision.plan.capacities)
+        ):
+            raise InternalError(
+                f"group {self.group!r} round {self._round} (layer {layer!r}): the sidecar "
+                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
+                "sidecar's state replaced while this process ran? Restart the ranks"
+            )
+        return decision.action, decision.plan
 
     def initialize(
         self,
@@ -297,8 +319,8 @@ class WorkspaceManager:
             InvalidArgument: an argument out of range.
             PreconditionFailed: another ``top_k``/``num_experts`` than earlier
                 layers, or ranks disagreeing on the layer (an
-                :class:`~moe_sidecar.client.errors.AgreementError` when the cross-rank
-                all-reduce found it); the message names ranks and layers.
+                :class:`~moe_sidecar.client.errors.AgreementError` when the
+                cross-rank agreement found it); the message names ranks and layers.
             RoundTimedOut: a local rank never proposed this round; the message
                 names it and the last layer it reported.
             RoundAborted: another rank of the group restarted mid-round.
@@ -306,59 +328,40 @@ class WorkspaceManager:
             BackendError: the backend could not build.
         """
         self._round += 1
+        self._initializes += 1
         failure: BaseException | None = None
-        local: Plan | None = None
+        decision: Decision | None = None
         try:
-            try:
-                sizes = layer_sizes(
-                    self.ep_size,
-                    max_num_tokens,
-                    top_k,
-                    hidden_size,
-                    x_bytes_per_token,
-                    x_sf_bytes_per_token,
-                )
-            except ValueError as error:
-                raise InvalidArgument(f"layer {layer!r}: {error}") from error
-            local = self._local_plan(
-                Requirement(
-                    workspace_bytes=sizes.workspace_bytes,
-                    max_num_tokens=max_num_tokens,
-                    top_k=top_k,
-                    num_experts=num_experts,
-                    layer=layer,
-                    payload_bytes=sizes.payload_bytes,
-                )
+            capacities = layer_capacities(
+                self.ep_size,
+                max_num_tokens,
+                top_k,
+                num_experts,
+                hidden_size,
+                x_bytes_per_token,
+                x_sf_bytes_per_token,
             )
+            decision = self._propose(Requirement(capacities=capacities, layer=layer))
         except Exception as error:
             if not self.agrees_across_ranks:
                 raise
-            # Still join the all-reduce, so the other ranks raise too instead
+            # Still join the agreement, so the other ranks raise too instead
             # of waiting for this one forever.
             failure = error
-        plan = self._agree(layer, local, failure) if self.agrees_across_ranks else local
-        assert plan is not None
-
-        built = self._built
-        if built is not None and built.covers(plan.workspace_bytes, plan.max_num_tokens):
+        action, plan = self._decide(layer, decision, failure)
+        if action is Action.REUSE:
             self._reuses += 1
-            _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, built)
+            _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, plan)
             return
-        action = Action.BUILD if built is None else Action.REBUILD
-        if built is not None and plan.generation <= built.generation:
-            # Deciders on different nodes count generations apart; growth must
-            # still move it. Every rank holds the same `built`, so all agree.
-            plan = replace(plan, generation=built.generation + 1)
         self._build(plan, action, layer)
 
     def _build(self, plan: Plan, action: Action, layer: str) -> None:
+        workspace = self.backend.workspace_bytes(plan.capacities, self.ep_size)
         spec = BuildSpec(
             ep_size=self.ep_size,
             ep_rank=self.ep_rank,
-            max_num_tokens=plan.max_num_tokens,
-            top_k=plan.top_k,
-            num_experts=plan.num_experts,
-            workspace_size_per_rank=plan.workspace_bytes,
+            capacities=plan.capacities,
+            workspace_size_per_rank=workspace,
         )
         started = time.perf_counter()
         handle = self.backend.build(spec)
@@ -382,8 +385,8 @@ class WorkspaceManager:
             self._round,
             layer,
             action.value,
-            plan.workspace_bytes,
-            plan.max_num_tokens,
+            workspace,
+            plan.capacities.max_tokens,
             plan.generation,
             build_seconds,
         )
@@ -425,7 +428,8 @@ class WorkspaceManager:
 
         Local: no collective, so it is safe in teardown paths where peers may
         already be gone; call it on every rank only when none uses the
-        all-to-all any more. A later ``initialize()`` builds afresh.
+        all-to-all any more. A later ``initialize()`` starts a new lifetime
+        (every rank must clean up before) and builds afresh.
         """
         handle = self.moe_alltoall
         self._set_built(None, None)
@@ -433,3 +437,5 @@ class WorkspaceManager:
             self.backend.release(handle)
             self._releases += 1
         self._transport.close()
+        self.lifetime = uuid.uuid4().hex
+        self._round = 0

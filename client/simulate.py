@@ -33,7 +33,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, TextIO
@@ -42,12 +42,15 @@ import grpc
 import torch
 import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from moe_sidecar.cli import format_bytes
+
 from moe_sidecar.client.backends.reference import expert_owner
 from moe_sidecar.client.errors import CoordinatorError
 from moe_sidecar.client.manager import WorkspaceManager
-from moe_sidecar.client.transport import EMBEDDED, ENV_TARGET
-from moe_sidecar.policy import MAX_EP_SIZE, Growth
+from moe_sidecar.defaults import EMBEDDED, ENV_TARGET
+from moe_sidecar.display import format_bytes
+from moe_sidecar.group import Growth
+from moe_sidecar.limits import MAX_EP_SIZE
+from moe_sidecar.wire_codec import summary_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -465,22 +468,13 @@ def _check_reachable(target: str, timeout: float) -> str:
 
 def _fetch_history(result: SimulationResult, target: str) -> None:
     with grpc.insecure_channel(target) as channel:
-        group = pb_grpc.WorkspaceCoordinatorStub(channel).GetGroup(
-            pb.GetGroupRequest(group=result.group), timeout=5.0
+        group = summary_from_proto(
+            pb_grpc.WorkspaceCoordinatorStub(channel).GetGroup(
+                pb.GetGroupRequest(group=result.group), timeout=5.0
+            )
         )
     result.sidecar_lifetimes = group.lifetimes
-    result.sidecar_history = [
-        Growth(
-            generation=h.generation,
-            workspace_bytes=h.workspace_bytes,
-            max_num_tokens=h.max_num_tokens,
-            layer=h.layer,
-            ep_rank=h.ep_rank,
-            round=h.round,
-            at=h.time.ToSeconds(),
-        )
-        for h in group.history
-    ]
+    result.sidecar_history = list(group.history)
 
 
 def _progress_line(record: RoundRecord, total: int) -> str:
@@ -501,6 +495,67 @@ def _stop(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
+
+
+def _collect(
+    config: SimulationConfig,
+    result: SimulationResult,
+    processes: Sequence[multiprocessing.process.BaseProcess],
+    events: Any,
+    say: Callable[[str], None],
+    wall_start: float,
+) -> None:
+    """Reads the ranks' events into ``result`` until they finish, fail or time out."""
+    deadline = wall_start + config.timeout
+    started: set[int] = set()
+    failed_at: float | None = None
+    while True:
+        try:
+            event = events.get(timeout=0.1)
+        except queue.Empty:
+            event = None
+        if isinstance(event, _RankStarted):
+            started.add(event.ep_rank)
+            if len(started) == config.ranks:
+                result.startup_seconds = time.monotonic() - wall_start
+                say(f"  {config.ranks} ranks up in {result.startup_seconds:.1f} s")
+        elif isinstance(event, RoundRecord):
+            result.rounds.append(event)
+            say(_progress_line(event, len(config.model.layers)))
+        elif isinstance(event, RankReport):
+            result.reports.append(event)
+        elif isinstance(event, RankFailure):
+            result.failures.append(event)
+            failed_at = failed_at or time.monotonic()
+        if event is not None:
+            continue
+        if all(not p.is_alive() for p in processes):
+            return
+        now = time.monotonic()
+        # After one failure the others usually fail too (and say why); give
+        # them a moment, then stop the ones still waiting.
+        if failed_at is not None and now - failed_at > 3.0:
+            return
+        if now > deadline:
+            result.error = (
+                f"timed out after {config.timeout:g} s (--timeout); rank 0 finished "
+                f"{len(result.rounds)} of {len(config.model.layers)} rounds"
+            )
+            return
+
+
+def _settle(
+    result: SimulationResult, processes: Sequence[multiprocessing.process.BaseProcess]
+) -> None:
+    """Names a rank that exited without a report; orders reports and failures."""
+    for rank, process in enumerate(processes):
+        reported = any(f.ep_rank == rank for f in result.failures) or any(
+            r.ep_rank == rank for r in result.reports
+        )
+        if not reported and not result.error and not result.failures:
+            result.error = f"rank {rank} exited with code {process.exitcode} without a report"
+    result.reports.sort(key=lambda r: r.ep_rank)
+    result.failures.sort(key=lambda f: f.ep_rank)
 
 
 def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> SimulationResult:
@@ -546,53 +601,11 @@ def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> 
     ]
     for process in processes:
         process.start()
-    deadline = wall_start + config.timeout
-    started: set[int] = set()
-    failed_at: float | None = None
     try:
-        while True:
-            try:
-                event = events.get(timeout=0.1)
-            except queue.Empty:
-                event = None
-            if isinstance(event, _RankStarted):
-                started.add(event.ep_rank)
-                if len(started) == config.ranks:
-                    result.startup_seconds = time.monotonic() - wall_start
-                    say(f"  {config.ranks} ranks up in {result.startup_seconds:.1f} s")
-            elif isinstance(event, RoundRecord):
-                result.rounds.append(event)
-                say(_progress_line(event, len(config.model.layers)))
-            elif isinstance(event, RankReport):
-                result.reports.append(event)
-            elif isinstance(event, RankFailure):
-                result.failures.append(event)
-                failed_at = failed_at or time.monotonic()
-            if event is not None:
-                continue
-            if all(not p.is_alive() for p in processes):
-                break
-            now = time.monotonic()
-            # After one failure the others usually fail too (and say why); give
-            # them a moment, then stop the ones still waiting.
-            if failed_at is not None and now - failed_at > 3.0:
-                break
-            if now > deadline:
-                result.error = (
-                    f"timed out after {config.timeout:g} s (--timeout); rank 0 finished "
-                    f"{len(result.rounds)} of {len(config.model.layers)} rounds"
-                )
-                break
+        _collect(config, result, processes, events, say, wall_start)
     finally:
         _stop(processes)
-    for rank, process in enumerate(processes):
-        reported = any(f.ep_rank == rank for f in result.failures) or any(
-            r.ep_rank == rank for r in result.reports
-        )
-        if not reported and not result.error and not result.failures:
-            result.error = f"rank {rank} exited with code {process.exitcode} without a report"
-    result.reports.sort(key=lambda r: r.ep_rank)
-    result.failures.sort(key=lambda f: f.ep_rank)
+    _settle(result, processes)
     if config.target is not None and not result.error:
         # The history is a nicety; the run's own results stand without it.
         with contextlib.suppress(grpc.RpcError):
@@ -654,10 +667,11 @@ def format_summary(result: SimulationResult) -> str:
             f"sidecar history of {result.group!r} ({result.sidecar_lifetimes} lifetime(s)):"
         )
         for growth in result.sidecar_history:
+            workspace = growth.plan.capacities.workspace_bytes(result.ranks)
             lines.append(
-                f"  generation {growth.generation}: {format_bytes(growth.workspace_bytes)}, "
-                f"max_num_tokens {growth.max_num_tokens}, caused by layer {growth.layer!r} "
-                f"(rank {growth.ep_rank}, round {growth.round})"
+                f"  generation {growth.plan.generation}: {format_bytes(workspace)}, "
+                f"max_tokens {growth.plan.capacities.max_tokens}, caused by layer "
+                f"{growth.layer!r} (rank {growth.ep_rank}, round {growth.round})"
             )
     lines.append(
         f"wall time: {result.wall_seconds:.1f} s (ranks up after {result.startup_seconds:.1f} s)"

@@ -1,23 +1,26 @@
-"""FlashInfer's workspace arithmetic, as the client names it (DESIGN section 3).
+"""What one MoE layer needs, as capacities; FlashInfer's arithmetic, as the client names it.
 
-The arithmetic lives in :mod:`moe_sidecar.sizing`, which imports nothing but the
-standard library, because the decision core needs it too (to size a plan
-that serves every layer) and must not import torch through this package.
+:func:`layer_capacities` is the per-layer rule of DESIGN section 3, for the
+arguments vLLM 0.30's manager takes: the dispatch payload per token is the
+hidden states, their scale factors and the int32 expert ids plus float32
+weights of the top-k routing; the combine payload is bf16 hidden states.
+
+The byte arithmetic itself lives in :mod:`moe_sidecar.sizing` (standard
+library only), because the decision core needs it too and must not import
+torch through this package; it is re-exported here.
 """
 
+from __future__ import annotations
+
+from moe_sidecar.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
+from moe_sidecar.plan import Capacities
 from moe_sidecar.sizing import (
     ALIGNMENT,
     KMAX_TOP_K,
     AuxOffsets,
-    LayerSizes,
     align,
     aux_data_size,
     aux_offsets,
-    combine_bytes_per_token,
-    dispatch_bytes_per_token,
-    layer_sizes,
-    payload_bytes,
-    workspace_for_payload,
     workspace_size_per_rank,
 )
 
@@ -25,14 +28,58 @@ __all__ = [
     "ALIGNMENT",
     "KMAX_TOP_K",
     "AuxOffsets",
-    "LayerSizes",
     "align",
     "aux_data_size",
     "aux_offsets",
     "combine_bytes_per_token",
     "dispatch_bytes_per_token",
-    "layer_sizes",
-    "payload_bytes",
-    "workspace_for_payload",
+    "layer_capacities",
     "workspace_size_per_rank",
 ]
+
+
+def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_token: int) -> int:
+    """vLLM's dispatch payload per token: hidden states, their scales, and
+    the int32 expert ids plus float32 weights of the top-k routing."""
+    return x_bytes_per_token + x_sf_bytes_per_token + 8 * top_k
+
+
+def combine_bytes_per_token(hidden_size: int) -> int:
+    """vLLM's combine payload per token: bf16 hidden states."""
+    return 2 * hidden_size
+
+
+def layer_capacities(
+    ep_size: int,
+    max_num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden_size: int,
+    x_bytes_per_token: int,
+    x_sf_bytes_per_token: int,
+    eplb_experts: int = 0,
+) -> Capacities:
+    """The capacities one layer needs (DESIGN section 3).
+
+    Raises:
+        InvalidArgument: an argument out of range, naming it (also when the
+            derived workspace at ``ep_size`` would be absurd).
+    """
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("x_bytes_per_token", x_bytes_per_token),
+        ("x_sf_bytes_per_token", x_sf_bytes_per_token),
+    ):
+        check_count(name, value, 1 if name == "hidden_size" else 0, MAX_BYTES_PER_TOKEN)
+    capacities = Capacities(
+        max_tokens=max_num_tokens,
+        dispatch_bytes_per_token=dispatch_bytes_per_token(
+            top_k, x_bytes_per_token, x_sf_bytes_per_token
+        ),
+        combine_bytes_per_token=combine_bytes_per_token(hidden_size),
+        top_k=top_k,
+        num_experts=num_experts,
+        eplb_experts=eplb_experts,
+    )
+    check_capacities("layer", capacities, ep_size)
+    return capacities

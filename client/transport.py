@@ -1,9 +1,10 @@
 """How a rank reaches the decision core: a sidecar over gRPC, or in-process.
 
 Both transports take and return the decision core's own types
-(:class:`moe_sidecar.policy.Proposal`, :class:`~moe_sidecar.policy.Decision`,
-:class:`~moe_sidecar.policy.CommitRecord`) and raise the typed errors of
+(:class:`moe_sidecar.group.Proposal`, :class:`~moe_sidecar.group.Decision`,
+:class:`~moe_sidecar.group.CommitRecord`) and raise the typed errors of
 :mod:`moe_sidecar.client.errors`, so the manager cannot tell them apart.
+Conversions to and from the wire go through :mod:`moe_sidecar.wire_codec`.
 
 * :class:`GrpcTransport` talks to the node's sidecar. Ranks run synchronous
   code, so it is a synchronous client: every call has a deadline, UNAVAILABLE
@@ -27,14 +28,17 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
+
 from moe_sidecar import policy
 from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InternalError,
     error_from_rpc,
 )
-from moe_sidecar.policy import CommitRecord, Decision, Proposal
-from moe_sidecar.wire import decision_from_proto, plan_to_proto, proposal_to_proto
+from moe_sidecar.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
+from moe_sidecar.effects import Wait
+from moe_sidecar.group import CommitRecord, Decision, GroupState, Proposal, Refusal
+from moe_sidecar.wire_codec import commit_to_proto, decision_from_proto, proposal_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -42,21 +46,11 @@ __all__ = [
     "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_PROPOSE_TIMEOUT_S",
     "DEFAULT_UNAVAILABLE_RETRY_S",
-    "EMBEDDED",
-    "ENV_PROPOSE_TIMEOUT",
-    "ENV_TARGET",
     "EmbeddedTransport",
     "GrpcTransport",
     "Transport",
     "transport_for",
 ]
-
-ENV_TARGET = "MOE_SIDECAR_TARGET"
-"""Address of the node's sidecar; unset or empty means embedded mode."""
-ENV_PROPOSE_TIMEOUT = "MOE_SIDECAR_PROPOSE_TIMEOUT"
-"""Seconds a Propose may wait for its round; overrides the default."""
-EMBEDDED = "embedded"
-"""A ``target`` that forces embedded mode whatever the environment says."""
 
 DEFAULT_PROPOSE_TIMEOUT_S = 120.0
 """A Propose long-polls until every local rank has proposed. The sidecar
@@ -255,14 +249,7 @@ class GrpcTransport:
         Raises:
             CoordinatorError: the sidecar's typed error, or CoordinatorUnavailable.
         """
-        request = pb.CommitRequest(
-            group=group,
-            ep_rank=record.ep_rank,
-            lifetime=record.lifetime,
-            round=record.round,
-            plan=plan_to_proto(record.plan),
-            build_seconds=record.build_seconds,
-        )
+        request = commit_to_proto(group, record)
         stub = self._stub_here()
         self._call(
             "Commit", self.call_timeout, lambda timeout: stub.Commit(request, timeout=timeout)
@@ -298,7 +285,7 @@ class EmbeddedTransport:
     ) -> None:
         self.round_timeout = round_timeout
         self._clock = clock
-        self._groups: dict[str, policy.GroupState] = {}
+        self._groups: dict[str, GroupState] = {}
 
     @property
     def rpc_count(self) -> int:
@@ -308,7 +295,7 @@ class EmbeddedTransport:
     def embedded(self) -> bool:
         return True
 
-    def group_state(self, group: str) -> policy.GroupState | None:
+    def group_state(self, group: str) -> GroupState | None:
         """What the in-process core knows of ``group`` (for inspection)."""
         return self._groups.get(group)
 
@@ -322,20 +309,22 @@ class EmbeddedTransport:
             InternalError: the core left the round open although this rank is
                 its only local rank (``local_ranks`` must be 1 here).
         """
-        state, result = policy.propose(
+        step = policy.propose(
             self._groups.get(proposal.group), proposal, self._clock(), self.round_timeout
         )
-        self._groups[proposal.group] = state
-        if isinstance(result, policy.Waiting):
+        # In-process there is nobody to answer, persist to or notify: the
+        # step's state and reply are all that matter.
+        self._groups[proposal.group] = step.state
+        reply = step.reply
+        if isinstance(reply, Wait) or reply is None:
             raise InternalError(
                 f"embedded round {proposal.round} of group {proposal.group!r} waits for other "
                 f"local ranks (local_ranks={proposal.local_ranks}); embedded mode decides "
                 "each rank alone and needs local_ranks=1"
             )
-        outcome = result.outcome
-        if isinstance(outcome, policy.Refusal):
-            raise outcome.error()
-        return outcome
+        if isinstance(reply, Refusal):
+            raise reply.error()
+        return reply
 
     def commit(self, group: str, record: CommitRecord) -> None:
         """See :meth:`Transport.commit`.
@@ -348,7 +337,7 @@ class EmbeddedTransport:
         state = self._groups.get(group)
         if state is None:
             raise InternalError(f"embedded commit for group {group!r}, which never proposed")
-        self._groups[group] = policy.commit(state, record, self._clock())
+        self._groups[group] = policy.commit(state, record, self._clock()).state
 
     def close(self) -> None:
         """Nothing to release."""

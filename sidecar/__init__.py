@@ -1,8 +1,9 @@
 """moe-sidecar: the per-node daemon that decides MoE all-to-all workspace plans.
 
-Imports neither torch nor flashinfer. The pure decision core is
-:mod:`moe_sidecar.policy`; errors shared with the client are in
-:mod:`moe_sidecar.errors`.
+Imports neither torch nor flashinfer. Plans and their one join are in
+:mod:`moe_sidecar.plan`, the pure decision core in :mod:`moe_sidecar.policy`;
+errors shared with the client are in :mod:`moe_sidecar.errors`. The library
+inside each inference rank is :mod:`moe_sidecar.client` (it needs torch).
 """
 
 from moe_sidecar.errors import (
@@ -17,11 +18,13 @@ from moe_sidecar.errors import (
     RoundAborted,
     RoundTimedOut,
 )
-from moe_sidecar.policy import Action, Decision, Plan, Requirement
+from moe_sidecar.group import Decision, Requirement
+from moe_sidecar.plan import Action, Capacities, Plan
 
 __all__ = [
     "Action",
     "AdminDisabled",
+    "Capacities",
     "CoordinatorError",
     "CoordinatorUnavailable",
     "Decision",

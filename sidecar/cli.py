@@ -18,31 +18,26 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
 
 import grpc
+
 from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
+from moe_sidecar.defaults import DEFAULT_TARGET, ENV_TARGET
+from moe_sidecar.display import format_groups, groups_as_json
+from moe_sidecar.errors import InvalidArgument
 from moe_sidecar.logs import configure_logging
 from moe_sidecar.server import StartupError, serve
 from moe_sidecar.store import StoreError
+from moe_sidecar.wire_codec import summary_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "COMMANDS",
-    "DEFAULT_TARGET",
-    "TARGET_ENV",
     "Command",
     "build_parser",
-    "format_bytes",
-    "format_groups",
-    "groups_as_json",
     "main",
 ]
-
-TARGET_ENV = "MOE_SIDECAR_TARGET"
-DEFAULT_TARGET = "127.0.0.1:50051"
 
 _log = logging.getLogger("moe_sidecar.cli")
 
@@ -104,130 +99,11 @@ SERVE = Command(
 # --- groups --------------------------------------------------------------------------
 
 
-def format_bytes(n: int) -> str:
-    """``n`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``29.3 MiB``, ``2.0 GiB``."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024.0
-        if value < 1024.0 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
-
-
-def _time(stamp: Any) -> str:
-    if not stamp.seconds and not stamp.nanos:
-        return "-"
-    moment = datetime.fromtimestamp(stamp.seconds + stamp.nanos / 1e9, tz=timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _plan_line(plan: pb.Plan) -> str:
-    return (
-        f"{format_bytes(plan.workspace_bytes)} per rank ({plan.workspace_bytes} B), "
-        f"max_num_tokens={plan.max_num_tokens}, top_k={plan.top_k}, "
-        f"num_experts={plan.num_experts}, generation {plan.generation}"
-    )
-
-
-def format_groups(groups: Sequence[pb.Group]) -> str:
-    """A human-readable report of every group (the ``groups`` command's text)."""
-    if not groups:
-        return "no groups\n"
-    lines: list[str] = []
-    for g in groups:
-        lines.append(f"group {g.name}")
-        lines.append(
-            f"  ep_size={g.ep_size} local_ranks={g.local_ranks} lifetimes={g.lifetimes} "
-            f"last_closed_round={g.last_closed_round} "
-            + (f"open_round={g.open_round} ({g.waiting_ranks} waiting)" if g.open_round else "")
-        )
-        lines.append("  plan: " + (_plan_line(g.plan) if g.HasField("plan") else "(none stored)"))
-        lines.append("  ranks:")
-        lines.append(
-            "    rank  current  last round  last layer            committed gen  build s  lifetime"
-        )
-        for r in g.ranks:
-            lines.append(
-                f"    {r.ep_rank:>4}  {'yes' if r.current else 'no':<7}  {r.last_round:>10}  "
-                f"{(r.last_layer or '-'):<20}  {r.committed_generation:>13}  "
-                f"{r.last_build_seconds:>7.3f}  {r.lifetime}"
-            )
-        lines.append("  growth history:")
-        if not g.history:
-            lines.append("    (none)")
-        for h in g.history:
-            lines.append(
-                f"    generation {h.generation}: {format_bytes(h.workspace_bytes)} "
-                f"({h.workspace_bytes} B), max_num_tokens={h.max_num_tokens}, caused by layer "
-                f"{h.layer or '(unnamed)'!r} on rank {h.ep_rank} in round {h.round} at "
-                f"{_time(h.time)}"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
-def groups_as_json(groups: Sequence[pb.Group]) -> list[dict[str, Any]]:
-    """Every group as plain JSON values (integers stay integers)."""
-
-    def plan(p: pb.Plan) -> dict[str, Any]:
-        return {
-            "workspace_bytes": p.workspace_bytes,
-            "workspace": format_bytes(p.workspace_bytes),
-            "max_num_tokens": p.max_num_tokens,
-            "top_k": p.top_k,
-            "num_experts": p.num_experts,
-            "generation": p.generation,
-        }
-
-    return [
-        {
-            "name": g.name,
-            "ep_size": g.ep_size,
-            "local_ranks": g.local_ranks,
-            "plan": plan(g.plan) if g.HasField("plan") else None,
-            "generation": g.plan.generation if g.HasField("plan") else None,
-            "lifetimes": g.lifetimes,
-            "last_closed_round": g.last_closed_round,
-            "open_round": g.open_round,
-            "waiting_ranks": g.waiting_ranks,
-            "ranks": [
-                {
-                    "ep_rank": r.ep_rank,
-                    "lifetime": r.lifetime,
-                    "current": r.current,
-                    "last_round": r.last_round,
-                    "last_layer": r.last_layer,
-                    "committed_generation": r.committed_generation,
-                    "last_build_seconds": r.last_build_seconds,
-                    "last_seen": _time(r.last_seen),
-                }
-                for r in g.ranks
-            ],
-            "history": [
-                {
-                    "generation": h.generation,
-                    "workspace_bytes": h.workspace_bytes,
-                    "workspace": format_bytes(h.workspace_bytes),
-                    "max_num_tokens": h.max_num_tokens,
-                    "layer": h.layer,
-                    "ep_rank": h.ep_rank,
-                    "round": h.round,
-                    "time": _time(h.time),
-                }
-                for h in g.history
-            ],
-        }
-        for g in groups
-    ]
-
-
 def _add_groups_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help=f"sidecar address (default ${TARGET_ENV}, else {DEFAULT_TARGET})",
+        help=f"sidecar address (default ${ENV_TARGET}, else {DEFAULT_TARGET})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument(
@@ -236,7 +112,7 @@ def _add_groups_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_groups(args: argparse.Namespace) -> int:
-    target = args.target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+    target = args.target or os.environ.get(ENV_TARGET) or DEFAULT_TARGET
     try:
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
@@ -249,7 +125,11 @@ def _run_groups(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    groups = list(response.groups)
+    try:
+        groups = [summary_from_proto(g) for g in response.groups]
+    except InvalidArgument as error:
+        print(f"moe-sidecar groups: {target}: malformed answer: {error}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(groups_as_json(groups), indent=2))
     else:
@@ -282,7 +162,7 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help=f"sidecar address (default ${TARGET_ENV}; unset, empty or 'embedded': no "
+        help=f"sidecar address (default ${ENV_TARGET}; unset, empty or 'embedded': no "
         "sidecar, the decision core runs inside the ranks)",
     )
     parser.add_argument(

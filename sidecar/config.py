@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_sidecar.defaults import CLIENT_ENV_KEYS, DEFAULT_TARGET, ENV_PREFIX
+
 __all__ = [
-    "CLIENT_ENV_KEYS",
     "DEFAULT_LISTEN",
-    "ENV_PREFIX",
     "MAX_UNIX_PATH_BYTES",
     "ConfigError",
     "ListenAddress",
@@ -29,13 +29,7 @@ __all__ = [
     "parse_listen_address",
 ]
 
-ENV_PREFIX = "MOE_SIDECAR_"
-CLIENT_ENV_KEYS = frozenset(
-    {"MOE_SIDECAR_TARGET", "MOE_SIDECAR_LOCAL_RANKS", "MOE_SIDECAR_PROPOSE_TIMEOUT"}
-)
-"""Keys with the sidecar's prefix that the client library reads; ignored here,
-so one environment can serve both (a dev shell, a test run)."""
-DEFAULT_LISTEN = ("127.0.0.1:50051",)
+DEFAULT_LISTEN = (DEFAULT_TARGET,)
 MAX_UNIX_PATH_BYTES = 107
 """Linux's ``sun_path`` holds 108 bytes including the terminating NUL."""
 LOG_FORMATS = ("json", "text")

@@ -1,68 +1,69 @@
-"""The decision core: rounds, the monotonic union, validation. Pure.
+"""The decision core: rounds, lifetimes, commits, resets. Pure.
 
-Frozen dataclasses in, frozen dataclasses and an :class:`Action` out. No
-grpc, no asyncio, no torch, no clock: the time is an argument (``now``, in
-seconds on whatever clock the caller uses consistently). The sidecar's state
-holder and the client's embedded mode both drive their groups through these
-functions, so the two modes decide identically.
+Frozen values in (:mod:`moe_sidecar.group`), a :class:`~moe_sidecar.effects.Step`
+out: the new state, the reply for the caller and the effects to carry out.
+No grpc, no asyncio, no torch, no clock: the time is an argument (``now``, in
+seconds of whatever clock the caller uses consistently). The sidecar's state
+holder and the client's embedded mode both drive groups through these
+functions, and plans only move through :mod:`moe_sidecar.plan`'s join.
 
 The protocol (DESIGN section 4):
 
 * The n-th ``initialize()`` of a rank in one process lifetime is round n.
   A round closes when every local rank of the group has proposed it, and
   every one of them gets the same outcome.
-* ``plan_n = (max(workspace_{n-1}, needs), max(tokens_{n-1}, tokens), top_k,
-  num_experts)``; the generation moves only when the plan grows. The stored
-  plan outlives process lifetimes, so round 1 of a restart starts from the
-  historical union.
-* ``BUILD`` for the first decision of a lifetime, ``REBUILD`` when the plan
-  exceeds what the lifetime built, ``REUSE`` otherwise.
-* Another ``top_k``/``num_experts`` than the plan, or ranks disagreeing in a
-  round, closes the round as refused for everyone.
+* The round's need is the join of its proposals' capacities (and of what
+  the lifetime has built, whose layers still run); the decided plan is
+  :func:`~moe_sidecar.plan.grow` of the stored plan by that need, and the
+  action :func:`~moe_sidecar.plan.decide_action` of what the lifetime built.
+  The stored plan outlives process lifetimes, so round 1 of a restart
+  starts from the historical union.
+* Another ``top_k``/``num_experts`` than the plan, ranks disagreeing in a
+  round, or a growth out of range closes the round as refused for everyone.
 * A retried proposal for a closed round gets the same outcome back.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TypeAlias
 
-from moe_sidecar.errors import (
-    CoordinatorError,
-    ErrorCode,
-    InvalidArgument,
-    PreconditionFailed,
-    RoundAborted,
-    error_for_code,
+from moe_sidecar import limits
+from moe_sidecar.effects import (
+    Answer,
+    Deadline,
+    Effect,
+    EventKind,
+    GroupEvent,
+    Persist,
+    Publish,
+    Step,
+    Wait,
 )
-from moe_sidecar.sizing import workspace_for_payload
+from moe_sidecar.errors import ErrorCode, InvalidArgument, PreconditionFailed, RoundAborted
+from moe_sidecar.group import (
+    CommitRecord,
+    Decision,
+    GroupState,
+    Growth,
+    OpenRound,
+    Outcome,
+    Proposal,
+    RankRecord,
+    Refusal,
+)
+from moe_sidecar.plan import (
+    Action,
+    Capacities,
+    ShapeMismatch,
+    decide_action,
+    grow,
+    join,
+    join_capacities,
+)
 
 __all__ = [
-    "MAX_BYTES",
-    "MAX_EP_SIZE",
-    "MAX_NAME_LENGTH",
-    "MAX_NUM_EXPERTS",
-    "MAX_TOKENS",
-    "MAX_TOP_K",
+    "MAX_HISTORY",
     "RETAINED_ROUNDS",
-    "Action",
-    "Answered",
-    "Closed",
-    "CommitRecord",
-    "Decision",
-    "GroupState",
-    "Growth",
-    "OpenRound",
-    "Outcome",
-    "Plan",
-    "Proposal",
-    "ProposeResult",
-    "RankRecord",
-    "Refusal",
-    "Requirement",
-    "Waiting",
     "commit",
     "expire",
     "new_group",
@@ -72,238 +73,13 @@ __all__ = [
     "validate_proposal",
 ]
 
-MAX_EP_SIZE = 64
-"""FlashInfer's kMaxRanks."""
-MAX_TOP_K = 22
-"""FlashInfer's kMaxTopK."""
-MAX_BYTES = 1 << 40
-"""Sizes above this are refused as absurd (1 TiB per rank)."""
-MAX_TOKENS = (1 << 31) - 1
-"""FlashInfer holds max_num_tokens in an int32."""
-MAX_NUM_EXPERTS = 1 << 16
-MAX_NAME_LENGTH = 256
-"""Longest group name, layer label or lifetime id."""
 RETAINED_ROUNDS = 8
 """Closed rounds kept per group to answer retries."""
 MAX_HISTORY = 256
 """Growth events kept per group (oldest dropped first)."""
 
 
-class Action(enum.Enum):
-    """What every rank of a round does with the decided plan."""
-
-    BUILD = "build"
-    """First decision of this lifetime: build at the plan's size."""
-    REUSE = "reuse"
-    """The plan is what the lifetime already built: keep it."""
-    REBUILD = "rebuild"
-    """The plan exceeds what the lifetime built: build anew, free the old."""
-
-
-@dataclass(frozen=True)
-class Requirement:
-    """What one MoE layer needs on one rank."""
-
-    workspace_bytes: int
-    max_num_tokens: int
-    top_k: int
-    num_experts: int
-    layer: str = ""
-    payload_bytes: int = 0
-    """The part of ``workspace_bytes`` that is the layer's dispatch and
-    combine payload (:func:`moe_sidecar.sizing.payload_bytes`); 0 when unknown."""
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """One rank's proposal for one round."""
-
-    group: str
-    ep_size: int
-    ep_rank: int
-    local_ranks: int
-    lifetime: str
-    round: int
-    requirement: Requirement
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A workspace plan: what every rank of the group builds."""
-
-    workspace_bytes: int
-    max_num_tokens: int
-    top_k: int
-    num_experts: int
-    generation: int
-    shape_layer: str = ""
-    """The layer that fixed ``top_k``/``num_experts`` (for error messages)."""
-    shape_rank: int = 0
-    payload_bytes: int = 0
-    """The largest layer payload the plan serves."""
-
-    def covers(self, workspace_bytes: int, max_num_tokens: int) -> bool:
-        """Whether a workspace of this plan serves the given sizes."""
-        return workspace_bytes <= self.workspace_bytes and max_num_tokens <= self.max_num_tokens
-
-
-@dataclass(frozen=True)
-class Growth:
-    """One growth of a group's plan and what caused it."""
-
-    generation: int
-    workspace_bytes: int
-    max_num_tokens: int
-    layer: str
-    ep_rank: int
-    round: int
-    at: float
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The outcome of a round every rank acts on."""
-
-    round: int
-    action: Action
-    plan: Plan
-    grew: bool
-    layer: str
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A round that closed with an error; every rank of it gets the error."""
-
-    round: int
-    code: ErrorCode
-    message: str
-    missing_ranks: tuple[int, ...] = ()
-
-    def error(self) -> CoordinatorError:
-        """A fresh exception for this refusal."""
-        return error_for_code(self.code, self.message)
-
-
-Outcome: TypeAlias = Decision | Refusal
-
-
-@dataclass(frozen=True)
-class RankRecord:
-    """What the group knows of one local rank."""
-
-    ep_rank: int
-    lifetime: str
-    lifetime_index: int
-    """Which lifetime of the group this rank's lifetime belongs to."""
-    last_round: int = 0
-    last_layer: str = ""
-    last_seen: float = 0.0
-    committed_generation: int = 0
-    build_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class OpenRound:
-    """A round collecting proposals."""
-
-    number: int
-    opened_at: float
-    deadline: float
-    proposals: tuple[Proposal, ...] = ()
-
-    def proposal_of(self, ep_rank: int) -> Proposal | None:
-        return next((p for p in self.proposals if p.ep_rank == ep_rank), None)
-
-
-@dataclass(frozen=True)
-class GroupState:
-    """Everything one sidecar knows of one EP group."""
-
-    name: str
-    ep_size: int
-    local_ranks: int
-    plan: Plan | None = None
-    """The stored union over every lifetime since the last reset."""
-    generation: int = 0
-    """Last generation issued; never reused, not even after a reset."""
-    lifetime_index: int = 0
-    """How many lifetimes of the group have started."""
-    built: Plan | None = None
-    """Latest plan decided in the current lifetime (None: nothing yet)."""
-    last_closed_round: int = 0
-    closed: tuple[Outcome, ...] = ()
-    """Outcomes of the most recent closed rounds of the current lifetime."""
-    open_round: OpenRound | None = None
-    ranks: tuple[RankRecord, ...] = ()
-    history: tuple[Growth, ...] = ()
-
-    def rank(self, ep_rank: int) -> RankRecord | None:
-        return next((r for r in self.ranks if r.ep_rank == ep_rank), None)
-
-    def current_ranks(self) -> tuple[RankRecord, ...]:
-        """Ranks that belong to the current lifetime."""
-        return tuple(r for r in self.ranks if r.lifetime_index == self.lifetime_index)
-
-    def outcome_of(self, round_number: int) -> Outcome | None:
-        return next((o for o in self.closed if o.round == round_number), None)
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """The proposal joined an open round that still misses ranks."""
-
-    round: int
-    deadline: float
-    aborted: Refusal | None = None
-    """A round of an earlier lifetime this proposal abandoned, if any."""
-    new_lifetime: bool = False
-    """This proposal started a new lifetime of the group."""
-
-
-@dataclass(frozen=True)
-class Closed:
-    """The proposal closed its round (or the round was refused at once)."""
-
-    outcome: Outcome
-    aborted: Refusal | None = None
-    """A round of an earlier lifetime this proposal abandoned, if any."""
-    new_lifetime: bool = False
-
-
-@dataclass(frozen=True)
-class Answered:
-    """The proposal retried a closed round: here is that round's outcome."""
-
-    outcome: Outcome
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    """A rank reports the plan it holds after building and the barrier."""
-
-    ep_rank: int
-    lifetime: str
-    round: int
-    plan: Plan
-    build_seconds: float
-
-
-ProposeResult: TypeAlias = Waiting | Closed | Answered
-
-
 # --- validation -----------------------------------------------------------
-
-
-def _check_name(field: str, value: str, *, allow_empty: bool) -> None:
-    if not value and not allow_empty:
-        raise InvalidArgument.of(field, value, "must not be empty")
-    if len(value) > MAX_NAME_LENGTH:
-        raise InvalidArgument.of(
-            field, value[:40] + "...", f"is {len(value)} characters; at most {MAX_NAME_LENGTH}"
-        )
-    if any(not ch.isprintable() for ch in value):
-        raise InvalidArgument.of(field, value, "must hold printable characters only")
 
 
 def validate_group_name(group: str) -> None:
@@ -312,13 +88,7 @@ def validate_group_name(group: str) -> None:
     Raises:
         InvalidArgument: empty, over-long or non-printable.
     """
-    _check_name("group", group, allow_empty=False)
-
-
-def _check_range(field: str, value: int, low: int, high: int, why: str = "") -> None:
-    if not low <= value <= high:
-        suffix = f" ({why})" if why else ""
-        raise InvalidArgument.of(field, value, f"must be in [{low}, {high}]{suffix}")
+    limits.check_name("group", group, allow_empty=False)
 
 
 def validate_proposal(p: Proposal) -> None:
@@ -328,31 +98,36 @@ def validate_proposal(p: Proposal) -> None:
         InvalidArgument: naming the first bad field and its value.
     """
     validate_group_name(p.group)
-    _check_range("ep_size", p.ep_size, 1, MAX_EP_SIZE, "FlashInfer's rank limit")
-    _check_range("ep_rank", p.ep_rank, 0, p.ep_size - 1, f"ep_size is {p.ep_size}")
-    _check_range("local_ranks", p.local_ranks, 1, p.ep_size, f"ep_size is {p.ep_size}")
-    _check_name("lifetime", p.lifetime, allow_empty=False)
-    if p.round < 1:
-        raise InvalidArgument.of("round", p.round, "rounds count from 1")
-    r = p.requirement
-    _check_range("requirement.workspace_bytes", r.workspace_bytes, 1, MAX_BYTES)
-    _check_range("requirement.max_num_tokens", r.max_num_tokens, 1, MAX_TOKENS)
-    _check_range("requirement.top_k", r.top_k, 1, MAX_TOP_K, "FlashInfer's kMaxTopK")
-    _check_range(
-        "requirement.num_experts",
-        r.num_experts,
-        p.ep_size,
-        MAX_NUM_EXPERTS,
-        f"FlashInfer needs num_experts >= ep_size={p.ep_size}",
-    )
-    _check_name("requirement.layer", r.layer, allow_empty=True)
-    _check_range(
-        "requirement.payload_bytes",
-        r.payload_bytes,
-        0,
-        r.workspace_bytes,
-        f"part of requirement.workspace_bytes={r.workspace_bytes}",
-    )
+    limits.check_count("ep_size", p.ep_size, 1, limits.MAX_EP_SIZE, "FlashInfer's rank limit")
+    limits.check_count("ep_rank", p.ep_rank, 0, p.ep_size - 1, f"ep_size is {p.ep_size}")
+    limits.check_count("local_ranks", p.local_ranks, 1, p.ep_size, f"ep_size is {p.ep_size}")
+    limits.check_name("lifetime", p.lifetime, allow_empty=False)
+    limits.check_count("round", p.round, 1, limits.MAX_ROUND, "rounds count from 1")
+    limits.check_capacities("requirement.capacities", p.requirement.capacities, p.ep_size)
+    limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
+
+
+# --- wording --------------------------------------------------------------
+
+
+def _layer_text(layer: str) -> str:
+    return repr(layer) if layer else "(unnamed layer)"
+
+
+def _who(p: Proposal) -> str:
+    return f"rank {p.ep_rank} layer {_layer_text(p.requirement.layer)}"
+
+
+def _shape_text(c: Capacities) -> str:
+    return f"top_k={c.top_k}, num_experts={c.num_experts}"
+
+
+def _shape_origin(state: GroupState) -> str:
+    """Who fixed the group's shape, from the growth history of its epoch."""
+    first = next((g for g in state.history if g.plan.epoch == state.epoch), None)
+    if first is None:
+        return "the group's plan"
+    return f"rank {first.ep_rank} layer {_layer_text(first.layer)}"
 
 
 # --- the round machine ----------------------------------------------------
@@ -363,123 +138,18 @@ def new_group(name: str, ep_size: int, local_ranks: int) -> GroupState:
     return GroupState(name=name, ep_size=ep_size, local_ranks=local_ranks)
 
 
-def _layer_of(p: Proposal) -> str:
-    return repr(p.requirement.layer) if p.requirement.layer else "(unnamed layer)"
+@dataclass(frozen=True)
+class _Admitted:
+    """A proposal allowed into its round, with what admitting it did."""
+
+    state: GroupState
+    record: RankRecord
+    effects: tuple[Effect, ...]
 
 
-def _who(p: Proposal) -> str:
-    return f"rank {p.ep_rank} layer {_layer_of(p)}"
-
-
-def _shape_conflict(state: GroupState, p: Proposal, others: Iterable[Proposal]) -> str | None:
-    """Why ``p`` cannot join its round, or None."""
-    r = p.requirement
-    for q in others:
-        if q.ep_rank == p.ep_rank:
-            continue
-        s = q.requirement
-        if (s.top_k, s.num_experts) != (r.top_k, r.num_experts):
-            return (
-                f"ranks disagree in round {p.round} of group {p.group!r}: "
-                f"{_who(q)} has top_k={s.top_k}, num_experts={s.num_experts} but "
-                f"{_who(p)} has top_k={r.top_k}, num_experts={r.num_experts}"
-            )
-        if s.layer and r.layer and s.layer != r.layer:
-            return (
-                f"ranks disagree in round {p.round} of group {p.group!r}: "
-                f"rank {q.ep_rank} is at layer {s.layer!r} but rank {p.ep_rank} is at "
-                f"layer {r.layer!r}; every rank must run the same layers in the same order"
-            )
-    base = state.plan or state.built
-    if base is not None and (base.top_k, base.num_experts) != (r.top_k, r.num_experts):
-        where = "" if state.built is not None else " (stored from an earlier lifetime)"
-        return (
-            f"heterogeneous MoE layers in group {p.group!r}: {_who(p)} has "
-            f"top_k={r.top_k}, num_experts={r.num_experts} but the plan{where} was fixed "
-            f"by rank {base.shape_rank} layer "
-            f"{base.shape_layer!r} with top_k={base.top_k}, num_experts={base.num_experts}; "
-            "FlashInfer's MoeAlltoAll needs one top_k and num_experts for every layer"
-            + ("; ResetGroup forgets the stored plan" if state.built is None else "")
-        )
-    return None
-
-
-def _decide(state: GroupState, rnd: OpenRound, now: float) -> tuple[GroupState, Decision]:
-    proposals = rnd.proposals
-    by_ws = max(proposals, key=lambda q: (q.requirement.workspace_bytes, -q.ep_rank))
-    by_tokens = max(proposals, key=lambda q: (q.requirement.max_num_tokens, -q.ep_rank))
-    by_payload = max(proposals, key=lambda q: (q.requirement.payload_bytes, -q.ep_rank))
-    first = proposals[0]
-    layer = first.requirement.layer
-
-    base = state.plan or state.built
-    tokens = max(by_tokens.requirement.max_num_tokens, base.max_num_tokens if base else 0)
-    payload = max(by_payload.requirement.payload_bytes, base.payload_bytes if base else 0)
-    # The maximum of sizes and of token counts, taken apart, is not enough:
-    # FlashInfer's auxiliary data grows with the token count the workspace is
-    # built for, so every payload seen must fit beside the aux of `tokens`.
-    # (Payloads are 0 from clients that do not state them: sizes alone then.)
-    ws = max(
-        by_ws.requirement.workspace_bytes,
-        base.workspace_bytes if base else 0,
-        workspace_for_payload(state.ep_size, tokens, payload) if payload else 0,
-    )
-    if base is None:
-        grew = True
-        cause = by_ws
-        generation = state.generation + 1
-        shape_layer, shape_rank = layer, first.ep_rank
-    else:
-        grew = not base.covers(ws, tokens)
-        if by_ws.requirement.workspace_bytes > base.workspace_bytes:
-            cause = by_ws
-        elif tokens > base.max_num_tokens:
-            cause = by_tokens
-        else:
-            cause = by_payload
-        generation = state.generation + 1 if grew else base.generation
-        shape_layer, shape_rank = base.shape_layer, base.shape_rank
-    plan = Plan(
-        workspace_bytes=ws,
-        max_num_tokens=tokens,
-        top_k=first.requirement.top_k,
-        num_experts=first.requirement.num_experts,
-        generation=generation,
-        shape_layer=shape_layer,
-        shape_rank=shape_rank,
-        payload_bytes=payload,
-    )
-
-    if state.built is None:
-        action = Action.BUILD
-    elif state.built.covers(plan.workspace_bytes, plan.max_num_tokens):
-        action = Action.REUSE
-    else:
-        action = Action.REBUILD
-
-    decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)
-    history = state.history
-    if grew:
-        history = (
-            *history,
-            Growth(
-                generation=generation,
-                workspace_bytes=plan.workspace_bytes,
-                max_num_tokens=plan.max_num_tokens,
-                layer=cause.requirement.layer,
-                ep_rank=cause.ep_rank,
-                round=rnd.number,
-                at=now,
-            ),
-        )[-MAX_HISTORY:]
-    state = replace(
-        _close(state, decision),
-        plan=plan,
-        generation=generation if grew else state.generation,
-        built=plan,
-        history=history,
-    )
-    return state, decision
+def _with_rank(state: GroupState, record: RankRecord) -> GroupState:
+    others = tuple(r for r in state.ranks if r.ep_rank != record.ep_rank)
+    return replace(state, ranks=tuple(sorted((*others, record), key=lambda r: r.ep_rank)))
 
 
 def _close(state: GroupState, outcome: Outcome) -> GroupState:
@@ -491,33 +161,49 @@ def _close(state: GroupState, outcome: Outcome) -> GroupState:
     )
 
 
-def _with_rank(state: GroupState, record: RankRecord) -> GroupState:
-    others = tuple(r for r in state.ranks if r.ep_rank != record.ep_rank)
-    return replace(state, ranks=tuple(sorted((*others, record), key=lambda r: r.ep_rank)))
+def _latency(rnd: OpenRound, now: float) -> float:
+    return max(0.0, now - rnd.opened_at)
 
 
-def _start_lifetime(state: GroupState, p: Proposal) -> tuple[GroupState, Refusal | None]:
-    """Begins a new lifetime of the group; abandons the open round, if any."""
-    aborted = None
-    if state.open_round is not None:
-        aborted = Refusal(
-            round=state.open_round.number,
-            code=ErrorCode.ABORTED,
-            message=(
-                f"round {state.open_round.number} of group {p.group!r} abandoned: rank "
-                f"{p.ep_rank} restarted (new lifetime {p.lifetime!r}); restart every rank"
-            ),
-        )
-    state = replace(
+def _round_closed(
+    state: GroupState,
+    rnd: OpenRound,
+    outcome: Outcome,
+    event: GroupEvent,
+    *,
+    disarm: bool,
+    effects: tuple[Effect, ...] = (),
+) -> Step:
+    """The step that closes ``rnd`` with ``outcome``: persisted before anyone
+    hears of it, every waiter answered, the event published, the timer
+    disarmed when the round had been open (``disarm``)."""
+    return Step(
         state,
-        lifetime_index=state.lifetime_index + 1,
-        built=None,
-        last_closed_round=0,
-        closed=(),
-        open_round=None,
-        local_ranks=p.local_ranks,
+        reply=outcome,
+        effects=(
+            *effects,
+            Persist(),
+            Answer(state.lifetime_index, rnd.number, outcome),
+            Publish(event),
+            *((Deadline(None),) if disarm else ()),
+        ),
     )
-    return state, aborted
+
+
+def _check_layout(state: GroupState, p: Proposal) -> None:
+    if p.ep_size != state.ep_size:
+        raise PreconditionFailed(
+            f"group {p.group!r} has ep_size={state.ep_size} but rank {p.ep_rank} proposes "
+            f"ep_size={p.ep_size}; the group name must change with the parallel layout"
+        )
+
+
+def _check_local_ranks(state: GroupState, p: Proposal) -> None:
+    if p.local_ranks != state.local_ranks:
+        raise PreconditionFailed(
+            f"group {p.group!r} has local_ranks={state.local_ranks} on this node but rank "
+            f"{p.ep_rank} proposes local_ranks={p.local_ranks}"
+        )
 
 
 def _accepts_newcomers(state: GroupState) -> bool:
@@ -536,24 +222,279 @@ def _accepts_newcomers(state: GroupState) -> bool:
     return state.last_closed_round == 1 and isinstance(state.outcome_of(1), Refusal)
 
 
-def _check_layout(state: GroupState, p: Proposal) -> None:
-    if p.ep_size != state.ep_size:
-        raise PreconditionFailed(
-            f"group {p.group!r} has ep_size={state.ep_size} but rank {p.ep_rank} proposes "
-            f"ep_size={p.ep_size}; the group name must change with the parallel layout"
+def _start_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
+    """Begins a new lifetime of the group; abandons its open round, if any."""
+    effects: list[Effect] = [Persist()]
+    rnd = state.open_round
+    if rnd is not None:
+        message = (
+            f"round {rnd.number} of group {p.group!r} abandoned: rank {p.ep_rank} restarted "
+            f"(new lifetime {p.lifetime!r}); restart every rank"
         )
+        aborted = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
+        effects += [
+            Answer(state.lifetime_index, rnd.number, aborted),
+            Publish(
+                GroupEvent(
+                    state.name,
+                    EventKind.ROUND_ABORTED,
+                    now,
+                    round=rnd.number,
+                    ep_rank=p.ep_rank,
+                    layer=p.requirement.layer,
+                    message=message,
+                    ranks=tuple(q.ep_rank for q in rnd.proposals),
+                    latency=_latency(rnd, now),
+                )
+            ),
+            Deadline(None),
+        ]
+    state = replace(
+        state,
+        lifetime_index=state.lifetime_index + 1,
+        built=None,
+        last_closed_round=0,
+        closed=(),
+        open_round=None,
+        local_ranks=p.local_ranks,
+    )
+    effects.append(
+        Publish(
+            GroupEvent(
+                state.name,
+                EventKind.LIFETIME_STARTED,
+                now,
+                round=p.round,
+                plan=state.plan,
+                ep_rank=p.ep_rank,
+                message=f"lifetime {state.lifetime_index} started by rank {p.ep_rank} "
+                f"({p.lifetime!r})",
+            )
+        )
+    )
+    record = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
+    return _Admitted(state, record, tuple(effects))
 
 
-def propose(
-    state: GroupState | None, p: Proposal, now: float, round_timeout: float
-) -> tuple[GroupState, ProposeResult]:
+def _admit_new_lifetime(
+    state: GroupState, p: Proposal, record: RankRecord | None, now: float
+) -> _Admitted | Step:
+    """A proposal from a lifetime the group has not seen for this rank."""
+    if p.round != 1:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} from lifetime "
+            f"{p.lifetime!r}, which this sidecar has never seen; a lifetime starts at "
+            "round 1 (was the sidecar's state dir lost?)"
+        )
+    restarted = record is not None and record.lifetime_index == state.lifetime_index
+    if restarted or not _accepts_newcomers(state):
+        return _start_lifetime(state, p, now)
+    _check_local_ranks(state, p)
+    if state.last_closed_round == 1:
+        # Round 1 of this lifetime was refused before this rank arrived: it
+        # is part of the same restart and shares the refusal.
+        outcome = state.outcome_of(1)
+        assert outcome is not None
+        return Step(state, reply=outcome)
+    joined = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
+    return _Admitted(state, joined, ())
+
+
+def _admit_known(state: GroupState, p: Proposal, record: RankRecord) -> _Admitted | Step:
+    """A proposal from the lifetime the group already knows for this rank."""
+    if record.lifetime_index != state.lifetime_index:
+        raise RoundAborted(
+            f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {p.lifetime!r}, "
+            "which ended when other ranks of the group restarted; restart this rank"
+        )
+    _check_local_ranks(state, p)
+    if p.round <= state.last_closed_round:
+        outcome = state.outcome_of(p.round)
+        if outcome is None:
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} retries round {p.round}, which "
+                f"closed long ago (latest closed round: {state.last_closed_round})"
+            )
+        return Step(state, reply=outcome)
+    if p.round > state.last_closed_round + 1:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} but the "
+            f"group's next round is {state.last_closed_round + 1}"
+        )
+    return _Admitted(state, record, ())
+
+
+def _conflict(state: GroupState, rnd: OpenRound, p: Proposal) -> str | None:
+    """Why ``p`` cannot join ``rnd``, or None."""
+    need = p.requirement.capacities
+    for q in rnd.proposals:
+        other = q.requirement.capacities
+        if other.shape != need.shape:
+            return (
+                f"ranks disagree in round {p.round} of group {p.group!r}: {_who(q)} has "
+                f"{_shape_text(other)} but {_who(p)} has {_shape_text(need)}"
+            )
+        if (
+            q.requirement.layer
+            and p.requirement.layer
+            and q.requirement.layer != p.requirement.layer
+        ):
+            return (
+                f"ranks disagree in round {p.round} of group {p.group!r}: rank {q.ep_rank} is at "
+                f"layer {q.requirement.layer!r} but rank {p.ep_rank} is at layer "
+                f"{p.requirement.layer!r}; every rank must run the same layers in the same order"
+            )
+    base = state.plan or state.built
+    if base is not None and base.capacities.shape != need.shape:
+        stored = state.built is None
+        return (
+            f"heterogeneous MoE layers in group {p.group!r}: {_who(p)} has "
+            f"{_shape_text(need)} but the plan{' (stored from an earlier lifetime)' if stored else ''} "
+            f"has {_shape_text(base.capacities)}, fixed by {_shape_origin(state)}; FlashInfer's "
+            "all-to-all needs one top_k and num_experts for every layer"
+            + ("; ResetGroup forgets the stored plan" if stored else "")
+        )
+    return None
+
+
+def _refuse(
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    message: str,
+    now: float,
+    effects: tuple[Effect, ...],
+) -> Step:
+    """Closes ``rnd`` with a FAILED_PRECONDITION refusal for every rank in it."""
+    refusal = Refusal(round=rnd.number, code=ErrorCode.FAILED_PRECONDITION, message=message)
+    was_open = state.open_round is not None
+    state = _close(state, refusal)
+    event = GroupEvent(
+        state.name,
+        EventKind.ROUND_REFUSED,
+        now,
+        round=rnd.number,
+        ep_rank=p.ep_rank,
+        layer=p.requirement.layer,
+        message=message,
+        ranks=tuple(sorted({q.ep_rank for q in rnd.proposals} | {p.ep_rank})),
+        latency=_latency(rnd, now),
+    )
+    return _round_closed(state, rnd, refusal, event, disarm=was_open, effects=effects)
+
+
+def _decide(
+    state: GroupState, rnd: OpenRound, p: Proposal, now: float, effects: tuple[Effect, ...]
+) -> Step:
+    """Closes a round every local rank proposed with one decision for all."""
+    assert rnd.need is not None
+    # The lifetime's earlier layers still run on what it built: the plan
+    # must keep serving them, whatever a reset or another node did since.
+    need = rnd.need if state.built is None else join_capacities(rnd.need, state.built.capacities)
+    plan = grow(state.plan, need, epoch=state.epoch, last_generation=state.generation)
+    grew = plan is not state.plan
+    # The growth is told as caused by the first rank whose layer the old plan missed.
+    cause = next(
+        (
+            q
+            for q in rnd.proposals
+            if not (state.plan and state.plan.covers(q.requirement.capacities))
+        ),
+        rnd.proposals[0],
+    )
+    if grew:
+        try:
+            limits.check_plan("plan", plan, state.ep_size)
+        except InvalidArgument as error:
+            return _refuse(
+                state,
+                rnd,
+                p,
+                f"round {rnd.number} of group {state.name!r}: {_who(cause)} would grow the plan "
+                f"out of range ({error.message}); nothing was stored",
+                now,
+                effects,
+            )
+    action = decide_action(state.built, plan)
+    layer = rnd.proposals[0].requirement.layer
+    decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)
+    was_open = state.open_round is not None
+    state = replace(
+        _close(state, decision),
+        plan=plan,
+        generation=plan.generation if grew else state.generation,
+        # REUSE keeps what the ranks hold, which may exceed the plan after a reset.
+        built=state.built if action is Action.REUSE else plan,
+        history=(
+            (*state.history, Growth(plan, cause.requirement.layer, cause.ep_rank, rnd.number, now))[
+                -MAX_HISTORY:
+            ]
+            if grew
+            else state.history
+        ),
+    )
+    event = GroupEvent(
+        state.name,
+        EventKind.ROUND_DECIDED,
+        now,
+        round=rnd.number,
+        action=action,
+        plan=plan,
+        layer=layer,
+        ranks=tuple(q.ep_rank for q in rnd.proposals),
+        grew=grew,
+        latency=_latency(rnd, now),
+    )
+    return _round_closed(state, rnd, decision, event, disarm=was_open, effects=effects)
+
+
+def _join_round(admitted: _Admitted, p: Proposal, now: float, round_timeout: float) -> Step:
+    """Adds an admitted proposal to its round; closes the round when it is complete."""
+    state, effects = admitted.state, admitted.effects
+    rnd = state.open_round or OpenRound(number=p.round, opened_at=now, deadline=now + round_timeout)
+    earlier = rnd.proposal_of(p.ep_rank)
+    if earlier is not None:
+        if earlier.requirement != p.requirement:
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
+                f"{p.requirement} after proposing {earlier.requirement}"
+            )
+        return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
+
+    record = replace(
+        admitted.record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now
+    )
+    state = _with_rank(state, record)
+    conflict = _conflict(state, rnd, p)
+    if conflict is not None:
+        return _refuse(state, rnd, p, conflict, now, effects)
+
+    capacities = p.requirement.capacities
+    rnd = replace(
+        rnd,
+        proposals=tuple(sorted((*rnd.proposals, p), key=lambda q: q.ep_rank)),
+        need=capacities if rnd.need is None else join_capacities(rnd.need, capacities),
+    )
+    if len(rnd.proposals) < state.local_ranks:
+        opens = state.open_round is None
+        state = replace(state, open_round=rnd)
+        return Step(
+            state,
+            reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
+            effects=(*effects, *((Deadline(rnd.deadline),) if opens else ())),
+        )
+    return _decide(state, rnd, p, now, effects)
+
+
+def propose(state: GroupState | None, p: Proposal, now: float, round_timeout: float) -> Step:
     """Applies one proposal to a group.
 
-    ``state`` is None for a group this sidecar has never seen. Returns the
-    new state and what to tell the proposer: wait (:class:`Waiting`), the
-    outcome of the round it closed (:class:`Closed`), or the outcome of the
-    closed round it retried (:class:`Answered`). A refusal that ends a round
-    for everyone is a :class:`Closed` holding a :class:`Refusal`.
+    ``state`` is None for a group this sidecar has never seen. The step's
+    reply is :class:`~moe_sidecar.effects.Wait` when the round still misses
+    ranks, else the round's outcome (a :class:`~moe_sidecar.group.Decision`
+    or, when the round was refused for everyone, a
+    :class:`~moe_sidecar.group.Refusal`); a retry of a closed round gets that
+    round's outcome and no effects.
 
     Raises:
         InvalidArgument: a field is malformed (state unchanged).
@@ -566,94 +507,27 @@ def propose(
     if state is None:
         state = new_group(p.group, p.ep_size, p.local_ranks)
     _check_layout(state, p)
-
     record = state.rank(p.ep_rank)
-    aborted: Refusal | None = None
-    new_lifetime = False
     if record is None or record.lifetime != p.lifetime:
-        if p.round != 1:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} from lifetime "
-                f"{p.lifetime!r}, which this sidecar has never seen; a lifetime starts at "
-                "round 1 (was the sidecar's state dir lost?)"
-            )
-        in_current = record is not None and record.lifetime_index == state.lifetime_index
-        if in_current or not _accepts_newcomers(state):
-            state, aborted = _start_lifetime(state, p)
-            new_lifetime = True
-        elif p.local_ranks != state.local_ranks:
-            raise PreconditionFailed(
-                f"group {p.group!r} has local_ranks={state.local_ranks} on this node but rank "
-                f"{p.ep_rank} proposes local_ranks={p.local_ranks}"
-            )
-        elif state.last_closed_round == 1:
-            # Round 1 of this lifetime was refused before this rank arrived:
-            # it is part of the same restart and shares the refusal.
-            outcome = state.outcome_of(1)
-            assert outcome is not None
-            return state, Answered(outcome)
-        record = RankRecord(
-            ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index
-        )
+        admitted = _admit_new_lifetime(state, p, record, now)
     else:
-        if record.lifetime_index != state.lifetime_index:
-            raise RoundAborted(
-                f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {p.lifetime!r}, "
-                "which ended when other ranks of the group restarted; restart this rank"
-            )
-        if p.local_ranks != state.local_ranks:
-            raise PreconditionFailed(
-                f"group {p.group!r} has local_ranks={state.local_ranks} on this node but rank "
-                f"{p.ep_rank} proposes local_ranks={p.local_ranks}"
-            )
-        if p.round <= state.last_closed_round:
-            outcome = state.outcome_of(p.round)
-            if outcome is None:
-                raise PreconditionFailed(
-                    f"rank {p.ep_rank} of group {p.group!r} retries round {p.round}, which "
-                    f"closed long ago (latest closed round: {state.last_closed_round})"
-                )
-            return state, Answered(outcome)
-        if p.round > state.last_closed_round + 1:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} but the "
-                f"group's next round is {state.last_closed_round + 1}"
-            )
-
-    rnd = state.open_round or OpenRound(number=p.round, opened_at=now, deadline=now + round_timeout)
-    earlier = rnd.proposal_of(p.ep_rank)
-    if earlier is not None:
-        if earlier.requirement != p.requirement:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
-                f"{p.requirement} after proposing {earlier.requirement}"
-            )
-        return state, Waiting(round=rnd.number, deadline=rnd.deadline)
-
-    record = replace(record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now)
-    state = _with_rank(state, record)
-    conflict = _shape_conflict(state, p, rnd.proposals)
-    if conflict is not None:
-        refusal = Refusal(round=rnd.number, code=ErrorCode.FAILED_PRECONDITION, message=conflict)
-        return _close(state, refusal), Closed(refusal, aborted, new_lifetime)
-
-    rnd = replace(rnd, proposals=tuple(sorted((*rnd.proposals, p), key=lambda q: q.ep_rank)))
-    if len(rnd.proposals) < state.local_ranks:
-        state = replace(state, open_round=rnd)
-        return state, Waiting(rnd.number, rnd.deadline, aborted, new_lifetime)
-    state, decision = _decide(state, rnd, now)
-    return state, Closed(decision, aborted, new_lifetime)
+        admitted = _admit_known(state, p, record)
+    if isinstance(admitted, Step):
+        return admitted
+    try:
+        return _join_round(admitted, p, now, round_timeout)
+    except ShapeMismatch as error:  # pragma: no cover - _conflict checks shapes first
+        raise PreconditionFailed(f"group {p.group!r}: {error}") from error
 
 
-def expire(state: GroupState, now: float) -> tuple[GroupState, Refusal | None]:
-    """Fails the open round if its deadline has passed.
+def expire(state: GroupState, now: float) -> Step | None:
+    """Fails the open round if its deadline has passed; None when nothing expired.
 
     The refusal names every missing rank and the last layer each reported.
-    Returns the state unchanged and None when nothing expired.
     """
     rnd = state.open_round
     if rnd is None or now < rnd.deadline:
-        return state, None
+        return None
     present = {p.ep_rank for p in rnd.proposals}
     missing = [r for r in state.current_ranks() if r.ep_rank not in present]
     unseen = state.local_ranks - len(present) - len(missing)
@@ -678,53 +552,104 @@ def expire(state: GroupState, now: float) -> tuple[GroupState, Refusal | None]:
         message=message,
         missing_ranks=tuple(r.ep_rank for r in missing),
     )
-    return _close(state, refusal), refusal
+    event = GroupEvent(
+        state.name,
+        EventKind.RANK_TIMEOUT,
+        now,
+        round=rnd.number,
+        layer=layer,
+        message=message,
+        missing_ranks=refusal.missing_ranks,
+        ranks=tuple(sorted(present)),
+        latency=_latency(rnd, now),
+    )
+    return _round_closed(_close(state, refusal), rnd, refusal, event, disarm=True)
 
 
-def commit(state: GroupState, c: CommitRecord, now: float) -> GroupState:
-    """Records what a rank holds after building and passing the barrier.
+def _validate_commit(state: GroupState, c: CommitRecord) -> None:
+    limits.check_count("ep_rank", c.ep_rank, 0, state.ep_size - 1, f"ep_size is {state.ep_size}")
+    limits.check_name("lifetime", c.lifetime, allow_empty=False)
+    limits.check_count("round", c.round, 1, limits.MAX_ROUND, "rounds count from 1")
+    limits.check_plan("plan", c.plan, state.ep_size)
+    limits.check_seconds("build_seconds", c.build_seconds)
 
-    A committed plan larger than the group's (agreed across nodes) is
-    absorbed into the stored union, so a warm restart starts from it.
+
+def _committed_decision(state: GroupState, c: CommitRecord) -> Decision:
+    """The decision a commit refers to.
 
     Raises:
-        InvalidArgument: a malformed field.
-        PreconditionFailed: the rank or lifetime is unknown to the group, or
-            the round has not closed.
+        PreconditionFailed: the rank, lifetime or round has none.
     """
-    _check_range("ep_rank", c.ep_rank, 0, state.ep_size - 1, f"ep_size is {state.ep_size}")
-    _check_name("lifetime", c.lifetime, allow_empty=False)
-    _check_range("plan.workspace_bytes", c.plan.workspace_bytes, 1, MAX_BYTES)
-    _check_range("plan.max_num_tokens", c.plan.max_num_tokens, 1, MAX_TOKENS)
-    _check_range("plan.top_k", c.plan.top_k, 1, MAX_TOP_K)
-    _check_range(
-        "plan.payload_bytes",
-        c.plan.payload_bytes,
-        0,
-        c.plan.workspace_bytes,
-        "part of the workspace",
-    )
-    if c.plan.generation < 1:
-        raise InvalidArgument.of("plan.generation", c.plan.generation, "generations count from 1")
-    if not 0.0 <= c.build_seconds < 86400.0:
-        raise InvalidArgument.of("build_seconds", c.build_seconds, "must be in [0, 86400)")
     record = state.rank(c.ep_rank)
     if record is None or record.lifetime != c.lifetime:
         raise PreconditionFailed(
             f"rank {c.ep_rank} of group {state.name!r} commits from lifetime {c.lifetime!r}, "
             "which never proposed to this sidecar"
         )
-    if c.round > state.last_closed_round or record.lifetime_index != state.lifetime_index:
+    if record.lifetime_index != state.lifetime_index:
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits round {c.round}, which has not "
-            f"closed in its lifetime (latest closed round: {state.last_closed_round})"
+            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime {c.lifetime!r}, "
+            "which ended when the group restarted"
         )
-    shape = state.plan or state.built
-    if shape is not None and (c.plan.top_k, c.plan.num_experts) != (shape.top_k, shape.num_experts):
+    outcome = state.outcome_of(c.round)
+    if not isinstance(outcome, Decision):
+        why = "was refused" if isinstance(outcome, Refusal) else "has no retained decision"
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits top_k={c.plan.top_k}, "
-            f"num_experts={c.plan.num_experts}, which the group's plan does not have"
+            f"rank {c.ep_rank} of group {state.name!r} commits round {c.round}, which {why} "
+            f"(latest closed round: {state.last_closed_round})"
         )
+    return outcome
+
+
+def _absorb(state: GroupState, c: CommitRecord, now: float) -> GroupState:
+    """Joins a plan agreed across nodes into the stored plan and what the lifetime built."""
+    plan = c.plan if state.plan is None else join(state.plan, c.plan)
+    built = c.plan if state.built is None else join(state.built, c.plan)
+    if plan == state.plan and built == state.built:
+        return state
+    history = state.history
+    if plan != state.plan:
+        growth = Growth(plan, "(agreed across nodes)", c.ep_rank, c.round, now)
+        history = (*history, growth)[-MAX_HISTORY:]
+    return replace(
+        state,
+        plan=plan,
+        built=built,
+        generation=max(state.generation, plan.generation, built.generation),
+        history=history,
+    )
+
+
+def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
+    """Records the plan a rank holds after building and passing the barrier.
+
+    The plan must be the one decided for that round. A group that spans
+    more ranks than this node sees (``ep_size > local_ranks``) agrees across
+    nodes with the join, so there the plan may cover the decided one (same
+    epoch and shape, at least every size), and it is joined into the stored
+    plan, so a warm restart of this node starts from what the whole group held.
+
+    Raises:
+        InvalidArgument: a malformed field (state unchanged).
+        PreconditionFailed: the rank, lifetime or round has no decision, or
+            the plan does not match it (state unchanged).
+    """
+    _validate_commit(state, c)
+    decided = _committed_decision(state, c).plan
+    spans_nodes = state.ep_size > state.local_ranks
+    matches = (
+        c.plan.epoch == decided.epoch and c.plan.covers(decided.capacities)
+        if spans_nodes
+        else c.plan == decided
+    )
+    if not matches:
+        raise PreconditionFailed(
+            f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round {c.round}, "
+            f"but the round decided {decided}"
+            + ("; a commit may only cover the decision" if spans_nodes else "")
+        )
+    record = state.rank(c.ep_rank)
+    assert record is not None
     state = _with_rank(
         state,
         replace(
@@ -734,39 +659,51 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> GroupState:
             last_seen=now,
         ),
     )
-    base = state.plan or state.built
-    if base is not None and not base.covers(c.plan.workspace_bytes, c.plan.max_num_tokens):
-        generation = max(state.generation + 1, c.plan.generation)
-        plan = replace(
-            base,
-            workspace_bytes=max(base.workspace_bytes, c.plan.workspace_bytes),
-            max_num_tokens=max(base.max_num_tokens, c.plan.max_num_tokens),
-            payload_bytes=max(base.payload_bytes, c.plan.payload_bytes),
-            generation=generation,
-        )
-        growth = Growth(
-            generation=generation,
-            workspace_bytes=plan.workspace_bytes,
-            max_num_tokens=plan.max_num_tokens,
-            layer="(agreed across nodes)",
-            ep_rank=c.ep_rank,
-            round=c.round,
-            at=now,
-        )
-        state = replace(
-            state,
-            plan=plan,
-            built=plan,
-            generation=generation,
-            history=(*state.history, growth)[-MAX_HISTORY:],
-        )
-    return state
+    if spans_nodes:
+        state = _absorb(state, c, now)
+    return Step(
+        state,
+        effects=(
+            Persist(),
+            Publish(
+                GroupEvent(
+                    state.name,
+                    EventKind.COMMIT,
+                    now,
+                    round=c.round,
+                    plan=c.plan,
+                    ep_rank=c.ep_rank,
+                    message=f"rank {c.ep_rank} holds generation {c.plan.generation} "
+                    f"(built in {c.build_seconds:.3f}s)",
+                )
+            ),
+        ),
+    )
 
 
-def reset(state: GroupState) -> GroupState:
-    """Forgets the stored plan and its history; the next lifetime starts afresh.
+def reset(state: GroupState, now: float) -> Step:
+    """Forgets the stored plan and its history: a new epoch begins.
 
     The generation counter is kept, so generations are never reused. A
     lifetime that is running keeps growing from what it has built.
+
+    Raises:
+        InvalidArgument: the epoch would leave its range.
     """
-    return replace(state, plan=None, history=())
+    limits.check_count("epoch", state.epoch + 1, 0, limits.MAX_GENERATION)
+    state = replace(state, epoch=state.epoch + 1, plan=None, history=())
+    return Step(
+        state,
+        effects=(
+            Persist(),
+            Publish(
+                GroupEvent(
+                    state.name,
+                    EventKind.RESET,
+                    now,
+                    message=f"stored plan forgotten: epoch {state.epoch} begins (generation "
+                    f"stays {state.generation})",
+                )
+            ),
+        ),
+    )

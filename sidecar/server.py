@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from moe_sidecar.config import ListenAddress, SidecarConfig
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer
@@ -163,8 +164,77 @@ class RunningServer:
             _log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
 
 
+async def _health_servicer() -> health.aio.HealthServicer:
+    """Health for ``""`` and the coordinator service, NOT_SERVING until ready."""
+    servicer = health.aio.HealthServicer()
+    for service in ("", SERVICE_NAME):
+        await servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
+
+
+async def _start_coordinator_server(
+    config: SidecarConfig,
+    coordinator: Coordinator,
+    health_servicer: health.aio.HealthServicer,
+    metrics: SidecarMetrics,
+) -> tuple[grpc.aio.Server, tuple[str, ...]]:
+    """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
+
+    Raises:
+        StartupError: an address cannot be bound.
+    """
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    pb_grpc.add_WorkspaceCoordinatorServicer_to_server(
+        CoordinatorServicer(coordinator, ErrorTranslator(metrics)), server
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = tuple(_bind(server, a) for a in config.listen_addresses)
+    await server.start()
+    for address in config.listen_addresses:
+        if address.unix_path is not None:
+            os.chmod(address.unix_path, SOCKET_MODE)
+    return server, bound
+
+
+async def _start_health_server(
+    port: int, health_servicer: health.aio.HealthServicer
+) -> tuple[grpc.aio.Server, int]:
+    """The plain-TCP health port for kubelet probes: Health and reflection only.
+
+    Raises:
+        StartupError: the port cannot be bound.
+    """
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # grpcurl (and anything else without the .proto) finds Health/Check
+    # through reflection; only the health service is listed here.
+    reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = ListenAddress(target=f"{HEALTH_HOST}:{port}", host=HEALTH_HOST, port=port)
+    bound = int(_bind(server, address).rpartition(":")[2])
+    await server.start()
+    return server, bound
+
+
+def _start_metrics(metrics: SidecarMetrics, port: int) -> MetricsEndpoint:
+    """The Prometheus endpoint on ``port``.
+
+    Raises:
+        StartupError: the port cannot be bound.
+    """
+    try:
+        return start_metrics_endpoint(metrics, port, HEALTH_HOST)
+    except OSError as error:
+        raise StartupError(f"cannot serve metrics on {HEALTH_HOST}:{port}: {error}") from None
+
+
 async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> RunningServer:
     """Loads the state, binds every address, and starts serving.
+
+    Health answers NOT_SERVING until the state is loaded and every port is
+    bound, then SERVING.
 
     Raises:
         StoreError: the state directory is unusable (locked, corrupt, unknown schema).
@@ -183,57 +253,20 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             clock=clock,
         )
         coordinator.start()
-        health_servicer = health.aio.HealthServicer()
-        for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
-        pb_grpc.add_WorkspaceCoordinatorServicer_to_server(
-            CoordinatorServicer(coordinator, ErrorTranslator(metrics)), server
+        health_servicer = await _health_servicer()
+        server, bound = await _start_coordinator_server(
+            config, coordinator, health_servicer, metrics
         )
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        bound = tuple(_bind(server, a) for a in config.listen_addresses)
-        await server.start()
         started.append(server)
-        for address in config.listen_addresses:
-            if address.unix_path is not None:
-                os.chmod(address.unix_path, SOCKET_MODE)
-
         health_server: grpc.aio.Server | None = None
         health_port: int | None = None
         if config.health_port is not None:
-            health_server = grpc.aio.server(options=_SERVER_OPTIONS)
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-            # grpcurl (and anything else without the .proto) finds Health/Check
-            # through reflection; only the health service is listed here.
-            reflection.enable_server_reflection(
-                (health.SERVICE_NAME, reflection.SERVICE_NAME), health_server
+            health_server, health_port = await _start_health_server(
+                config.health_port, health_servicer
             )
-            health_port = int(
-                _bind(
-                    health_server,
-                    ListenAddress(
-                        target=f"{HEALTH_HOST}:{config.health_port}",
-                        host=HEALTH_HOST,
-                        port=config.health_port,
-                    ),
-                ).rpartition(":")[2]
-            )
-            await health_server.start()
             started.append(health_server)
-
         if config.metrics_port is not None:
-            try:
-                endpoint = start_metrics_endpoint(metrics, config.metrics_port, HEALTH_HOST)
-            except OSError as error:
-                raise StartupError(
-                    f"cannot serve metrics on {HEALTH_HOST}:{config.metrics_port}: {error}"
-                ) from None
-
-        # State is loaded and every port is bound: ready.
+            endpoint = _start_metrics(metrics, config.metrics_port)
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:

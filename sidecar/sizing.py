@@ -26,15 +26,11 @@ __all__ = [
     "ALIGNMENT",
     "KMAX_TOP_K",
     "AuxOffsets",
-    "LayerSizes",
     "align",
     "aux_data_size",
     "aux_offsets",
     "combine_bytes_per_token",
     "dispatch_bytes_per_token",
-    "layer_sizes",
-    "payload_bytes",
-    "workspace_for_payload",
     "workspace_size_per_rank",
 ]
 
@@ -148,50 +144,13 @@ def workspace_size_per_rank(
     Raises:
         ValueError: a negative or non-integer argument.
     """
-    payload = payload_bytes(
-        ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token
-    )
-    return workspace_for_payload(ep_size, max_num_tokens, payload, eplb_stats_num_experts)
-
-
-def payload_bytes(
-    ep_size: int,
-    max_num_tokens: int,
-    dispatch_bytes_per_token: int,
-    combine_bytes_per_token: int,
-) -> int:
-    """The payload part of :func:`workspace_size_per_rank`: everything but the
-    auxiliary data, i.e. the aligned dispatch and combine regions.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    _check("ep_size", ep_size, 1)
-    _check("max_num_tokens", max_num_tokens, 0)
     _check("dispatch_bytes_per_token", dispatch_bytes_per_token, 0)
     _check("combine_bytes_per_token", combine_bytes_per_token, 0)
-    return align(ep_size * max_num_tokens * dispatch_bytes_per_token) + align(
-        ep_size * max_num_tokens * combine_bytes_per_token
+    return (
+        align(aux_data_size(ep_size, max_num_tokens, eplb_stats_num_experts))
+        + align(ep_size * max_num_tokens * dispatch_bytes_per_token)
+        + align(ep_size * max_num_tokens * combine_bytes_per_token)
     )
-
-
-def workspace_for_payload(
-    ep_size: int, max_num_tokens: int, payload: int, eplb_stats_num_experts: int = 0
-) -> int:
-    """Bytes per rank of a workspace built for ``max_num_tokens`` whose payload
-    regions hold ``payload`` bytes (see :func:`payload_bytes`).
-
-    The auxiliary data grows with the workspace's ``max_num_tokens``, not with
-    a layer's: a layer sized at fewer tokens than the workspace is built for
-    needs ``workspace_for_payload(ep, built_tokens, its payload)``, which can
-    exceed its own ``workspace_size_per_rank``. Taking the maximum of sizes
-    and the maximum of token counts separately is not enough.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    _check("payload", payload, 0)
-    return align(aux_data_size(ep_size, max_num_tokens, eplb_stats_num_experts)) + payload
 
 
 def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_token: int) -> int:
@@ -203,44 +162,3 @@ def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_
 def combine_bytes_per_token(hidden_size: int) -> int:
     """vLLM's combine payload per token: bf16 hidden states."""
     return 2 * hidden_size
-
-
-@dataclass(frozen=True)
-class LayerSizes:
-    """What one MoE layer needs from the workspace on each rank."""
-
-    dispatch_bytes_per_token: int
-    combine_bytes_per_token: int
-    workspace_bytes: int
-    payload_bytes: int = 0
-    """The payload part of ``workspace_bytes`` (see :func:`payload_bytes`)."""
-
-
-def layer_sizes(
-    ep_size: int,
-    max_num_tokens: int,
-    top_k: int,
-    hidden_size: int,
-    x_bytes_per_token: int,
-    x_sf_bytes_per_token: int,
-) -> LayerSizes:
-    """The per-layer rule of DESIGN section 3, as vLLM sizes a layer.
-
-    Raises:
-        ValueError: a negative or non-integer argument.
-    """
-    for name, value, low in (
-        ("top_k", top_k, 1),
-        ("hidden_size", hidden_size, 1),
-        ("x_bytes_per_token", x_bytes_per_token, 0),
-        ("x_sf_bytes_per_token", x_sf_bytes_per_token, 0),
-    ):
-        _check(name, value, low)
-    dispatch = dispatch_bytes_per_token(top_k, x_bytes_per_token, x_sf_bytes_per_token)
-    combine = combine_bytes_per_token(hidden_size)
-    return LayerSizes(
-        dispatch_bytes_per_token=dispatch,
-        combine_bytes_per_token=combine,
-        workspace_bytes=workspace_size_per_rank(ep_size, max_num_tokens, dispatch, combine),
-        payload_bytes=payload_bytes(ep_size, max_num_tokens, dispatch, combine),
-    )

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 import grpc
+
 from moe_sidecar.errors import CoordinatorError, ErrorCode
 from moe_sidecar.metrics import SidecarMetrics
 

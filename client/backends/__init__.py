@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+
 from moe_sidecar.client.backends.base import AlltoAll, AlltoAllBackend, BuildSpec
 
 __all__ = ["BACKENDS", "AlltoAll", "AlltoAllBackend", "BuildSpec", "backend_for"]

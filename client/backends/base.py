@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from moe_sidecar.plan import Capacities
+
 __all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec"]
 
 
@@ -22,10 +24,21 @@ class BuildSpec:
 
     ep_size: int
     ep_rank: int
-    max_num_tokens: int
-    top_k: int
-    num_experts: int
+    capacities: Capacities
     workspace_size_per_rank: int
+    """Derived from ``capacities`` by the backend's :meth:`AlltoAllBackend.workspace_bytes`."""
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.capacities.max_tokens
+
+    @property
+    def top_k(self) -> int:
+        return self.capacities.top_k
+
+    @property
+    def num_experts(self) -> int:
+        return self.capacities.num_experts
 
 
 class AlltoAll(Protocol):
@@ -64,6 +77,11 @@ class AlltoAllBackend(Protocol):
     @property
     def name(self) -> str:
         """``"flashinfer"`` or ``"reference"``."""
+        ...
+
+    def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
+        """Per-rank workspace bytes this backend builds for ``capacities``: the
+        backend's size function (plans hold capacities, never bytes)."""
         ...
 
     def build(self, spec: BuildSpec) -> AlltoAll:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
+
 from moe_sidecar.client.errors import BackendError
 
 __all__ = ["GroupCommunicator"]

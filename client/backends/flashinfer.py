@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.errors import BackendError
+from moe_sidecar.plan import Capacities
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
 
@@ -109,6 +111,11 @@ class FlashInferBackend:
             tp_size=spec.ep_size,
             moe_ep_size=spec.ep_size,
         )
+
+    def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
+        """FlashInfer 0.7.2.post1's ``moe_a2a_get_workspace_size_per_rank`` for
+        ``capacities`` (see :meth:`AlltoAllBackend.workspace_bytes`)."""
+        return capacities.workspace_bytes(ep_size)
 
     def build(self, spec: BuildSpec) -> AlltoAll:
         """See :meth:`AlltoAllBackend.build`; returns FlashInfer's own object.

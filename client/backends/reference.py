@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
+from moe_sidecar.plan import Capacities
 
 __all__ = [
     "ReferenceAlltoAll",
@@ -194,25 +196,8 @@ class ReferenceAlltoAll:
             flat_indices[hits] = torch.arange(int(hits.sum()), dtype=torch.int64)
         return targets, flat_indices.reshape(n, k)
 
-    def dispatch(
-        self,
-        token_selected_experts: torch.Tensor,
-        input_payloads: list[torch.Tensor],
-        runtime_max_tokens_per_rank: int,
-    ) -> list[torch.Tensor]:
-        """FlashInfer's ``MoeAlltoAll.dispatch``; collective over the EP group.
-
-        Raises:
-            RuntimeError: FlashInfer's checks, among them ``workspace size per
-                rank insufficient, need X bytes but has Y``.
-            ValueError: malformed inputs (FlashInfer rejects them too).
-            BackendError: after release.
-        """
-        buffer = self.workspace
-        if self._dispatched is not None:
-            raise RuntimeError("dispatch called twice without combine")
-        self._check_runtime_tokens(runtime_max_tokens_per_rank)
-        tse = token_selected_experts
+    def _check_routing(self, tse: torch.Tensor, runtime_max_tokens_per_rank: int) -> int:
+        """Checks ``token_selected_experts``; returns the local token count."""
         if tse.dtype != torch.int32 or tse.dim() != 2 or tse.size(1) != self.top_k:
             raise ValueError(
                 f"token_selected_experts must be int32 [local_num_tokens, {self.top_k}], got "
@@ -226,35 +211,48 @@ class ReferenceAlltoAll:
             )
         if n and (int(tse.min()) < 0 or int(tse.max()) >= self.num_experts):
             raise ValueError(f"expert ids must be in [0, {self.num_experts})")
-        if not input_payloads:
+        return n
+
+    def _payload_regions(
+        self, payloads: list[torch.Tensor], n: int, runtime_max_tokens_per_rank: int
+    ) -> list[int]:
+        """Bytes of each payload's region, with FlashInfer's checks (shape,
+        alignment, and that every region fits the workspace)."""
+        if not payloads:
             raise ValueError("At least one payload is required")
-        rows: list[torch.Tensor] = []
         sizes: list[int] = []
-        total = 0
-        for i, payload in enumerate(input_payloads):
+        for i, payload in enumerate(payloads):
             if payload.dim() != 2 or payload.size(0) != n:
                 raise ValueError(
                     f"payload {i} must be 2D with first dimension local_num_tokens={n}, got "
                     f"{list(payload.shape)}"
                 )
             element = payload.element_size()
-            size = self.ep_size * runtime_max_tokens_per_rank * payload.size(1) * element
-            total += size
-            if total % element:
+            sizes.append(self.ep_size * runtime_max_tokens_per_rank * payload.size(1) * element)
+            if sum(sizes) % element:
                 raise RuntimeError(
                     f"Misaligned payload buffer {i} with element size {element}. Consider "
                     "reordering payloads by largest to smallest element size"
                 )
-            sizes.append(size)
-            rows.append(payload.contiguous().view(torch.uint8).reshape(n, -1))
-        offsets = self.metainfo
-        required = offsets.payload_data + total
+        required = self.metainfo.payload_data + sum(sizes)
         if self.workspace_size_per_rank < required:
             raise RuntimeError(
                 f"workspace size per rank insufficient, need {required} bytes but has "
                 f"{self.workspace_size_per_rank}"
             )
+        return sizes
 
+    def _exchange_tokens(
+        self,
+        tse: torch.Tensor,
+        payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+    ) -> torch.Tensor:
+        """Routes every token to its target ranks and returns what this rank
+        received: ``[ep_size, runtime_max_tokens_per_rank, payload bytes]``.
+        Writes FlashInfer's counters and routing tables into the workspace."""
+        buffer, offsets = self.workspace, self.metainfo
+        n = tse.size(0)
         targets, send_indices = self._route(tse)
         counts = torch.stack([(targets == r).sum() for r in range(self.ep_size)]).to(torch.int64)
         _int32_region(buffer, offsets.local_token_counter, 1).fill_(n)
@@ -263,11 +261,13 @@ class ReferenceAlltoAll:
         _int32_region(buffer, offsets.topk_send_indices, n * self.top_k).copy_(
             send_indices.reshape(-1)
         )
-
         # What this rank writes into each peer's payload regions, row = send index.
-        token_bytes = torch.cat(rows, dim=1)
-        width = token_bytes.size(1)
-        outgoing = torch.zeros(self.ep_size, runtime_max_tokens_per_rank, width, dtype=torch.uint8)
+        token_bytes = torch.cat(
+            [p.contiguous().view(torch.uint8).reshape(n, -1) for p in payloads], 1
+        )
+        outgoing = torch.zeros(
+            self.ep_size, runtime_max_tokens_per_rank, token_bytes.size(1), dtype=torch.uint8
+        )
         valid = targets >= 0
         token_of = torch.arange(n).unsqueeze(1).expand(n, self.top_k)
         outgoing[targets[valid], send_indices[valid]] = token_bytes[token_of[valid]]
@@ -276,9 +276,37 @@ class ReferenceAlltoAll:
         dist.all_to_all_single(received_counts, counts, group=self._group)
         dist.all_to_all_single(incoming, outgoing, group=self._group)
         _int32_region(buffer, offsets.recv_counters, self.ep_size).copy_(received_counts)
+        return incoming
 
+    def dispatch(
+        self,
+        token_selected_experts: torch.Tensor,
+        input_payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+    ) -> list[torch.Tensor]:
+        """FlashInfer's ``MoeAlltoAll.dispatch``; collective over the EP group.
+
+        Returns one ``[ep_size, runtime_max_tokens_per_rank, *]`` view of this
+        rank's workspace per payload, of the payload's dtype.
+
+        Raises:
+            RuntimeError: FlashInfer's checks, among them ``workspace size per
+                rank insufficient, need X bytes but has Y``.
+            ValueError: malformed inputs (FlashInfer rejects them too).
+            BackendError: after release.
+        """
+        buffer = self.workspace
+        if self._dispatched is not None:
+            raise RuntimeError("dispatch called twice without combine")
+        self._check_runtime_tokens(runtime_max_tokens_per_rank)
+        n = self._check_routing(token_selected_experts, runtime_max_tokens_per_rank)
+        sizes = self._payload_regions(input_payloads, n, runtime_max_tokens_per_rank)
+        incoming = self._exchange_tokens(
+            token_selected_experts, input_payloads, runtime_max_tokens_per_rank
+        )
+        # Each payload's region of the workspace receives its columns.
         received: list[torch.Tensor] = []
-        start = offsets.payload_data
+        start = self.metainfo.payload_data
         column = 0
         for payload, size in zip(input_payloads, sizes, strict=True):
             per_token = size // (self.ep_size * runtime_max_tokens_per_rank)
@@ -294,7 +322,7 @@ class ReferenceAlltoAll:
         self._dispatched = _Dispatched(
             local_num_tokens=n,
             runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
-            combine_payload_offset=align(offsets.payload_data + total),
+            combine_payload_offset=align(self.metainfo.payload_data + sum(sizes)),
         )
         return received
 
@@ -395,6 +423,11 @@ class ReferenceBackend:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
+
+    def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
+        """FlashInfer 0.7.2.post1's ``moe_a2a_get_workspace_size_per_rank`` for
+        ``capacities`` (see :meth:`AlltoAllBackend.workspace_bytes`)."""
+        return capacities.workspace_bytes(ep_size)
 
     def build(self, spec: BuildSpec) -> ReferenceAlltoAll:
         """See :meth:`AlltoAllBackend.build`.

@@ -29,28 +29,29 @@ GROUP = "gpu-regression:nvfp4+bf16-mtp/ep2/pp0"
 
 def _overflow_rank(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
+
     from moe_sidecar.client import sizing
     from moe_sidecar.client.backends import BuildSpec
     from moe_sidecar.client.backends.flashinfer import FlashInferBackend
 
     workers.warm_up_cuda(rank)
-    first = sizing.layer_sizes(
+    first = sizing.layer_capacities(
         world_size,
         workers.TOKENS,
         workers.TOP_K,
+        workers.NUM_EXPERTS,
         workers.HIDDEN,
         workers.NVFP4.x_bytes_per_token,
         workers.NVFP4.x_sf_bytes_per_token,
     )
     backend = FlashInferBackend(world())
+    workspace = backend.workspace_bytes(first, world_size)
     a2a = backend.build(
         BuildSpec(
             ep_size=world_size,
             ep_rank=rank,
-            max_num_tokens=workers.TOKENS,
-            top_k=workers.TOP_K,
-            num_experts=workers.NUM_EXPERTS,
-            workspace_size_per_rank=first.workspace_bytes,
+            capacities=first,
+            workspace_size_per_rank=workspace,
         )
     )
     workers.round_trip(a2a, workers.NVFP4, rank, world_size)
@@ -61,7 +62,7 @@ def _overflow_rank(rank: int, world_size: int) -> dict[str, Any]:
     else:
         message = ""
     dist.barrier()
-    return {"error": message, "workspace": first.workspace_bytes}
+    return {"error": message, "workspace": workspace}
 
 
 def test_first_layer_sizing_overflows_on_the_bf16_combine(tmp_path: Path) -> None:
@@ -75,6 +76,7 @@ def test_first_layer_sizing_overflows_on_the_bf16_combine(tmp_path: Path) -> Non
 
 def _sequence_rank(rank: int, world_size: int, target: str) -> dict[str, Any]:
     import torch.distributed as dist
+
     from moe_sidecar.client import WorkspaceManager
 
     workers.warm_up_cuda(rank)

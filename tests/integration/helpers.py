@@ -9,18 +9,43 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from moe_sidecar.config import SidecarConfig
+from moe_sidecar.wire_codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 GROUP = "deepseek-v3:fp4/tp1-ep8/pp0"
 
-NVFP4 = pb.Requirement(
-    workspace_bytes=10_000, max_num_tokens=256, top_k=2, num_experts=16, layer="l0"
-)
-BF16 = pb.Requirement(
-    workspace_bytes=30_000, max_num_tokens=256, top_k=2, num_experts=16, layer="mtp"
-)
+EP_SIZE = 8
+
+
+def capacities(
+    tokens: int = 256,
+    dispatch: int = 100,
+    combine: int = 200,
+    top_k: int = 2,
+    num_experts: int = 16,
+) -> pb.Capacities:
+    """Wire capacities of a small layer (defaults: the NVFP4-like one)."""
+    return pb.Capacities(
+        max_tokens=tokens,
+        dispatch_bytes_per_token=dispatch,
+        combine_bytes_per_token=combine,
+        top_k=top_k,
+        num_experts=num_experts,
+    )
+
+
+def workspace_bytes(c: pb.Capacities, ep_size: int = EP_SIZE) -> int:
+    """The workspace the sidecar derives for ``c`` (FlashInfer's formula)."""
+    return capacities_from_proto(c).workspace_bytes(ep_size)
+
+
+NVFP4 = pb.Requirement(capacities=capacities(), layer="l0")
+BF16 = pb.Requirement(capacities=capacities(dispatch=400), layer="mtp")
+NVFP4_BYTES = workspace_bytes(NVFP4.capacities)
+BF16_BYTES = workspace_bytes(BF16.capacities)
 
 
 def make_config(tmp_path: Path, **overrides: Any) -> SidecarConfig:

@@ -10,9 +10,9 @@ from typing import Any
 
 import grpc
 import pytest
+
 from moe_sidecar.server import RunningServer, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-
 from tests.integration.helpers import (
     NVFP4,
     coordinator_stub,
@@ -32,7 +32,9 @@ def _proposal(**changes: Any) -> pb.ProposeRequest:
     request = propose_request(0, 2, group=GROUP, ep_size=2, local_ranks=2)
     for key, value in changes.items():
         if key.startswith("req_"):
-            setattr(request.requirement, key[4:], value)
+            setattr(request.requirement.capacities, key[4:], value)
+        elif key == "no_capacities":
+            request.requirement.ClearField("capacities")
         elif key == "no_requirement":
             request.ClearField("requirement")
         else:
@@ -49,24 +51,41 @@ BAD_PROPOSALS = [
     ("local_ranks > ep_size", _proposal(local_ranks=3), INVALID, "local_ranks=3"),
     ("ep_size 0", _proposal(ep_size=0, ep_rank=0), INVALID, "ep_size=0"),
     ("ep_size 65", _proposal(ep_size=65, local_ranks=1), INVALID, "ep_size=65"),
-    ("top_k 0", _proposal(req_top_k=0), INVALID, "requirement.top_k=0"),
-    ("top_k 23", _proposal(req_top_k=23), INVALID, "requirement.top_k=23"),
-    ("zero bytes", _proposal(req_workspace_bytes=0), INVALID, "requirement.workspace_bytes=0"),
+    ("top_k 0", _proposal(req_top_k=0), INVALID, "requirement.capacities.top_k=0"),
+    ("top_k 23", _proposal(req_top_k=23), INVALID, "requirement.capacities.top_k=23"),
     (
-        "absurd bytes",
-        _proposal(req_workspace_bytes=(1 << 40) + 1),
+        "zero dispatch bytes",
+        _proposal(req_dispatch_bytes_per_token=0),
         INVALID,
-        "requirement.workspace_bytes=1099511627777",
+        "requirement.capacities.dispatch_bytes_per_token=0",
     ),
-    ("zero tokens", _proposal(req_max_num_tokens=0), INVALID, "requirement.max_num_tokens=0"),
+    (
+        "absurd combine bytes",
+        _proposal(req_combine_bytes_per_token=1 << 40),
+        INVALID,
+        "requirement.capacities.combine_bytes_per_token=1099511627776",
+    ),
+    ("zero tokens", _proposal(req_max_tokens=0), INVALID, "requirement.capacities.max_tokens=0"),
     (
         "absurd tokens",
-        _proposal(req_max_num_tokens=1 << 40),
+        _proposal(req_max_tokens=1 << 40),
         INVALID,
-        "requirement.max_num_tokens=1099511627776",
+        "requirement.capacities.max_tokens=1099511627776",
     ),
-    ("zero experts", _proposal(req_num_experts=0), INVALID, "requirement.num_experts=0"),
+    (
+        "absurd derived workspace",
+        _proposal(req_max_tokens=1 << 30, req_dispatch_bytes_per_token=1 << 20),
+        INVALID,
+        "at most 1099511627776",
+    ),
+    ("zero experts", _proposal(req_num_experts=0), INVALID, "requirement.capacities.num_experts=0"),
     ("missing requirement", _proposal(no_requirement=True), INVALID, "requirement=None"),
+    (
+        "missing capacities",
+        _proposal(no_capacities=True),
+        INVALID,
+        "requirement.capacities=None",
+    ),
     ("round 0", _proposal(round=0), INVALID, "round=0"),
     ("empty lifetime", _proposal(lifetime=""), INVALID, "lifetime=''"),
     (
@@ -91,11 +110,14 @@ BAD_PROPOSALS = [
 
 
 def _plan(**changes: Any) -> pb.Plan:
-    plan = pb.Plan(
-        workspace_bytes=10_000, max_num_tokens=256, top_k=2, num_experts=16, generation=1
-    )
+    """The plan round 1 of the fixture's group decided, changed."""
+    plan = pb.Plan(generation=1)
+    plan.capacities.CopyFrom(NVFP4.capacities)
     for key, value in changes.items():
-        setattr(plan, key, value)
+        if key == "generation":
+            plan.generation = value
+        else:
+            setattr(plan.capacities, key, value)
     return plan
 
 
@@ -116,9 +138,21 @@ BAD_COMMITS = [
     ("empty group", _commit(group=""), INVALID, "group=''"),
     ("missing plan", _commit(no_plan=True), INVALID, "plan=None"),
     ("ep_rank out of range", _commit(ep_rank=9), INVALID, "ep_rank=9"),
-    ("zero bytes", _commit(plan=_plan(workspace_bytes=0)), INVALID, "plan.workspace_bytes=0"),
-    ("top_k 23", _commit(plan=_plan(top_k=23)), INVALID, "plan.top_k=23"),
+    ("zero tokens", _commit(plan=_plan(max_tokens=0)), INVALID, "plan.capacities.max_tokens=0"),
+    ("top_k 23", _commit(plan=_plan(top_k=23)), INVALID, "plan.capacities.top_k=23"),
     ("generation 0", _commit(plan=_plan(generation=0)), INVALID, "plan.generation=0"),
+    (
+        "another plan than decided",
+        _commit(plan=_plan(dispatch_bytes_per_token=1 << 20)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "the round decided",
+    ),
+    (
+        "another generation than decided",
+        _commit(plan=_plan(generation=999)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "the round decided",
+    ),
     ("negative build time", _commit(build_seconds=-1.0), INVALID, "build_seconds=-1.0"),
     (
         "unknown lifetime",
@@ -131,6 +165,12 @@ BAD_COMMITS = [
         _commit(round=5),
         grpc.StatusCode.FAILED_PRECONDITION,
         "round 5",
+    ),
+    (
+        "round 0",
+        _commit(round=0),
+        INVALID,
+        "round=0",
     ),
 ]
 

@@ -37,12 +37,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from moe_sidecar import cli
 from moe_sidecar.config import SidecarConfig, config_from_flags
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-
 from tests.dockerfile import (
     REPO,
     Stage,
@@ -311,7 +311,14 @@ def _propose_one_rank(target: str, group: str) -> int:
                 lifetime="image-test",
                 round=1,
                 requirement=pb.Requirement(
-                    workspace_bytes=4096, max_num_tokens=8, top_k=2, num_experts=4, layer="l0"
+                    capacities=pb.Capacities(
+                        max_tokens=8,
+                        dispatch_bytes_per_token=64,
+                        combine_bytes_per_token=128,
+                        top_k=2,
+                        num_experts=4,
+                    ),
+                    layer="l0",
                 ),
             ),
             timeout=10,

@@ -12,10 +12,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
 from moe_sidecar.server import running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-
-from tests.integration.helpers import coordinator_stub, make_config, propose_request
+from tests.integration.helpers import (
+    NVFP4,
+    coordinator_stub,
+    make_config,
+    propose_request,
+    workspace_bytes,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -113,4 +119,4 @@ async def test_reflection_lists_every_service_and_serves_calls(
         "grpc.reflection.v1alpha.ServerReflection",
     }
     assert methods == ["Commit", "GetGroup", "ListGroups", "Propose", "ResetGroup", "Watch"]
-    assert described == "solo/ep1:10000"
+    assert described == f"solo/ep1:{workspace_bytes(NVFP4.capacities, 1)}"

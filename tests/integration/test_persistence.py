@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from moe_sidecar.server import running_server
 from moe_sidecar.store import DATABASE_FILE, StoreError
 from moe_workspace.v1 import coordinator_pb2 as pb
-
 from tests.integration.helpers import (
     BF16,
     NVFP4,
@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     make_config,
     propose_request,
     run_round,
+    workspace_bytes,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,9 +48,12 @@ async def _check_restored(
     async with coordinator_stub(target) as stub:
         after = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
         assert after.plan == before.plan
-        assert after.plan.workspace_bytes == 30_000 and after.plan.generation == 2
+        assert (
+            after.plan.workspace_bytes == workspace_bytes(BF16.capacities, 2)
+            and after.plan.generation == 2
+        )
         assert list(after.history) == list(before.history)
-        assert [(h.generation, h.layer) for h in after.history] == [(1, "l0"), (2, "mtp")]
+        assert [(h.plan.generation, h.layer) for h in after.history] == [(1, "l0"), (2, "mtp")]
         rank0 = next(r for r in after.ranks if r.ep_rank == 0)
         assert rank0.committed_generation == 2 and rank0.last_build_seconds == 0.25
         # A rank that missed the answer of round 2 retries and gets it exactly.
@@ -61,7 +65,7 @@ async def _check_restored(
         # A restarted inference server starts from the stored union: one build.
         restarted = await run_round(stub, 1, NVFP4, group=GROUP, local_ranks=2, lifetime="b")
         assert {r.action for r in restarted} == {pb.ACTION_BUILD}
-        assert {r.plan.workspace_bytes for r in restarted} == {30_000}
+        assert {r.plan.workspace_bytes for r in restarted} == {workspace_bytes(BF16.capacities, 2)}
         assert {r.plan.generation for r in restarted} == {2}
 
 

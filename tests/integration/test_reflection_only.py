@@ -40,19 +40,32 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
 from moe_sidecar.config import DEFAULT_LISTEN, SidecarConfig
 from moe_sidecar.server import RunningServer, running_server
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_workspace.v1 import coordinator_pb2 as pb
-
 from tests.dockerfile import REPO, parse_dockerfile
-from tests.integration.helpers import coordinator_stub, make_config, run_round
+from tests.integration.helpers import (
+    capacities,
+    coordinator_stub,
+    make_config,
+    run_round,
+    workspace_bytes,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 SECTION = "## Inspecting it with grpcurl"
 SEEDED_RANKS = 8
 """Local ranks of the group the test creates under the README's group name."""
+LAYER = pb.Requirement(
+    capacities=capacities(
+        tokens=256, dispatch=7168 // 2 + 7168 // 16 + 64, combine=2 * 7168, top_k=8, num_experts=256
+    ),
+    layer="model.layers.3.mlp",
+)
+"""A DeepSeek-V3 NVFP4 layer."""
 HEALTH_ADDRESS = f"127.0.0.1:{SidecarConfig().health_port}"
 """Where the README's health commands go: the default health port."""
 
@@ -322,13 +335,7 @@ async def test_every_readme_grpcurl_command_works_through_reflection_alone(tmp_p
             answers = await run_round(
                 stub,
                 1,
-                pb.Requirement(
-                    workspace_bytes=123_456,
-                    max_num_tokens=256,
-                    top_k=8,
-                    num_experts=256,
-                    layer="model.layers.3.mlp",
-                ),
+                LAYER,
                 group=group,
                 local_ranks=SEEDED_RANKS,
             )
@@ -358,7 +365,8 @@ async def test_every_readme_grpcurl_command_works_through_reflection_alone(tmp_p
             assert [g["name"] for g in result[0]["groups"]] == [group], where
         elif command.symbol.endswith("/GetGroup"):
             [reply] = result
-            assert reply["name"] == group and reply["plan"]["workspaceBytes"] == "123456", where
+            derived = str(workspace_bytes(LAYER.capacities, reply["epSize"]))
+            assert reply["name"] == group and reply["plan"]["workspaceBytes"] == derived, where
             assert (
                 len(reply["ranks"]) == SEEDED_RANKS
                 and reply["history"][0]["layer"] == "model.layers.3.mlp"

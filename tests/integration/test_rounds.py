@@ -7,17 +7,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from moe_sidecar.server import running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-
 from tests.integration.helpers import (
     BF16,
     GROUP,
+    capacities,
     coordinator_stub,
     details,
     make_config,
     propose_request,
     rpc_error,
+    workspace_bytes,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,15 +31,12 @@ async def test_eight_concurrent_ranks_get_one_decision(tmp_path: Path, transport
         unix, tcp = server.addresses.listen
         assert unix.startswith("unix://") and not tcp.endswith(":0")
         async with coordinator_stub(unix if transport == "unix" else tcp) as stub:
-            needs = [10_000 + 1_000 * rank for rank in range(8)]
+            # Each rank needs a little more of one size; the plan is their join.
             requests = [
                 propose_request(
                     rank,
                     requirement=pb.Requirement(
-                        workspace_bytes=needs[rank],
-                        max_num_tokens=128 + rank,
-                        top_k=2,
-                        num_experts=16,
+                        capacities=capacities(tokens=128 + rank, dispatch=100 + 10 * (7 - rank)),
                         layer="l0",
                     ),
                 )
@@ -46,8 +45,10 @@ async def test_eight_concurrent_ranks_get_one_decision(tmp_path: Path, transport
             responses = await asyncio.gather(*(stub.Propose(r, timeout=10) for r in requests))
             assert all(r == responses[0] for r in responses)
             assert responses[0].action == pb.ACTION_BUILD
-            assert responses[0].plan.workspace_bytes == max(needs)
-            assert responses[0].plan.max_num_tokens == 135
+            assert responses[0].plan.capacities == capacities(tokens=135, dispatch=170)
+            assert responses[0].plan.workspace_bytes == workspace_bytes(
+                capacities(tokens=135, dispatch=170)
+            )
             assert responses[0].plan.generation == 1 and responses[0].grew
 
             # Round 2 at a bigger layer: everyone rebuilds, generation 2.
@@ -56,11 +57,13 @@ async def test_eight_concurrent_ranks_get_one_decision(tmp_path: Path, transport
             )
             assert {r.action for r in responses} == {pb.ACTION_REBUILD}
             assert {r.plan.generation for r in responses} == {2}
-            assert {r.plan.workspace_bytes for r in responses} == {30_000}
+            assert {r.plan.workspace_bytes for r in responses} == {
+                workspace_bytes(capacities(tokens=256, dispatch=400))
+            }
 
             group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
             assert group.last_closed_round == 2 and group.open_round == 0
-            assert [(h.generation, h.layer) for h in group.history] == [(1, "l0"), (2, "mtp")]
+            assert [(h.plan.generation, h.layer) for h in group.history] == [(1, "l0"), (2, "mtp")]
         assert server.coordinator.waiting_calls() == 0
 
 
@@ -124,9 +127,7 @@ async def test_heterogeneous_layer_is_refused_naming_both_layers(tmp_path: Path)
                 for r in range(2)
             )
         )
-        odd = pb.Requirement(
-            workspace_bytes=30_000, max_num_tokens=256, top_k=4, num_experts=16, layer="mtp"
-        )
+        odd = pb.Requirement(capacities=capacities(top_k=4), layer="mtp")
         errors = await asyncio.gather(
             *(
                 rpc_error(

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from moe_sidecar.server import SOCKET_MODE, StartupError, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-
 from tests.integration.helpers import coordinator_stub, make_config, propose_request, rpc_error
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,22 +10,27 @@ from typing import Any
 
 import grpc
 import pytest
+
 from moe_sidecar import cli
+from moe_sidecar.display import format_bytes
 from moe_sidecar.server import RunningServer, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-
 from tests.integration.helpers import (
     BF16,
+    NVFP4,
     coordinator_stub,
     grow_and_commit,
     make_config,
     propose_request,
     rpc_error,
+    workspace_bytes,
 )
 
 pytestmark = pytest.mark.timeout(30)
 
 GROUP = "model/ep2"
+NVFP4_AT_EP2 = workspace_bytes(NVFP4.capacities, 2)
+BF16_AT_EP2 = workspace_bytes(BF16.capacities, 2)
 
 
 def _request(rank: int, rnd: int, requirement: pb.Requirement, **kw: Any) -> pb.ProposeRequest:
@@ -108,12 +113,13 @@ async def test_metrics_endpoint(tmp_path: Path) -> None:
     assert samples[f'moe_sidecar_rounds_total{{action="rebuild",group="{GROUP}"}}'] == 1
     assert samples[f'moe_sidecar_rounds_total{{action="timed_out",group="{GROUP}"}}'] == 1
     assert samples[f'moe_sidecar_rebuilds_total{{group="{GROUP}"}}'] == 1
-    assert samples[f'moe_sidecar_workspace_bytes{{group="{GROUP}"}}'] == 30_000
+    assert samples[f'moe_sidecar_workspace_bytes{{group="{GROUP}"}}'] == BF16_AT_EP2
     assert samples[f'moe_sidecar_waiting_ranks{{group="{GROUP}"}}'] == 0
     assert samples["moe_sidecar_groups"] == 1
     assert samples['moe_sidecar_errors_total{code="NOT_FOUND"}'] == 1
     assert samples['moe_sidecar_errors_total{code="DEADLINE_EXCEEDED"}'] == 1
-    assert samples["moe_sidecar_round_latency_seconds_count"] == 2
+    # Every closed round: two decided, one timed out.
+    assert samples["moe_sidecar_round_latency_seconds_count"] == 3
 
 
 async def test_metrics_endpoint_stops_with_the_server(tmp_path: Path) -> None:
@@ -135,9 +141,11 @@ async def test_groups_command_text_and_json(
         assert await asyncio.to_thread(cli.main, ["groups", "--target", target, "--json"]) == 0
         document = json.loads(capsys.readouterr().out)
     assert f"group {GROUP}" in text
-    assert "plan: 29.3 KiB per rank (30000 B)" in text and "generation 2" in text
-    assert "generation 1: 9.8 KiB (10000 B), max_num_tokens=256, caused by layer 'l0'" in text
-    assert "generation 2: 29.3 KiB (30000 B), max_num_tokens=256, caused by layer 'mtp'" in text
+    big, small = format_bytes(BF16_AT_EP2), format_bytes(NVFP4_AT_EP2)
+    assert f"plan: {big} per rank ({BF16_AT_EP2} B), max_tokens=256, dispatch=400 B/token" in text
+    assert "epoch 0, generation 2" in text
+    assert f"generation 1: {small} ({NVFP4_AT_EP2} B), max_tokens=256, caused by layer 'l0'" in text
+    assert f"generation 2: {big} ({BF16_AT_EP2} B), max_tokens=256, caused by layer 'mtp'" in text
     rank_lines = [line.split() for line in text.splitlines() if line.startswith("       ")]
     assert [row[:6] for row in rank_lines] == [
         ["0", "yes", "3", "mtp", "2", "0.500"],
@@ -145,7 +153,8 @@ async def test_groups_command_text_and_json(
     ]
     [group] = document
     assert group["name"] == GROUP and group["generation"] == 2
-    assert group["plan"]["workspace_bytes"] == 30_000 and group["plan"]["workspace"] == "29.3 KiB"
+    assert group["plan"]["workspace_bytes"] == BF16_AT_EP2 and group["plan"]["workspace"] == big
+    assert group["plan"]["capacities"]["dispatch_bytes_per_token"] == 400
     assert [(h["generation"], h["layer"]) for h in group["history"]] == [(1, "l0"), (2, "mtp")]
     assert [(r["ep_rank"], r["last_round"], r["committed_generation"]) for r in group["ranks"]] == [
         (0, 3, 2),

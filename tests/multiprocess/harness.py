@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_sidecar.plan import Capacities
 from tests.multiprocess import workers
 from tests.multiprocess.harness import run_ranks
 
@@ -18,10 +19,10 @@ def test_agreement_communicator_and_reference_backend(tmp_path: Path) -> None:
     results = run_ranks(workers.agreement_worker, 3, timeout=60, tmp_path=tmp_path)
     assert results[2] == {}
     for rank, out in enumerate(results[:2]):
-        # Element-wise maximum; the payload slot raises the workspace to the
-        # auxiliary data at the agreed token count plus the largest payload.
-        assert out["agreed"] == (100_000, 32, 5)
-        assert out["agreed_payload"] == out["aux32"] + 200_000
+        # The decision core's join: neither plan dominates, so the joined
+        # capacities get a generation above both; a higher epoch wins whole.
+        assert out["agreed"] == (Capacities(32, 400, 300, 2, 8), 0, 6)
+        assert out["agreed_epoch"] == (Capacities(32, 100, 300, 2, 8), 1, 5)
         # A failed rank: everyone raises its error class, naming it and its layer.
         kind, message, is_cause = out["failed"]
         assert kind == "PreconditionFailed"

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from moe_sidecar.client.sizing import layer_sizes
 
+from moe_sidecar.plan import Capacities, join_capacities
 from tests.multiprocess import workers
 from tests.multiprocess.harness import Sidecar, run_ranks
 
@@ -27,14 +27,12 @@ EP = 2
 
 def expected_workspaces() -> list[int]:
     """The union after each call of the regression sequence."""
-    union = 0
+    union: Capacities | None = None
     sizes = []
     for layer in workers.REGRESSION:
-        need = layer_sizes(
-            EP, layer.max_num_tokens, layer.top_k, workers.HIDDEN, layer.x_bytes, layer.x_sf_bytes
-        ).workspace_bytes
-        union = max(union, need)
-        sizes.append(union)
+        need = workers.layer_capacities(EP, layer)
+        union = need if union is None else join_capacities(union, need)
+        sizes.append(union.workspace_bytes(EP))
     return sizes
 
 
@@ -102,11 +100,12 @@ def test_regression_sequence_embedded(tmp_path: Path) -> None:
     check_regression(results)
     assert results[0]["embedded"] and results[0]["agrees"]
     for result in results:
-        # Embedded mode agrees across ranks every round: one all-reduce, and
-        # nothing else on a REUSE round.
+        # Embedded mode agrees across ranks every round: one all-gather, and
+        # nothing else on a REUSE round (a rebuild adds the backend's own
+        # size exchange and the barrier).
         assert all(r["delta"]["rpcs"] == 0 for r in result["records"])
-        assert result["records"][2]["dist_calls"] == ["all_reduce"]
-        assert result["records"][1]["dist_calls"] == ["all_reduce", "all_gather", "barrier"]
+        assert result["records"][2]["dist_calls"] == ["all_gather"]
+        assert result["records"][1]["dist_calls"] == ["all_gather", "all_gather", "barrier"]
 
 
 def test_reuse_round_is_one_rpc_and_no_collective(sidecar: Sidecar, tmp_path: Path) -> None:
@@ -133,19 +132,13 @@ def test_reuse_round_is_one_rpc_and_no_collective(sidecar: Sidecar, tmp_path: Pa
 @pytest.mark.parametrize("mode", ["sidecar", "embedded"])
 def test_layer_with_fewer_tokens_than_the_plan(mode: str, sidecar: Sidecar, tmp_path: Path) -> None:
     # FlashInfer's auxiliary data grows with the token count a workspace is
-    # built for. The plan takes max(bytes) and max(tokens) separately, so a
-    # bf16 layer sized at 16 tokens, on a plan built for 20, needs more than
-    # its own size: the manager must grow the plan to serve it.
+    # built for: a bf16 layer sized at 16 tokens, on a plan built for 20,
+    # needs more than its own size. The union of capacities serves it.
     layers = [
         workers.nvfp4_layer("model.layers.0.mlp", max_num_tokens=workers.MAX_TOKENS + 4),
         workers.bf16_layer("mtp.mlp"),
     ]
-    own = [
-        layer_sizes(
-            EP, layer.max_num_tokens, layer.top_k, workers.HIDDEN, layer.x_bytes, layer.x_sf_bytes
-        ).workspace_bytes
-        for layer in layers
-    ]
+    own = [workers.layer_capacities(EP, layer).workspace_bytes(EP) for layer in layers]
     target = sidecar.target if mode == "sidecar" else "embedded"
     results = run_ranks(
         workers.layers_worker,

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from moe_sidecar.client.simulate import MODELS
-from moe_sidecar.client.sizing import layer_sizes
 
+from moe_sidecar.client.simulate import MODELS
+from moe_sidecar.client.sizing import layer_capacities
 from tests.multiprocess.harness import Sidecar
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
@@ -47,14 +47,15 @@ def simulate(*args: str, target: str | None = None) -> subprocess.CompletedProce
 
 def _needs(layer_quant: str) -> int:
     layer = next(layer for layer in DEEPSEEK.layers if layer.quant == layer_quant)
-    return layer_sizes(
+    return layer_capacities(
         RANKS,
         TOKENS,
         layer.top_k,
+        layer.num_experts,
         layer.hidden_size,
         layer.x_bytes_per_token,
         layer.x_sf_bytes_per_token,
-    ).workspace_bytes
+    ).workspace_bytes(RANKS)
 
 
 def _json(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def test_simulate_twice_against_a_sidecar_second_run_builds_once(sidecar: Sideca
     assert [r["action"] for r in first["rounds"]] == ["build"] + ["reuse"] * 57 + ["rebuild"]
     assert [(r["workspace_bytes"], r["generation"]) for r in first["reports"]] == [(union, 2)] * 2
     assert all(r["checked_layers"] for r in first["reports"])
-    assert [(h["generation"], h["layer"]) for h in first["sidecar_history"]] == [
+    assert [(h["plan"]["generation"], h["layer"]) for h in first["sidecar_history"]] == [
         (1, "model.layers.3.mlp"),
         (2, MTP_LAYER),
     ]

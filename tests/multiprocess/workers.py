@@ -37,6 +37,21 @@ class Layer:
         return self.x_sf_bytes > 0
 
 
+def layer_capacities(ep_size: int, layer: Layer) -> Any:
+    """The capacities the manager proposes for ``layer`` (a ``Capacities``)."""
+    from moe_sidecar.client.sizing import layer_capacities as capacities
+
+    return capacities(
+        ep_size,
+        layer.max_num_tokens,
+        layer.top_k,
+        layer.num_experts,
+        HIDDEN,
+        layer.x_bytes,
+        layer.x_sf_bytes,
+    )
+
+
 def nvfp4_layer(name: str, **kw: Any) -> Layer:
     return Layer(name, HIDDEN // 2, HIDDEN // 16, **kw)
 
@@ -229,7 +244,6 @@ def regression_worker(rank: int, world: int, target: str | None, group: str) -> 
     """The seed's sequence, then the same workspace without the coordinator."""
     from moe_sidecar.client.backends import BuildSpec
     from moe_sidecar.client.backends.reference import ReferenceBackend
-    from moe_sidecar.client.sizing import layer_sizes
 
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
@@ -238,10 +252,10 @@ def regression_worker(rank: int, world: int, target: str | None, group: str) -> 
 
     # Without the coordinator: sized by the first layer, as before the fix.
     first = REGRESSION[0]
-    sizes = layer_sizes(world, MAX_TOKENS, TOP_K, HIDDEN, first.x_bytes, first.x_sf_bytes)
+    capacities = layer_capacities(world, first)
     backend = ReferenceBackend(cpu_group)
     naive = backend.build(
-        BuildSpec(world, rank, MAX_TOKENS, TOP_K, NUM_EXPERTS, sizes.workspace_bytes)
+        BuildSpec(world, rank, capacities, backend.workspace_bytes(capacities, world))
     )
     first_error = exchange(naive, first, rank, world, seed=7)
     overflow = ""
@@ -403,28 +417,21 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
     from moe_sidecar.client.backends.reference import ReferenceBackend, live_workspace_bytes
     from moe_sidecar.client.errors import BackendError, PreconditionFailed
     from moe_sidecar.client.sizing import aux_data_size
-    from moe_sidecar.policy import Plan
+    from moe_sidecar.plan import Capacities, Plan
 
     ep_group = dist.new_group([0, 1], backend="gloo")
     out: dict[str, Any] = {}
     if rank < 2:
-        plans = [Plan(100_000, 16, 2, 8, 3), Plan(90_000, 32, 2, 8, 5)]
+        plans = [
+            Plan(Capacities(16, 400, 200, 2, 8), epoch=0, generation=3),
+            Plan(Capacities(32, 100, 300, 2, 8), epoch=0, generation=5),
+        ]
         agreed = agree(ep_group, LocalOutcome(rank, "L", plans[rank]), group_name="g")
-        out["agreed"] = (
-            agreed.plan.workspace_bytes,
-            agreed.plan.max_num_tokens,
-            agreed.plan.generation,
-        )
-        with_payload = agree(
-            ep_group,
-            LocalOutcome(
-                rank, "L", replace(plans[rank], payload_bytes=200_000 if rank == 0 else 10)
-            ),
-            group_name="g",
-        )
-        out["agreed_payload"] = with_payload.plan.workspace_bytes
-        out["aux32"] = aux_data_size(2, 32)
-
+        out["agreed"] = (agreed.capacities, agreed.epoch, agreed.generation)
+        # A reset on one node: the higher epoch wins whole.
+        newer = replace(plans[1], epoch=1)
+        agreed = agree(ep_group, LocalOutcome(rank, "L", [plans[0], newer][rank]), group_name="g")
+        out["agreed_epoch"] = (agreed.capacities, agreed.epoch, agreed.generation)
         failure = PreconditionFailed("boom on rank 1") if rank == 1 else None
         try:
             agree(
@@ -439,7 +446,7 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
                 str(error),
                 cause is not None and cause is failure,
             )
-        shape = Plan(1000, 16, 4 if rank == 1 else 2, 8, 1)
+        shape = Plan(Capacities(16, 100, 200, 4 if rank == 1 else 2, 8), epoch=0, generation=1)
         try:
             agree(ep_group, LocalOutcome(rank, "L7", shape), group_name="g")
         except PreconditionFailed as error:
@@ -468,7 +475,11 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
 
         backend = ReferenceBackend(ep_group)
         five = Layer("odd", HIDDEN // 2, HIDDEN // 16, num_experts=5)
-        roomy = backend.build(BuildSpec(2, rank, MAX_TOKENS, TOP_K, 5, 1 << 20))
+        roomy = backend.build(
+            BuildSpec(
+                2, rank, Capacities(MAX_TOKENS, 1, 1, TOP_K, 5), workspace_size_per_rank=1 << 20
+            )
+        )
         out["five_experts_error"] = exchange(roomy, five, rank, 2, seed=11)
         out["live_before_release"] = live_workspace_bytes()
         backend.release(roomy)
@@ -478,7 +489,12 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
         except BackendError as error:
             out["after_release"] = str(error)
         tight = backend.build(
-            BuildSpec(2, rank, MAX_TOKENS, TOP_K, 8, aux_data_size(2, MAX_TOKENS) + 256)
+            BuildSpec(
+                2,
+                rank,
+                Capacities(MAX_TOKENS, 1, 1, TOP_K, 8),
+                workspace_size_per_rank=aux_data_size(2, MAX_TOKENS) + 256,
+            )
         )
         try:
             exchange(tight, REGRESSION[0], rank, 2, seed=1)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from moe_sidecar.client import errors
 from moe_sidecar.client.errors import error_from_rpc, rpc_status
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from moe_sidecar.client.backends.reference import expert_owner
 
 pytestmark = pytest.mark.timeout(20)

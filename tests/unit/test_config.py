@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
 
 pytestmark = pytest.mark.timeout(10)

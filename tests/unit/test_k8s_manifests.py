@@ -16,12 +16,17 @@ from typing import Any
 
 import pytest
 import yaml
-from moe_sidecar import cli
-from moe_sidecar.client.manager import ENV_LOCAL_RANKS
-from moe_sidecar.client.transport import ENV_PROPOSE_TIMEOUT, ENV_TARGET
-from moe_sidecar.config import CLIENT_ENV_KEYS, ENV_PREFIX, SidecarConfig, config_from_flags
-from moe_sidecar.servicer import SERVICE_NAME
 
+from moe_sidecar import cli
+from moe_sidecar.config import SidecarConfig, config_from_flags
+from moe_sidecar.defaults import (
+    CLIENT_ENV_KEYS,
+    ENV_LOCAL_RANKS,
+    ENV_PREFIX,
+    ENV_PROPOSE_TIMEOUT,
+    ENV_TARGET,
+)
+from moe_sidecar.servicer import SERVICE_NAME
 from tests.dockerfile import REPO, parse_dockerfile
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,8 @@ import json
 import logging
 
 import pytest
-from moe_sidecar import cli
+
+from moe_sidecar import cli, display
 from moe_sidecar.logs import LOGGER_NAME, configure_logging
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,11 +74,11 @@ def test_text_lines_and_tracebacks(restore_logger: object) -> None:
     ],
 )
 def test_format_bytes(n: int, text: str) -> None:
-    assert cli.format_bytes(n) == text
+    assert display.format_bytes(n) == text
 
 
 def test_format_groups_without_groups() -> None:
-    assert cli.format_groups([]) == "no groups\n"
+    assert display.format_groups([]) == "no groups\n"
 
 
 def test_a_subcommand_is_one_command_entry(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,37 +5,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
-from moe_sidecar import policy, sizing
+
+from moe_sidecar import limits, policy
+from moe_sidecar.effects import Answer, Deadline, EventKind, Persist, Publish, Step, Wait
 from moe_sidecar.errors import (
     ErrorCode,
     InvalidArgument,
     PreconditionFailed,
     RoundAborted,
 )
-from moe_sidecar.policy import (
-    Action,
-    Answered,
-    Closed,
+from moe_sidecar.group import (
     CommitRecord,
     Decision,
     GroupState,
-    Plan,
+    Outcome,
     Proposal,
     Refusal,
     Requirement,
-    Waiting,
 )
+from moe_sidecar.plan import Action, Capacities, Plan
 
 pytestmark = pytest.mark.timeout(10)
 
 GROUP = "deepseek-v3:fp4/tp1-ep2/pp0"
 TIMEOUT = 30.0
 
-NVFP4 = Requirement(workspace_bytes=10_000, max_num_tokens=256, top_k=2, num_experts=16, layer="l0")
-BF16 = Requirement(workspace_bytes=30_000, max_num_tokens=256, top_k=2, num_experts=16, layer="mtp")
-MORE_TOKENS = Requirement(
-    workspace_bytes=10_000, max_num_tokens=512, top_k=2, num_experts=16, layer="l1"
-)
+
+def caps(tokens: int = 256, dispatch: int = 100, combine: int = 200, top_k: int = 2) -> Capacities:
+    return Capacities(
+        max_tokens=tokens,
+        dispatch_bytes_per_token=dispatch,
+        combine_bytes_per_token=combine,
+        top_k=top_k,
+        num_experts=16,
+    )
+
+
+NVFP4 = Requirement(caps(), "l0")
+BF16 = Requirement(caps(dispatch=400), "mtp")
+MORE_TOKENS = Requirement(caps(tokens=512), "l1")
 
 
 def prop(
@@ -66,27 +74,31 @@ def run_round(
     *,
     now: float = 0.0,
     lifetime: str | None = None,
-) -> tuple[GroupState, policy.Outcome]:
-    """Every local rank proposes ``rnd``; returns the state and the outcome."""
-    result: policy.ProposeResult | None = None
+) -> tuple[GroupState, Outcome, Step]:
+    """Every local rank proposes ``rnd``; returns the state, the outcome and the closing step."""
+    step: Step | None = None
     for rank, req in enumerate(reqs):
-        state, result = policy.propose(state, prop(rank, rnd, req, lifetime=lifetime), now, TIMEOUT)
-        if isinstance(result, Closed):
-            assert state is not None
-            return state, result.outcome
-        assert isinstance(result, Waiting), result
-    raise AssertionError(f"round {rnd} did not close: {result}")
+        step = policy.propose(state, prop(rank, rnd, req, lifetime=lifetime), now, TIMEOUT)
+        state = step.state
+        if isinstance(step.reply, (Decision, Refusal)):
+            return state, step.reply, step
+        assert isinstance(step.reply, Wait), step
+    raise AssertionError(f"round {rnd} did not close: {step}")
 
 
 def run_sequence(
     layers: list[Requirement], state: GroupState | None = None, *, lifetime: str | None = None
-) -> tuple[GroupState, list[policy.Outcome]]:
+) -> tuple[GroupState, list[Outcome]]:
     outcomes = []
     for n, req in enumerate(layers, start=1):
-        state, outcome = run_round(state, n, [req, req], lifetime=lifetime)
+        state, outcome, _ = run_round(state, n, [req, req], lifetime=lifetime)
         outcomes.append(outcome)
     assert state is not None
     return state, outcomes
+
+
+def events(step: Step) -> list[EventKind]:
+    return [e.event.kind for e in step.effects if isinstance(e, Publish)]
 
 
 # --- the union rule, one row per sequence --------------------------------------
@@ -97,52 +109,46 @@ class Row:
     name: str
     layers: list[Requirement]
     actions: list[Action]
-    workspace: list[int]
-    tokens: list[int]
+    capacities: list[Capacities]
     generations: list[int]
     stored: GroupState | None = field(default=None)
 
 
 ROWS = [
-    Row("first round builds", [NVFP4], [Action.BUILD], [10_000], [256], [1]),
+    Row("first round builds", [NVFP4], [Action.BUILD], [caps()], [1]),
     Row(
         "covered layer reuses",
         [NVFP4, NVFP4],
         [Action.BUILD, Action.REUSE],
-        [10_000, 10_000],
-        [256, 256],
+        [caps(), caps()],
         [1, 1],
     ),
     Row(
-        "bigger workspace rebuilds",
+        "bigger dispatch rebuilds",
         [NVFP4, BF16],
         [Action.BUILD, Action.REBUILD],
-        [10_000, 30_000],
-        [256, 256],
+        [caps(), caps(dispatch=400)],
         [1, 2],
     ),
     Row(
         "more tokens rebuild",
         [NVFP4, MORE_TOKENS],
         [Action.BUILD, Action.REBUILD],
-        [10_000, 10_000],
-        [256, 512],
+        [caps(), caps(tokens=512)],
         [1, 2],
     ),
     Row(
         "never shrinks (the regression sequence)",
         [NVFP4, BF16, NVFP4],
         [Action.BUILD, Action.REBUILD, Action.REUSE],
-        [10_000, 30_000, 30_000],
-        [256, 256, 256],
+        [caps(), caps(dispatch=400), caps(dispatch=400)],
         [1, 2, 2],
     ),
     Row(
-        "union of bytes and tokens from different layers",
+        "the union of sizes from different layers",
         [BF16, MORE_TOKENS],
         [Action.BUILD, Action.REBUILD],
-        [30_000, 30_000],
-        [256, 512],
+        [caps(dispatch=400), caps(tokens=512, dispatch=400)],
         [1, 2],
     ),
 ]
@@ -154,62 +160,69 @@ def test_union_rule(row: Row) -> None:
     decisions = [o for o in outcomes if isinstance(o, Decision)]
     assert len(decisions) == len(outcomes)
     assert [d.action for d in decisions] == row.actions
-    assert [d.plan.workspace_bytes for d in decisions] == row.workspace
-    assert [d.plan.max_num_tokens for d in decisions] == row.tokens
+    assert [d.plan.capacities for d in decisions] == row.capacities
     assert [d.plan.generation for d in decisions] == row.generations
 
 
-def test_ranks_with_different_needs_take_the_max() -> None:
-    small = replace(NVFP4, workspace_bytes=5_000)
-    state, outcome = run_round(None, 1, [small, NVFP4])
+def test_ranks_with_different_needs_take_the_join() -> None:
+    small = Requirement(caps(dispatch=50, combine=300), "l0")
+    _, outcome, _ = run_round(None, 1, [small, NVFP4])
     assert isinstance(outcome, Decision)
-    assert outcome.plan.workspace_bytes == 10_000
-    assert state.history[-1].ep_rank == 1
+    assert outcome.plan.capacities == caps(dispatch=100, combine=300)
 
 
 def test_growth_history_names_the_layer() -> None:
     state, _ = run_sequence([NVFP4, BF16, NVFP4, MORE_TOKENS])
-    assert [(g.generation, g.layer, g.round) for g in state.history] == [
+    assert [(g.plan.generation, g.layer, g.round) for g in state.history] == [
         (1, "l0", 1),
         (2, "mtp", 2),
         (3, "l1", 4),
     ]
-    assert state.history[-1].workspace_bytes == 30_000
-    assert state.history[-1].max_num_tokens == 512
+    assert state.history[-1].plan.capacities == caps(tokens=512, dispatch=400)
 
 
-def _sized(label: str, tokens: int, x_bytes: int, x_sf_bytes: int) -> Requirement:
-    """A layer's requirement as the client states it (hidden 256, top_k 2, EP 2)."""
-    s = sizing.layer_sizes(2, tokens, 2, 256, x_bytes, x_sf_bytes)
-    return Requirement(s.workspace_bytes, tokens, 2, 16, label, s.payload_bytes)
-
-
-def test_plan_serves_every_payload_at_the_plans_token_count() -> None:
-    # An NVFP4 layer at 20 tokens, then a bf16 layer at 16: the bf16 layer's
-    # payload must fit beside the auxiliary data of a 20-token workspace,
-    # which is more than either layer's own size.
-    nvfp4 = _sized("l0", 20, 128, 16)
-    bf16 = _sized("mtp", 16, 512, 0)
-    state, outcomes = run_sequence([nvfp4, bf16])
+def test_a_plan_of_mixed_token_counts_serves_every_layer() -> None:
+    # An NVFP4 layer at 20 tokens, then a bf16 layer at 16: the union of
+    # capacities serves both at the plan's token count, so the workspace is
+    # bigger than either layer's own (FlashInfer's auxiliary data grows with
+    # the token count a workspace is built for).
+    nvfp4 = Requirement(caps(tokens=20, dispatch=160, combine=512), "l0")
+    bf16 = Requirement(caps(tokens=16, dispatch=528, combine=512), "mtp")
+    _, outcomes = run_sequence([nvfp4, bf16])
     decision = outcomes[1]
-    assert isinstance(decision, Decision)
-    assert decision.action is Action.REBUILD
-    assert decision.plan.max_num_tokens == 20
-    assert decision.plan.payload_bytes == bf16.payload_bytes
-    assert decision.plan.workspace_bytes == sizing.workspace_for_payload(2, 20, bf16.payload_bytes)
-    assert decision.plan.workspace_bytes > max(nvfp4.workspace_bytes, bf16.workspace_bytes)
-    assert state.history[-1].layer == "mtp"
+    assert isinstance(decision, Decision) and decision.action is Action.REBUILD
+    assert decision.plan.capacities == caps(tokens=20, dispatch=528, combine=512)
+    built = decision.plan.capacities.workspace_bytes(2)
+    assert built > max(nvfp4.capacities.workspace_bytes(2), bf16.capacities.workspace_bytes(2))
 
 
-def test_more_tokens_lift_the_room_for_an_earlier_payload() -> None:
-    bf16 = _sized("mtp", 16, 512, 0)
-    nvfp4 = _sized("l0", 20, 128, 16)
-    _, outcomes = run_sequence([bf16, nvfp4])
-    decision = outcomes[1]
+# --- effects ------------------------------------------------------------------------
+
+
+def test_a_joining_proposal_opens_a_deadline_and_persists_nothing() -> None:
+    first = policy.propose(None, prop(0, 1, NVFP4), 5.0, TIMEOUT)
+    assert first.reply == Wait(lifetime_index=1, round=1, deadline=5.0 + TIMEOUT)
+    assert Deadline(5.0 + TIMEOUT) in first.effects
+    assert events(first) == [EventKind.LIFETIME_STARTED]
+
+
+def test_the_closing_proposal_persists_answers_publishes_and_disarms() -> None:
+    state = policy.propose(None, prop(0, 1, NVFP4), 5.0, TIMEOUT).state
+    closing = policy.propose(state, prop(1, 1, NVFP4), 6.0, TIMEOUT)
+    decision = closing.reply
     assert isinstance(decision, Decision)
-    assert decision.action is Action.REBUILD
-    assert decision.plan.workspace_bytes == sizing.workspace_for_payload(2, 20, bf16.payload_bytes)
-    assert decision.plan.workspace_bytes > max(nvfp4.workspace_bytes, bf16.workspace_bytes)
+    assert isinstance(closing.effects[0], Persist) and closing.persists
+    assert Answer(1, 1, decision) in closing.effects
+    (published,) = [e.event for e in closing.effects if isinstance(e, Publish)]
+    assert published.kind is EventKind.ROUND_DECIDED and published.ranks == (0, 1)
+    assert published.latency == 1.0 and published.grew
+    assert closing.effects[-1] == Deadline(None)
+
+
+def test_a_one_rank_round_never_arms_a_timer() -> None:
+    step = policy.propose(None, prop(0, 1, NVFP4, local_ranks=1), 0.0, TIMEOUT)
+    assert isinstance(step.reply, Decision)
+    assert not [e for e in step.effects if isinstance(e, Deadline)]
 
 
 # --- refusals -------------------------------------------------------------------
@@ -218,8 +231,8 @@ def test_more_tokens_lift_the_room_for_an_earlier_payload() -> None:
 @pytest.mark.parametrize(
     ("changed", "expected"),
     [
-        (replace(BF16, top_k=4), "top_k=4"),
-        (replace(BF16, num_experts=32), "num_experts=32"),
+        (Requirement(replace(caps(), top_k=4), "mtp"), "top_k=4"),
+        (Requirement(replace(caps(), num_experts=32), "mtp"), "num_experts=32"),
     ],
     ids=["top_k", "num_experts"],
 )
@@ -227,86 +240,100 @@ def test_heterogeneous_layer_refused_naming_both_layers(
     changed: Requirement, expected: str
 ) -> None:
     state, _ = run_sequence([NVFP4])
-    state, result = policy.propose(state, prop(0, 2, changed), 1.0, TIMEOUT)
-    assert isinstance(result, Closed)
-    refusal = result.outcome
+    step = policy.propose(state, prop(0, 2, changed), 1.0, TIMEOUT)
+    refusal = step.reply
     assert isinstance(refusal, Refusal)
     assert refusal.code is ErrorCode.FAILED_PRECONDITION
     assert "'mtp'" in refusal.message and "'l0'" in refusal.message
     assert "rank 0" in refusal.message
     assert expected in refusal.message
     assert isinstance(refusal.error(), PreconditionFailed)
+    assert events(step) == [EventKind.ROUND_REFUSED]
     # The plan is untouched, and the other rank gets the same refusal.
-    assert state.plan is not None and state.plan.generation == 1
-    state, late = policy.propose(state, prop(1, 2, changed), 2.0, TIMEOUT)
-    assert late == Answered(refusal)
+    assert step.state.plan is not None and step.state.plan.generation == 1
+    late = policy.propose(step.state, prop(1, 2, changed), 2.0, TIMEOUT)
+    assert late.reply == refusal and late.effects == ()
 
 
 @pytest.mark.parametrize(
     ("other", "needle"),
     [
-        (replace(NVFP4, top_k=4), "top_k=4"),
-        (replace(NVFP4, num_experts=8), "num_experts=8"),
-        (replace(NVFP4, layer="l7"), "'l7'"),
+        (Requirement(replace(caps(), top_k=4), "l0"), "top_k=4"),
+        (Requirement(replace(caps(), num_experts=8), "l0"), "num_experts=8"),
+        (Requirement(caps(), "l7"), "'l7'"),
     ],
     ids=["top_k", "num_experts", "layer"],
 )
 def test_ranks_disagreeing_inside_a_round(other: Requirement, needle: str) -> None:
-    state, first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT)
-    assert isinstance(first, Waiting)
-    state, result = policy.propose(state, prop(1, 1, other), 0.5, TIMEOUT)
-    assert isinstance(result, Closed) and isinstance(result.outcome, Refusal)
-    message = result.outcome.message
-    assert "ranks disagree" in message
-    assert "rank 0" in message and "rank 1" in message and needle in message
-    # Rank 0, still waiting on round 1, is answered by the holder from the
-    # closed round; a retry of rank 0 sees the same refusal.
-    state, retry = policy.propose(state, prop(0, 1, NVFP4), 1.0, TIMEOUT)
-    assert retry == Answered(result.outcome)
+    first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT)
+    assert isinstance(first.reply, Wait)
+    second = policy.propose(first.state, prop(1, 1, other), 0.5, TIMEOUT)
+    refusal = second.reply
+    assert isinstance(refusal, Refusal)
+    assert "ranks disagree" in refusal.message
+    assert "rank 0" in refusal.message and "rank 1" in refusal.message and needle in refusal.message
+    # Rank 0, waiting on round 1, is answered by the step; its retry sees the same refusal.
+    assert Answer(1, 1, refusal) in second.effects
+    retry = policy.propose(second.state, prop(0, 1, NVFP4), 1.0, TIMEOUT)
+    assert retry.reply == refusal
+
+
+def test_a_growth_out_of_range_is_refused_and_never_stored() -> None:
+    # Each layer is valid alone; their union derives more than 1 TiB per rank.
+    wide = Requirement(caps(tokens=64, dispatch=limits.MAX_BYTES_PER_TOKEN), "wide")
+    long = Requirement(caps(tokens=limits.MAX_TOKENS // 4, dispatch=100), "long")
+    state, _ = run_sequence([wide])
+    before = state.plan
+    state, refusal, _ = run_round(state, 2, [long, long])
+    assert isinstance(refusal, Refusal) and refusal.code is ErrorCode.FAILED_PRECONDITION
+    assert "layer 'long'" in refusal.message and "out of range" in refusal.message
+    assert state.plan == before and state.generation == 1
 
 
 def test_retried_proposal_for_closed_round_is_answered_identically() -> None:
     state, outcomes = run_sequence([NVFP4, BF16])
     for rank in (0, 1):
         for rnd, req in ((1, NVFP4), (2, BF16)):
-            state2, result = policy.propose(state, prop(rank, rnd, req), 99.0, TIMEOUT)
-            assert result == Answered(outcomes[rnd - 1])
-            assert state2 == state
+            step = policy.propose(state, prop(rank, rnd, req), 99.0, TIMEOUT)
+            assert step.reply == outcomes[rnd - 1]
+            assert step.state is state and step.effects == ()
 
 
 def test_retry_while_round_open_keeps_waiting() -> None:
-    state, first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT)
-    state2, again = policy.propose(state, prop(0, 1, NVFP4), 1.0, TIMEOUT)
-    assert isinstance(first, Waiting) and isinstance(again, Waiting)
-    assert again.round == 1 and again.deadline == first.deadline
+    first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT)
+    again = policy.propose(first.state, prop(0, 1, NVFP4), 1.0, TIMEOUT)
+    assert isinstance(first.reply, Wait) and again.reply == first.reply
+    assert again.effects == ()
     with pytest.raises(PreconditionFailed, match="re-proposed round 1"):
-        policy.propose(state2, prop(0, 1, BF16), 1.0, TIMEOUT)
+        policy.propose(again.state, prop(0, 1, BF16), 1.0, TIMEOUT)
 
 
 def test_round_past_deadline_names_missing_ranks_and_their_last_layer() -> None:
     state, _ = run_sequence([NVFP4])
-    state, waiting = policy.propose(state, prop(0, 2, BF16), 10.0, TIMEOUT)
-    assert isinstance(waiting, Waiting) and waiting.deadline == 10.0 + TIMEOUT
-    unchanged, nothing = policy.expire(state, 10.0 + TIMEOUT - 0.001)
-    assert nothing is None and unchanged == state
-    state, refusal = policy.expire(state, 10.0 + TIMEOUT)
-    assert refusal is not None
+    waiting = policy.propose(state, prop(0, 2, BF16), 10.0, TIMEOUT)
+    assert isinstance(waiting.reply, Wait) and waiting.reply.deadline == 10.0 + TIMEOUT
+    assert policy.expire(waiting.state, 10.0 + TIMEOUT - 0.001) is None
+    expired = policy.expire(waiting.state, 10.0 + TIMEOUT)
+    assert expired is not None
+    refusal = expired.reply
+    assert isinstance(refusal, Refusal)
     assert refusal.code is ErrorCode.DEADLINE_EXCEEDED
     assert refusal.missing_ranks == (1,)
     assert "rank 1 (last reported round 1, layer 'l0')" in refusal.message
     assert "ranks present: [0]" in refusal.message
-    assert state.open_round is None and state.last_closed_round == 2
+    assert events(expired) == [EventKind.RANK_TIMEOUT] and expired.persists
+    assert expired.state.open_round is None and expired.state.last_closed_round == 2
     # The late rank gets the same timeout.
-    _, late = policy.propose(state, prop(1, 2, BF16), 50.0, TIMEOUT)
-    assert late == Answered(refusal)
+    late = policy.propose(expired.state, prop(1, 2, BF16), 50.0, TIMEOUT)
+    assert late.reply == refusal
 
 
 def test_timeout_counts_ranks_never_seen() -> None:
-    state, _ = policy.propose(None, prop(0, 1, NVFP4, ep_size=4, local_ranks=3), 0.0, TIMEOUT)
-    _, refusal = policy.expire(state, TIMEOUT)
-    assert refusal is not None
-    assert "2 of 3 local ranks missing" in refusal.message
-    assert "2 rank(s) never seen" in refusal.message
+    state = policy.propose(None, prop(0, 1, NVFP4, ep_size=4, local_ranks=3), 0.0, TIMEOUT).state
+    expired = policy.expire(state, TIMEOUT)
+    assert expired is not None and isinstance(expired.reply, Refusal)
+    assert "2 of 3 local ranks missing" in expired.reply.message
+    assert "2 rank(s) never seen" in expired.reply.message
 
 
 # --- lifetimes ------------------------------------------------------------------
@@ -315,15 +342,12 @@ def test_timeout_counts_ranks_never_seen() -> None:
 def test_new_lifetime_starts_from_the_stored_plan() -> None:
     state, _ = run_sequence([NVFP4, BF16, NVFP4])
     # Both ranks restart: new lifetime ids, round 1 again, first layer small.
-    state, _ = policy.propose(state, prop(0, 1, NVFP4, lifetime="b0"), 100.0, TIMEOUT)
-    state, result = policy.propose(state, prop(1, 1, NVFP4, lifetime="b1"), 100.0, TIMEOUT)
-    assert isinstance(result, Closed)
-    decision = result.outcome
+    state = policy.propose(state, prop(0, 1, NVFP4, lifetime="b0"), 100.0, TIMEOUT).state
+    decision = policy.propose(state, prop(1, 1, NVFP4, lifetime="b1"), 100.0, TIMEOUT).reply
     assert isinstance(decision, Decision)
     assert decision.action is Action.BUILD
-    assert decision.plan.workspace_bytes == 30_000  # the historical union
+    assert decision.plan.capacities == caps(dispatch=400)  # the historical union
     assert decision.plan.generation == 2 and not decision.grew
-    assert state.lifetime_index == 2
 
 
 def test_second_lifetime_builds_once() -> None:
@@ -331,49 +355,56 @@ def test_second_lifetime_builds_once() -> None:
     actions = []
     for n, req in enumerate([NVFP4, BF16, NVFP4], start=1):
         for rank in (0, 1):
-            state, result = policy.propose(
+            step = policy.propose(
                 state, prop(rank, n, req, lifetime=f"second-{rank}"), 200.0, TIMEOUT
             )
-        assert isinstance(result, Closed) and isinstance(result.outcome, Decision)
-        actions.append(result.outcome.action)
+            state = step.state
+        assert isinstance(step.reply, Decision)
+        actions.append(step.reply.action)
     assert actions == [Action.BUILD, Action.REUSE, Action.REUSE]
+    assert state.lifetime_index == 2
 
 
 def test_rank_of_an_ended_lifetime_is_aborted() -> None:
     state, _ = run_sequence([NVFP4])
-    state, _ = policy.propose(state, prop(0, 1, NVFP4, lifetime="new-0"), 5.0, TIMEOUT)
+    state = policy.propose(state, prop(0, 1, NVFP4, lifetime="new-0"), 5.0, TIMEOUT).state
     with pytest.raises(RoundAborted, match="restart this rank"):
         policy.propose(state, prop(1, 2, NVFP4), 5.0, TIMEOUT)
 
 
 def test_restart_mid_round_aborts_the_open_round() -> None:
     state, _ = run_sequence([NVFP4])
-    state, _ = policy.propose(state, prop(0, 2, BF16), 5.0, TIMEOUT)
-    state, result = policy.propose(state, prop(1, 1, NVFP4, lifetime="new-1"), 6.0, TIMEOUT)
-    assert isinstance(result, Waiting) and result.new_lifetime
-    assert result.aborted is not None and result.aborted.code is ErrorCode.ABORTED
-    assert "rank 1 restarted" in result.aborted.message
+    state = policy.propose(state, prop(0, 2, BF16), 5.0, TIMEOUT).state
+    step = policy.propose(state, prop(1, 1, NVFP4, lifetime="new-1"), 6.0, TIMEOUT)
+    assert isinstance(step.reply, Wait) and step.persists
+    (aborted,) = [e for e in step.effects if isinstance(e, Answer)]
+    assert (aborted.lifetime_index, aborted.round) == (1, 2)
+    assert isinstance(aborted.outcome, Refusal) and aborted.outcome.code is ErrorCode.ABORTED
+    assert "rank 1 restarted" in aborted.outcome.message
+    assert events(step) == [EventKind.ROUND_ABORTED, EventKind.LIFETIME_STARTED]
+    # The old round's timer goes; the new round's comes.
+    deadlines = [e for e in step.effects if isinstance(e, Deadline)]
+    assert deadlines == [Deadline(None), Deadline(6.0 + TIMEOUT)]
 
 
 def test_restart_refused_in_round_one_is_one_lifetime() -> None:
     state, _ = run_sequence([NVFP4])
-    other_model = replace(NVFP4, top_k=4)
-    state, first = policy.propose(state, prop(0, 1, other_model, lifetime="b0"), 9.0, TIMEOUT)
-    assert isinstance(first, Closed)
-    assert isinstance(first.outcome, Refusal)
-    assert first.new_lifetime
+    other_model = Requirement(replace(caps(), top_k=4), "l0")
+    first = policy.propose(state, prop(0, 1, other_model, lifetime="b0"), 9.0, TIMEOUT)
+    assert isinstance(first.reply, Refusal)
+    assert EventKind.LIFETIME_STARTED in events(first)
     # The second rank of the same restart shares the refusal; no third lifetime.
-    after, second = policy.propose(state, prop(1, 1, other_model, lifetime="b1"), 9.5, TIMEOUT)
-    assert second == Answered(first.outcome)
-    assert after.lifetime_index == state.lifetime_index == 2
+    second = policy.propose(first.state, prop(1, 1, other_model, lifetime="b1"), 9.5, TIMEOUT)
+    assert second.reply == first.reply
+    assert second.state.lifetime_index == first.state.lifetime_index == 2
 
 
 def test_newcomer_after_a_decided_round_one_is_a_restart() -> None:
-    state, _ = run_round(None, 1, [NVFP4, NVFP4])
-    state, result = policy.propose(state, prop(0, 1, NVFP4, lifetime="again"), 3.0, TIMEOUT)
-    assert isinstance(result, Waiting)
-    assert result.new_lifetime
-    assert state.lifetime_index == 2
+    state, _, _ = run_round(None, 1, [NVFP4, NVFP4])
+    step = policy.propose(state, prop(0, 1, NVFP4, lifetime="again"), 3.0, TIMEOUT)
+    assert isinstance(step.reply, Wait)
+    assert EventKind.LIFETIME_STARTED in events(step)
+    assert step.state.lifetime_index == 2
 
 
 def test_unknown_lifetime_must_start_at_round_one() -> None:
@@ -381,78 +412,100 @@ def test_unknown_lifetime_must_start_at_round_one() -> None:
         policy.propose(None, prop(0, 3, NVFP4), 0.0, TIMEOUT)
 
 
-def test_reset_forgets_the_plan_but_not_the_generation() -> None:
+def test_reset_begins_an_epoch_but_keeps_the_generation() -> None:
     state, _ = run_sequence([NVFP4, BF16])
-    state = policy.reset(state)
-    assert state.plan is None and state.history == ()
+    step = policy.reset(state, 7.0)
+    assert events(step) == [EventKind.RESET] and step.persists
+    state = step.state
+    assert state.plan is None and state.history == () and state.epoch == 1
     state, outcomes = run_sequence([NVFP4], state, lifetime="after-reset")
     decision = outcomes[0]
     assert isinstance(decision, Decision)
-    assert decision.plan.workspace_bytes == 10_000
-    assert decision.plan.generation == 3
+    assert decision.plan == Plan(caps(), epoch=1, generation=3)
+
+
+def test_a_running_lifetime_keeps_what_it_built_across_a_reset() -> None:
+    state, _ = run_sequence([NVFP4, BF16])
+    state = policy.reset(state, 7.0).state
+    state, decision, _ = run_round(state, 3, [NVFP4, NVFP4])
+    assert isinstance(decision, Decision)
+    assert decision.action is Action.REUSE
+    assert decision.plan.capacities == caps(dispatch=400) and decision.plan.epoch == 1
 
 
 # --- commits --------------------------------------------------------------------
 
 
+def _decided(layers: list[Requirement], local_ranks: int = 2) -> tuple[GroupState, Decision]:
+    state: GroupState | None = None
+    outcome: Outcome | None = None
+    for n, req in enumerate(layers, start=1):
+        for rank in range(local_ranks):
+            step = policy.propose(state, prop(rank, n, req, local_ranks=local_ranks), 0.0, TIMEOUT)
+            state, outcome = step.state, step.reply  # type: ignore[assignment]
+    assert state is not None and isinstance(outcome, Decision)
+    return state, outcome
+
+
 def test_commit_records_the_generation() -> None:
-    state, outcomes = run_sequence([NVFP4])
-    decision = outcomes[0]
-    assert isinstance(decision, Decision)
-    state = policy.commit(state, CommitRecord(0, "life-0", 1, decision.plan, 0.02), 3.0)
-    rank0 = state.rank(0)
+    state, decision = _decided([NVFP4])
+    step = policy.commit(state, CommitRecord(0, "life-0", 1, decision.plan, 0.02), 3.0)
+    rank0 = step.state.rank(0)
     assert rank0 is not None and rank0.committed_generation == 1
     assert rank0.build_seconds == 0.02
+    assert events(step) == [EventKind.COMMIT] and step.persists
+    assert step.state.plan == state.plan
 
 
-def test_commit_of_a_larger_agreed_plan_is_absorbed() -> None:
-    state, outcomes = run_sequence([NVFP4])
-    decision = outcomes[0]
-    assert isinstance(decision, Decision)
-    agreed = replace(decision.plan, workspace_bytes=50_000)
-    state = policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 3.0)
-    assert state.plan is not None and state.plan.workspace_bytes == 50_000
-    assert state.plan.generation == 2
-    assert state.history[-1].layer == "(agreed across nodes)"
-    # The next round of the same size reuses what was built.
-    state, outcome = run_round(state, 2, [BF16, BF16])
-    assert isinstance(outcome, Decision) and outcome.action is Action.REUSE
+def test_a_group_spanning_nodes_commits_and_absorbs_the_agreed_plan() -> None:
+    # One of two ranks on this node: the other node's layer made the agreed
+    # plan bigger. The commit joins it into the stored plan and the built one.
+    state, _ = _decided([NVFP4], local_ranks=1)
+    agreed = Plan(caps(dispatch=900), epoch=0, generation=2)
+    step = policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 3.0)
+    rank0 = step.state.rank(0)
+    assert rank0 is not None and rank0.committed_generation == 2
+    assert step.state.plan == agreed and step.state.built == agreed
+    assert step.state.generation == 2
+    assert step.state.history[-1].layer == "(agreed across nodes)"
+    # The next round of the same size reuses what the ranks hold.
+    step = policy.propose(step.state, prop(0, 2, NVFP4, local_ranks=1), 4.0, TIMEOUT)
+    assert isinstance(step.reply, Decision) and step.reply.action is Action.REUSE
+    assert step.reply.plan == agreed
+
+
+def test_a_group_on_one_node_commits_exactly_the_decision() -> None:
+    state, _ = _decided([NVFP4])
+    bigger = Plan(caps(dispatch=900), epoch=0, generation=1)
+    with pytest.raises(PreconditionFailed, match="the round decided"):
+        policy.commit(state, CommitRecord(0, "life-0", 1, bigger, 0.0), 3.0)
+
+
+def _commit(rnd: int = 1, plan: Plan | None = None, **changes: object) -> CommitRecord:
+    record = CommitRecord(0, "life-0", rnd, plan or Plan(caps(), 0, 1), 0.0)
+    return replace(record, **changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("record", "error", "needle"),
     [
-        (
-            CommitRecord(0, "stranger", 1, Plan(1, 1, 2, 16, 1), 0.0),
-            PreconditionFailed,
-            "never proposed",
-        ),
-        (
-            CommitRecord(0, "life-0", 2, Plan(1, 1, 2, 16, 1), 0.0),
-            PreconditionFailed,
-            "has not closed",
-        ),
-        (CommitRecord(5, "life-0", 1, Plan(1, 1, 2, 16, 1), 0.0), InvalidArgument, "ep_rank=5"),
-        (
-            CommitRecord(0, "life-0", 1, Plan(0, 1, 2, 16, 1), 0.0),
-            InvalidArgument,
-            "plan.workspace_bytes=0",
-        ),
-        (
-            CommitRecord(0, "life-0", 1, Plan(1, 1, 2, 16, 0), 0.0),
-            InvalidArgument,
-            "plan.generation=0",
-        ),
-        (CommitRecord(0, "life-0", 1, Plan(1, 1, 4, 16, 1), 0.0), PreconditionFailed, "top_k=4"),
-        (
-            CommitRecord(0, "life-0", 1, Plan(1, 1, 2, 16, 1), -1.0),
-            InvalidArgument,
-            "build_seconds",
-        ),
+        (_commit(lifetime="stranger"), PreconditionFailed, "never proposed"),
+        (_commit(rnd=2), PreconditionFailed, "has no retained decision"),
+        (_commit(ep_rank=5), InvalidArgument, "ep_rank=5"),
+        (_commit(rnd=0), InvalidArgument, "round=0"),
+        (_commit(plan=Plan(caps(), 0, 0)), InvalidArgument, "plan.generation=0"),
+        (_commit(plan=Plan(caps(), 0, 999)), PreconditionFailed, "the round decided"),
+        (_commit(plan=Plan(caps(dispatch=1 << 20), 0, 1)), PreconditionFailed, "the round decided"),
+        (_commit(plan=Plan(caps(top_k=4), 0, 1)), PreconditionFailed, "top_k=4"),
+        (_commit(plan=Plan(caps(tokens=0), 0, 1)), InvalidArgument, "max_tokens=0"),
+        (_commit(build_seconds=-1.0), InvalidArgument, "build_seconds"),
+        (_commit(build_seconds=float("nan")), InvalidArgument, "build_seconds"),
     ],
 )
-def test_bad_commits(record: CommitRecord, error: type[Exception], needle: str) -> None:
-    state, _ = run_sequence([NVFP4])
+def test_bad_commits_change_nothing(
+    record: CommitRecord, error: type[Exception], needle: str
+) -> None:
+    state, _ = _decided([NVFP4])
     with pytest.raises(error, match=needle.replace("(", r"\(")):
         policy.commit(state, record, 1.0)
 
@@ -460,11 +513,10 @@ def test_bad_commits(record: CommitRecord, error: type[Exception], needle: str) 
 # --- validation -----------------------------------------------------------------
 
 
-def _with(**changes: object) -> Proposal:
+def _with(capacities: Capacities | None = None, layer: str = "l0", **top: object) -> Proposal:
     base = prop(0, 1, NVFP4)
-    req_changes = {k[4:]: v for k, v in changes.items() if k.startswith("req_")}
-    top = {k: v for k, v in changes.items() if not k.startswith("req_")}
-    return replace(base, requirement=replace(base.requirement, **req_changes), **top)  # type: ignore[arg-type]
+    requirement = Requirement(capacities or caps(), layer)
+    return replace(base, requirement=requirement, **top)  # type: ignore[arg-type]
 
 
 BAD = [
@@ -478,15 +530,16 @@ BAD = [
     (_with(local_ranks=3), "local_ranks=3"),
     (_with(lifetime=""), "lifetime=''"),
     (_with(round=0), "round=0"),
-    (_with(req_workspace_bytes=0), "requirement.workspace_bytes=0"),
-    (_with(req_workspace_bytes=(1 << 40) + 1), "requirement.workspace_bytes=1099511627777"),
-    (_with(req_max_num_tokens=0), "requirement.max_num_tokens=0"),
-    (_with(req_max_num_tokens=1 << 31), "requirement.max_num_tokens=2147483648"),
-    (_with(req_top_k=0), "requirement.top_k=0"),
-    (_with(req_top_k=23), "requirement.top_k=23"),
-    (_with(req_num_experts=1), "requirement.num_experts=1"),
-    (_with(req_layer="y" * 300), "requirement.layer"),
-    (_with(req_payload_bytes=10_001), "requirement.payload_bytes=10001"),
+    (_with(caps(tokens=0)), "requirement.capacities.max_tokens=0"),
+    (_with(caps(tokens=1 << 31)), "requirement.capacities.max_tokens=2147483648"),
+    (_with(caps(dispatch=0)), "requirement.capacities.dispatch_bytes_per_token=0"),
+    (_with(caps(combine=(1 << 22) + 1)), "requirement.capacities.combine_bytes_per_token=4194305"),
+    (_with(caps(top_k=0)), "requirement.capacities.top_k=0"),
+    (_with(caps(top_k=23)), "requirement.capacities.top_k=23"),
+    (_with(replace(caps(), num_experts=1)), "requirement.capacities.num_experts=1"),
+    (_with(replace(caps(), eplb_experts=-1)), "requirement.capacities.eplb_experts=-1"),
+    (_with(caps(tokens=1 << 30, dispatch=1 << 20)), "at most 1099511627776"),
+    (_with(layer="y" * 300), "requirement.layer"),
 ]
 
 

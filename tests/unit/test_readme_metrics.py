@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from moe_sidecar.metrics import SidecarMetrics
 
+from moe_sidecar.metrics import SidecarMetrics
 from tests.dockerfile import REPO
 
 pytestmark = pytest.mark.timeout(30)

@@ -7,7 +7,9 @@ Parity with FlashInfer itself over a grid runs on the GPU machine
 from __future__ import annotations
 
 import pytest
+
 from moe_sidecar.client import sizing
+from moe_sidecar.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -30,23 +32,39 @@ def test_eplb_region() -> None:
 
 
 def test_workspace_nvfp4_layer_hidden_4096() -> None:
-    sizes = sizing.layer_sizes(2, 256, 2, 4096, 4096 // 2, 4096 // 16)
-    assert sizes.dispatch_bytes_per_token == 2048 + 256 + 16
-    assert sizes.combine_bytes_per_token == 8192
-    assert sizes.workspace_bytes == 45440 + 2 * 256 * 2320 + 2 * 256 * 8192
+    c = sizing.layer_capacities(2, 256, 2, 16, 4096, 4096 // 2, 4096 // 16)
+    assert c.dispatch_bytes_per_token == 2048 + 256 + 16
+    assert c.combine_bytes_per_token == 8192
+    assert c.workspace_bytes(2) == 45440 + 2 * 256 * 2320 + 2 * 256 * 8192
 
 
 def test_bf16_layer_needs_more_than_nvfp4() -> None:
-    nvfp4 = sizing.layer_sizes(2, 256, 2, 4096, 2048, 256)
-    bf16 = sizing.layer_sizes(2, 256, 2, 4096, 8192, 0)
-    assert bf16.workspace_bytes > nvfp4.workspace_bytes
+    nvfp4 = sizing.layer_capacities(2, 256, 2, 16, 4096, 2048, 256)
+    bf16 = sizing.layer_capacities(2, 256, 2, 16, 4096, 8192, 0)
+    assert bf16.workspace_bytes(2) > nvfp4.workspace_bytes(2)
     # The bf16 dispatch fits the NVFP4 workspace; its combine does not: the
     # combine payload starts after the (bigger) dispatch payloads.
     payload = sizing.aux_data_size(2, 256)
     dispatch_end = payload + 2 * 256 * bf16.dispatch_bytes_per_token
-    assert dispatch_end <= nvfp4.workspace_bytes
+    assert dispatch_end <= nvfp4.workspace_bytes(2)
     combine_offset = sizing.align(dispatch_end)
-    assert combine_offset + 2 * 256 * bf16.combine_bytes_per_token > nvfp4.workspace_bytes
+    assert combine_offset + 2 * 256 * bf16.combine_bytes_per_token > nvfp4.workspace_bytes(2)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ((2, 0, 2, 16, 4096, 2048, 256), "layer.max_tokens=0"),
+        ((2, 16, 0, 16, 4096, 2048, 256), "layer.top_k=0"),
+        ((2, 16, 2, 1, 4096, 2048, 256), "layer.num_experts=1"),
+        ((2, 16, 2, 16, 0, 2048, 256), "hidden_size=0"),
+        ((2, 16, 2, 16, 4096, -1, 256), "x_bytes_per_token=-1"),
+        ((2, 16, 2, 16, 4096, 2048, -1), "x_sf_bytes_per_token=-1"),
+    ],
+)
+def test_layer_arguments_out_of_range_name_the_argument(args: tuple[int, ...], needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=needle):
+        sizing.layer_capacities(*args)
 
 
 @pytest.mark.parametrize(

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
+from moe_sidecar.effects import EventKind
 from moe_sidecar.errors import CoordinatorUnavailable, RoundTimedOut
-from moe_sidecar.policy import Action, Proposal, Requirement
-from moe_sidecar.state import Coordinator, EventKind
-from moe_sidecar.store import StateStore
+from moe_sidecar.group import Proposal, Requirement
+from moe_sidecar.plan import Action, Capacities
+from moe_sidecar.state import Coordinator
+from moe_sidecar.store import DATABASE_FILE, StateStore
 
 pytestmark = pytest.mark.timeout(10)
 
-REQ = Requirement(10_000, 256, 2, 16, "l0")
+REQ = Requirement(Capacities(256, 100, 200, 2, 16), "l0")
 
 
 class ManualClock:
@@ -154,3 +158,27 @@ async def test_a_slow_watcher_is_cut_off_without_blocking(coordinator: Coordinat
     coordinator.unwatch(fast)
     fast.end()
     await asyncio.wait_for(reader, 1)
+
+
+async def test_a_round_is_answered_only_once_its_decision_is_stored(
+    tmp_path: Path, coordinator: Coordinator
+) -> None:
+    waiting = asyncio.ensure_future(coordinator.propose(proposal(0)))
+    await _until_waiting(coordinator, 1)
+    # Another process breaks the database under the sidecar.
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        db.execute("ALTER TABLE groups RENAME TO moved_away")
+    with pytest.raises(CoordinatorUnavailable, match="nothing was decided"):
+        await coordinator.propose(proposal(1))
+    # Nobody was told a decision that is not on disk; the round stays open.
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    assert coordinator.group("g/ep2").open_round is not None
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        db.execute("ALTER TABLE moved_away RENAME TO groups")
+    # The closing rank's retry (the client retries UNAVAILABLE) decides it.
+    decision = await coordinator.propose(proposal(1))
+    assert await waiting == decision
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
+        (row,) = db.execute("SELECT state FROM groups").fetchall()
+    assert '"last_closed_round":1' in row[0]

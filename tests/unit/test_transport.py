@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InvalidArgument,
@@ -18,8 +19,8 @@ from moe_sidecar.client.errors import (
     rpc_status,
 )
 from moe_sidecar.client.transport import EmbeddedTransport, GrpcTransport, transport_for
-from moe_sidecar.policy import Action, CommitRecord, Proposal, Requirement
-
+from moe_sidecar.group import CommitRecord, Proposal, Requirement
+from moe_sidecar.plan import Action, Capacities
 from tests.multiprocess.harness import Sidecar, running_sidecar
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,7 +42,7 @@ def proposal(
         local_ranks=local_ranks,
         lifetime=lifetime,
         round=round,
-        requirement=Requirement(4096, 16, 2, num_experts, "layer.0"),
+        requirement=Requirement(Capacities(16, 64, 128, 2, num_experts), "layer.0"),
     )
 
 
@@ -54,7 +55,8 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
 def test_propose_and_commit(sidecar: Sidecar) -> None:
     transport = GrpcTransport(sidecar.target)
     decision = transport.propose(proposal("t-basic"))
-    assert decision.action is Action.BUILD and decision.plan.workspace_bytes == 4096
+    assert decision.action is Action.BUILD
+    assert decision.plan.capacities == Capacities(16, 64, 128, 2, 8)
     # Idempotent: a retried proposal of a closed round gets the same decision.
     assert transport.propose(proposal("t-basic")) == decision
     transport.commit("t-basic", CommitRecord(0, "life-1", 1, decision.plan, 0.01))
@@ -164,7 +166,10 @@ def test_embedded_transport_decides_like_the_core() -> None:
     first = transport.propose(proposal("e"))
     assert first.action is Action.BUILD
     bigger = Proposal(
-        **{**proposal("e", round=2).__dict__, "requirement": Requirement(8192, 16, 2, 8, "layer.1")}
+        **{
+            **proposal("e", round=2).__dict__,
+            "requirement": Requirement(Capacities(16, 256, 128, 2, 8), "layer.1"),
+        }
     )
     assert transport.propose(bigger).action is Action.REBUILD
     transport.commit("e", CommitRecord(0, "life-1", 2, transport.propose(bigger).plan, 0.0))

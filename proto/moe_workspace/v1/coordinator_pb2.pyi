@@ -90,48 +90,72 @@ EVENT_KIND_ROUND_ABORTED: EventKind.ValueType  # 7
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
+class Capacities(_message.Message):
+    """What an all-to-all workspace holds per rank, or what one MoE layer needs.
+    Workspace bytes are derived from these by the backend's size function.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    DISPATCH_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    COMBINE_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    EPLB_EXPERTS_FIELD_NUMBER: _builtins.int
+    max_tokens: _builtins.int
+    """Most tokens one rank dispatches in one call (FlashInfer's max_num_tokens)."""
+    dispatch_bytes_per_token: _builtins.int
+    """Sum of every dispatch payload's bytes per token: activations, their
+    scales, the int32 expert ids and float32 weights of the top-k routing.
+    """
+    combine_bytes_per_token: _builtins.int
+    """Bytes per token of the combine payload (2 * hidden for bf16)."""
+    top_k: _builtins.int
+    num_experts: _builtins.int
+    eplb_experts: _builtins.int
+    """Experts whose load statistics the workspace gathers for EPLB (0: none)."""
+    def __init__(
+        self,
+        *,
+        max_tokens: _builtins.int = ...,
+        dispatch_bytes_per_token: _builtins.int = ...,
+        combine_bytes_per_token: _builtins.int = ...,
+        top_k: _builtins.int = ...,
+        num_experts: _builtins.int = ...,
+        eplb_experts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["combine_bytes_per_token", b"combine_bytes_per_token", "dispatch_bytes_per_token", b"dispatch_bytes_per_token", "eplb_experts", b"eplb_experts", "max_tokens", b"max_tokens", "num_experts", b"num_experts", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Capacities: _TypeAlias = Capacities  # noqa: Y015
+
+@_typing.final
 class Requirement(_message.Message):
     """What one MoE layer needs from the all-to-all workspace on one rank."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    WORKSPACE_BYTES_FIELD_NUMBER: _builtins.int
-    MAX_NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    TOP_K_FIELD_NUMBER: _builtins.int
-    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    CAPACITIES_FIELD_NUMBER: _builtins.int
     LAYER_FIELD_NUMBER: _builtins.int
-    PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
-    workspace_bytes: _builtins.int
-    """Per-rank workspace bytes, as FlashInfer's
-    moe_a2a_get_workspace_size_per_rank computes them for this layer.
-    """
-    max_num_tokens: _builtins.int
-    top_k: _builtins.int
-    num_experts: _builtins.int
     layer: _builtins.str
     """Free-form label of the layer (e.g. "model.layers.61.mlp"), used in
     history and error messages. Every rank reports the same label per round.
     """
-    payload_bytes: _builtins.int
-    """The part of workspace_bytes that is this layer's dispatch and combine
-    payload (the rest is FlashInfer's auxiliary data, which grows with the
-    token count a workspace is built for). The sidecar sizes a plan so that
-    every layer's payload fits beside the auxiliary data of the plan's
-    max_num_tokens. 0: unknown (only workspace_bytes is then honoured).
-    """
+    @_builtins.property
+    def capacities(self) -> Global___Capacities: ...
     def __init__(
         self,
         *,
-        workspace_bytes: _builtins.int = ...,
-        max_num_tokens: _builtins.int = ...,
-        top_k: _builtins.int = ...,
-        num_experts: _builtins.int = ...,
+        capacities: Global___Capacities | None = ...,
         layer: _builtins.str = ...,
-        payload_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacities", b"capacities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer", b"layer", "max_num_tokens", b"max_num_tokens", "num_experts", b"num_experts", "payload_bytes", b"payload_bytes", "top_k", b"top_k", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacities", b"capacities", "layer", b"layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -183,35 +207,38 @@ Global___ProposeRequest: _TypeAlias = ProposeRequest  # noqa: Y015
 
 @_typing.final
 class Plan(_message.Message):
+    """A decided workspace. The plans of a group form a lattice: the higher epoch
+    wins, else the component-wise maximum of the capacities.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    WORKSPACE_BYTES_FIELD_NUMBER: _builtins.int
-    MAX_NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    TOP_K_FIELD_NUMBER: _builtins.int
-    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    CAPACITIES_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
-    PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
-    workspace_bytes: _builtins.int
-    max_num_tokens: _builtins.int
-    top_k: _builtins.int
-    num_experts: _builtins.int
+    WORKSPACE_BYTES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """Moved only by ResetGroup."""
     generation: _builtins.int
-    """Moves only when the plan grows; never reused for a group."""
-    payload_bytes: _builtins.int
-    """The largest layer payload the plan serves (see Requirement.payload_bytes)."""
+    """Moved only when the plan grows; never reused for a group."""
+    workspace_bytes: _builtins.int
+    """Per-rank workspace bytes FlashInfer 0.7.2.post1's MoeAlltoAll needs for
+    these capacities in the group; derived, for reading only (ignored in a
+    request).
+    """
+    @_builtins.property
+    def capacities(self) -> Global___Capacities: ...
     def __init__(
         self,
         *,
-        workspace_bytes: _builtins.int = ...,
-        max_num_tokens: _builtins.int = ...,
-        top_k: _builtins.int = ...,
-        num_experts: _builtins.int = ...,
+        capacities: Global___Capacities | None = ...,
+        epoch: _builtins.int = ...,
         generation: _builtins.int = ...,
-        payload_bytes: _builtins.int = ...,
+        workspace_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacities", b"capacities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "max_num_tokens", b"max_num_tokens", "num_experts", b"num_experts", "payload_bytes", b"payload_bytes", "top_k", b"top_k", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacities", b"capacities", "epoch", b"epoch", "generation", b"generation", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -496,35 +523,32 @@ class Growth(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    GENERATION_FIELD_NUMBER: _builtins.int
-    WORKSPACE_BYTES_FIELD_NUMBER: _builtins.int
-    MAX_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
     LAYER_FIELD_NUMBER: _builtins.int
     EP_RANK_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
-    generation: _builtins.int
-    workspace_bytes: _builtins.int
-    max_num_tokens: _builtins.int
     layer: _builtins.str
     ep_rank: _builtins.int
     round: _builtins.int
+    @_builtins.property
+    def plan(self) -> Global___Plan:
+        """The plan after the growth."""
+
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
-        generation: _builtins.int = ...,
-        workspace_bytes: _builtins.int = ...,
-        max_num_tokens: _builtins.int = ...,
+        plan: Global___Plan | None = ...,
         layer: _builtins.str = ...,
         ep_rank: _builtins.int = ...,
         round: _builtins.int = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "generation", b"generation", "layer", b"layer", "max_num_tokens", b"max_num_tokens", "round", b"round", "time", b"time", "workspace_bytes", b"workspace_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "layer", b"layer", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -537,6 +561,7 @@ class Group(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     EP_SIZE_FIELD_NUMBER: _builtins.int
     LOCAL_RANKS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
     LIFETIMES_FIELD_NUMBER: _builtins.int
     LAST_CLOSED_ROUND_FIELD_NUMBER: _builtins.int
@@ -547,6 +572,8 @@ class Group(_message.Message):
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
+    epoch: _builtins.int
+    """Moved by every ResetGroup."""
     lifetimes: _builtins.int
     """How many lifetimes of the group have started."""
     last_closed_round: _builtins.int
@@ -569,6 +596,7 @@ class Group(_message.Message):
         name: _builtins.str = ...,
         ep_size: _builtins.int = ...,
         local_ranks: _builtins.int = ...,
+        epoch: _builtins.int = ...,
         plan: Global___Plan | None = ...,
         lifetimes: _builtins.int = ...,
         last_closed_round: _builtins.int = ...,
@@ -579,7 +607,7 @@ class Group(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "history", b"history", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

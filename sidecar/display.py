@@ -1,0 +1,171 @@
+"""How groups and plans read for people: ``moe-sidecar groups`` and ``simulate``.
+
+Pure formatting of domain values (no grpc, no torch), so the command line
+and the client's demo share it without importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from moe_sidecar.group import GroupSummary, Growth
+from moe_sidecar.plan import Capacities, Plan
+
+__all__ = [
+    "capacities_text",
+    "format_bytes",
+    "format_groups",
+    "format_time",
+    "groups_as_json",
+    "plan_as_json",
+]
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``29.3 MiB``, ``2.0 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024.0
+        if value < 1024.0 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def format_time(seconds: float) -> str:
+    """A UTC timestamp, or ``-`` for 0 (never)."""
+    if not seconds:
+        return "-"
+    moment = datetime.fromtimestamp(seconds, tz=UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def capacities_text(c: Capacities) -> str:
+    """``max_tokens=... dispatch=... B/token combine=... B/token top_k=... num_experts=...``."""
+    text = (
+        f"max_tokens={c.max_tokens}, dispatch={c.dispatch_bytes_per_token} B/token, "
+        f"combine={c.combine_bytes_per_token} B/token, top_k={c.top_k}, "
+        f"num_experts={c.num_experts}"
+    )
+    return text + (f", eplb_experts={c.eplb_experts}" if c.eplb_experts else "")
+
+
+def _plan_line(plan: Plan, ep_size: int) -> str:
+    workspace = plan.capacities.workspace_bytes(ep_size)
+    return (
+        f"{format_bytes(workspace)} per rank ({workspace} B), "
+        f"{capacities_text(plan.capacities)}; epoch {plan.epoch}, generation {plan.generation}"
+    )
+
+
+def _growth_line(g: Growth, ep_size: int) -> str:
+    workspace = g.plan.capacities.workspace_bytes(ep_size)
+    return (
+        f"generation {g.plan.generation}: {format_bytes(workspace)} ({workspace} B), "
+        f"max_tokens={g.plan.capacities.max_tokens}, caused by layer "
+        f"{g.layer or '(unnamed)'!r} on rank {g.ep_rank} in round {g.round} at {format_time(g.at)}"
+    )
+
+
+def format_groups(groups: Sequence[GroupSummary]) -> str:
+    """A human-readable report of every group (the ``groups`` command's text).
+
+    In the ranks table, ``current`` says whether the rank belongs to the
+    group's current lifetime (``no``: a rank of an earlier lifetime, i.e. a
+    process that has since restarted).
+    """
+    if not groups:
+        return "no groups\n"
+    lines: list[str] = []
+    for g in groups:
+        lines.append(f"group {g.name}")
+        lines.append(
+            f"  ep_size={g.ep_size} local_ranks={g.local_ranks} lifetimes={g.lifetimes} "
+            f"last_closed_round={g.last_closed_round}"
+            + (f" open_round={g.open_round} ({g.waiting_ranks} waiting)" if g.open_round else "")
+        )
+        lines.append(
+            "  plan: " + (_plan_line(g.plan, g.ep_size) if g.plan is not None else "(none stored)")
+        )
+        lines.append("  ranks (current: the rank belongs to the group's current lifetime):")
+        lines.append(
+            "    rank  current  last round  last layer            committed gen  build s  lifetime"
+        )
+        for r in g.ranks:
+            lines.append(
+                f"    {r.ep_rank:>4}  {'yes' if r.current else 'no':<7}  {r.last_round:>10}  "
+                f"{(r.last_layer or '-'):<20}  {r.committed_generation:>13}  "
+                f"{r.build_seconds:>7.3f}  {r.lifetime}"
+            )
+        lines.append("  growth history:")
+        if not g.history:
+            lines.append("    (none)")
+        for h in g.history:
+            lines.append("    " + _growth_line(h, g.ep_size))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plan_as_json(plan: Plan, ep_size: int) -> dict[str, Any]:
+    """A plan as plain JSON values, with its derived workspace bytes."""
+    workspace = plan.capacities.workspace_bytes(ep_size)
+    c = plan.capacities
+    return {
+        "workspace_bytes": workspace,
+        "workspace": format_bytes(workspace),
+        "capacities": {
+            "max_tokens": c.max_tokens,
+            "dispatch_bytes_per_token": c.dispatch_bytes_per_token,
+            "combine_bytes_per_token": c.combine_bytes_per_token,
+            "top_k": c.top_k,
+            "num_experts": c.num_experts,
+            "eplb_experts": c.eplb_experts,
+        },
+        "epoch": plan.epoch,
+        "generation": plan.generation,
+    }
+
+
+def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
+    """Every group as plain JSON values (integers stay integers)."""
+    return [
+        {
+            "name": g.name,
+            "ep_size": g.ep_size,
+            "local_ranks": g.local_ranks,
+            "epoch": g.epoch,
+            "plan": plan_as_json(g.plan, g.ep_size) if g.plan is not None else None,
+            "generation": g.plan.generation if g.plan is not None else None,
+            "lifetimes": g.lifetimes,
+            "last_closed_round": g.last_closed_round,
+            "open_round": g.open_round,
+            "waiting_ranks": g.waiting_ranks,
+            "ranks": [
+                {
+                    "ep_rank": r.ep_rank,
+                    "lifetime": r.lifetime,
+                    "current": r.current,
+                    "last_round": r.last_round,
+                    "last_layer": r.last_layer,
+                    "committed_generation": r.committed_generation,
+                    "last_build_seconds": r.build_seconds,
+                    "last_seen": format_time(r.last_seen),
+                }
+                for r in g.ranks
+            ],
+            "history": [
+                {
+                    **plan_as_json(h.plan, g.ep_size),
+                    "layer": h.layer,
+                    "ep_rank": h.ep_rank,
+                    "round": h.round,
+                    "time": format_time(h.at),
+                }
+                for h in g.history
+            ],
+        }
+        for g in groups
+    ]

@@ -1,0 +1,131 @@
+"""What a step of the decision core asks its executor to do, as data.
+
+Every function of :mod:`moe_sidecar.policy` returns a :class:`Step`: the
+group's new state, the reply for the caller, and the effects to carry out in
+order. The sidecar's state holder (:class:`moe_sidecar.state.Coordinator`)
+executes them and never compares states to find out what happened:
+
+* :class:`Persist`: write the new state before anything else of the step
+  happens; if the write fails, nothing of the step happens.
+* :class:`Answer`: wake every call waiting for a round with its outcome.
+* :class:`Publish`: a :class:`GroupEvent` for Watch streams, logs and metrics.
+* :class:`Deadline`: arm (or, with ``None``, cancel) the group's round timer.
+
+A step without :class:`Persist` answers nobody; its state rides along with
+the group's next write.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from moe_sidecar.group import Decision, GroupState, Outcome, Refusal
+from moe_sidecar.plan import Action, Plan
+
+__all__ = [
+    "Answer",
+    "Deadline",
+    "Effect",
+    "EventKind",
+    "GroupEvent",
+    "Persist",
+    "Publish",
+    "Reply",
+    "Step",
+    "Wait",
+]
+
+
+class EventKind(enum.Enum):
+    """What happened to a group (the wire's ``EventKind``)."""
+
+    ROUND_DECIDED = "round_decided"
+    ROUND_REFUSED = "round_refused"
+    RANK_TIMEOUT = "rank_timeout"
+    COMMIT = "commit"
+    RESET = "reset"
+    LIFETIME_STARTED = "lifetime_started"
+    ROUND_ABORTED = "round_aborted"
+
+
+@dataclass(frozen=True)
+class GroupEvent:
+    """One event of a group: what Watch streams deliver, logs print and metrics count."""
+
+    group: str
+    kind: EventKind
+    at: float
+    round: int = 0
+    action: Action | None = None
+    plan: Plan | None = None
+    ep_rank: int = -1
+    """The rank concerned, or -1 when the event concerns the group."""
+    layer: str = ""
+    message: str = ""
+    missing_ranks: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+    """The ranks of a closed round."""
+    grew: bool = False
+    """A decided round grew the plan."""
+    latency: float | None = None
+    """Seconds from a round's first proposal to its close (closed rounds only)."""
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Write the step's state before carrying out anything else of it."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Wake every call waiting for round ``round`` of lifetime ``lifetime_index``."""
+
+    lifetime_index: int
+    round: int
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Deliver ``event`` to Watch streams, logs and metrics."""
+
+    event: GroupEvent
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """Arm the group's round timer for ``at`` (the clock's seconds), or cancel it."""
+
+    at: float | None
+
+
+Effect: TypeAlias = Persist | Answer | Publish | Deadline
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The caller joined an open round: wait for its :class:`Answer`."""
+
+    lifetime_index: int
+    round: int
+    deadline: float
+
+
+Reply: TypeAlias = Wait | Decision | Refusal | None
+"""What the caller of a step gets: wait, an outcome, or nothing (commit, reset)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the core: the new state, the caller's reply, the effects in order."""
+
+    state: GroupState
+    reply: Reply = None
+    effects: tuple[Effect, ...] = ()
+
+    @property
+    def persists(self) -> bool:
+        """Whether the state must be written before the effects are carried out."""
+        return any(isinstance(e, Persist) for e in self.effects)

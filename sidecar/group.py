@@ -1,0 +1,239 @@
+"""What the decision core knows of an EP group: frozen values, nothing else.
+
+The functions that move these values are in :mod:`moe_sidecar.policy`; the
+one codec per boundary converts them (:mod:`moe_sidecar.wire_codec` to and
+from the wire, :mod:`moe_sidecar.row_codec` to and from stored rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from moe_sidecar.errors import CoordinatorError, ErrorCode, error_for_code
+from moe_sidecar.plan import Action, Capacities, Plan
+
+__all__ = [
+    "CommitRecord",
+    "Decision",
+    "GroupState",
+    "GroupSummary",
+    "Growth",
+    "OpenRound",
+    "Outcome",
+    "Proposal",
+    "RankRecord",
+    "RankSummary",
+    "Refusal",
+    "Requirement",
+    "summarize",
+]
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What one MoE layer needs on one rank."""
+
+    capacities: Capacities
+    layer: str = ""
+    """A label of the layer (e.g. ``"model.layers.61.mlp"``) for history and errors."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One rank's proposal for one round."""
+
+    group: str
+    ep_size: int
+    ep_rank: int
+    local_ranks: int
+    lifetime: str
+    round: int
+    requirement: Requirement
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of a round every rank acts on."""
+
+    round: int
+    action: Action
+    plan: Plan
+    grew: bool
+    """True when this round grew the group's plan (a new generation)."""
+    layer: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A round that closed with an error; every rank of it gets the error."""
+
+    round: int
+    code: ErrorCode
+    message: str
+    missing_ranks: tuple[int, ...] = ()
+
+    def error(self) -> CoordinatorError:
+        """A fresh exception for this refusal."""
+        return error_for_code(self.code, self.message)
+
+
+Outcome: TypeAlias = Decision | Refusal
+
+
+@dataclass(frozen=True)
+class Growth:
+    """One growth of a group's plan and what caused it."""
+
+    plan: Plan
+    """The plan after the growth."""
+    layer: str
+    ep_rank: int
+    round: int
+    at: float
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What the group knows of one local rank."""
+
+    ep_rank: int
+    lifetime: str
+    lifetime_index: int
+    """Which lifetime of the group this rank's lifetime belongs to."""
+    last_round: int = 0
+    last_layer: str = ""
+    last_seen: float = 0.0
+    committed_generation: int = 0
+    build_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """A round collecting proposals."""
+
+    number: int
+    opened_at: float
+    deadline: float
+    proposals: tuple[Proposal, ...] = ()
+    need: Capacities | None = None
+    """The join of the proposals' capacities so far."""
+
+    def proposal_of(self, ep_rank: int) -> Proposal | None:
+        """The proposal of ``ep_rank`` in this round, if it proposed."""
+        return next((p for p in self.proposals if p.ep_rank == ep_rank), None)
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """Everything one sidecar knows of one EP group."""
+
+    name: str
+    ep_size: int
+    local_ranks: int
+    epoch: int = 0
+    """Moved by every reset; plans of a lower epoch are replaced whole."""
+    plan: Plan | None = None
+    """The stored union over every lifetime since the last reset."""
+    generation: int = 0
+    """Last generation issued; never reused, not even after a reset."""
+    lifetime_index: int = 0
+    """How many lifetimes of the group have started."""
+    built: Plan | None = None
+    """Latest plan decided in the current lifetime (None: nothing yet)."""
+    last_closed_round: int = 0
+    closed: tuple[Outcome, ...] = ()
+    """Outcomes of the most recent closed rounds of the current lifetime."""
+    open_round: OpenRound | None = None
+    ranks: tuple[RankRecord, ...] = ()
+    history: tuple[Growth, ...] = ()
+
+    def rank(self, ep_rank: int) -> RankRecord | None:
+        """What the group knows of ``ep_rank``, if it ever proposed."""
+        return next((r for r in self.ranks if r.ep_rank == ep_rank), None)
+
+    def current_ranks(self) -> tuple[RankRecord, ...]:
+        """Ranks that belong to the current lifetime."""
+        return tuple(r for r in self.ranks if r.lifetime_index == self.lifetime_index)
+
+    def outcome_of(self, round_number: int) -> Outcome | None:
+        """The retained outcome of a closed round of the current lifetime."""
+        return next((o for o in self.closed if o.round == round_number), None)
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """A rank reports the plan it holds after building and the barrier."""
+
+    ep_rank: int
+    lifetime: str
+    round: int
+    plan: Plan
+    build_seconds: float
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One rank of a group, as operators see it."""
+
+    ep_rank: int
+    lifetime: str
+    last_round: int
+    last_layer: str
+    committed_generation: int
+    build_seconds: float
+    last_seen: float
+    current: bool
+    """False when the rank belongs to an earlier lifetime of the group."""
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """A group as operators see it (``GetGroup``, ``ListGroups``, ``moe-sidecar groups``)."""
+
+    name: str
+    ep_size: int
+    local_ranks: int
+    epoch: int
+    plan: Plan | None
+    lifetimes: int
+    last_closed_round: int
+    open_round: int
+    """The round collecting proposals now (0: none)."""
+    waiting_ranks: int
+    ranks: tuple[RankSummary, ...]
+    history: tuple[Growth, ...]
+
+    def workspace_bytes(self, plan: Plan) -> int:
+        """Per-rank FlashInfer workspace bytes of ``plan`` in this group."""
+        return plan.capacities.workspace_bytes(self.ep_size)
+
+
+def summarize(state: GroupState) -> GroupSummary:
+    """What operators are shown of ``state``."""
+    rnd = state.open_round
+    return GroupSummary(
+        name=state.name,
+        ep_size=state.ep_size,
+        local_ranks=state.local_ranks,
+        epoch=state.epoch,
+        plan=state.plan,
+        lifetimes=state.lifetime_index,
+        last_closed_round=state.last_closed_round,
+        open_round=rnd.number if rnd is not None else 0,
+        waiting_ranks=len(rnd.proposals) if rnd is not None else 0,
+        ranks=tuple(
+            RankSummary(
+                ep_rank=r.ep_rank,
+                lifetime=r.lifetime,
+                last_round=r.last_round,
+                last_layer=r.last_layer,
+                committed_generation=r.committed_generation,
+                build_seconds=r.build_seconds,
+                last_seen=r.last_seen,
+                current=r.lifetime_index == state.lifetime_index,
+            )
+            for r in state.ranks
+        ),
+        history=state.history,
+    )

@@ -1,0 +1,138 @@
+"""Every number's range, checked in one place on every path. Pure.
+
+The same checks run on what arrives (a request), on what is loaded (a stored
+row, a plan from another node) and on what the core computes (a grown plan),
+so the sidecar never stores, answers or loads a value it would refuse as
+input. A failed check names the field and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.plan import Capacities, Plan
+
+__all__ = [
+    "MAX_BUILD_SECONDS",
+    "MAX_BYTES_PER_TOKEN",
+    "MAX_EP_SIZE",
+    "MAX_GENERATION",
+    "MAX_NAME_LENGTH",
+    "MAX_NUM_EXPERTS",
+    "MAX_ROUND",
+    "MAX_TOKENS",
+    "MAX_TOP_K",
+    "MAX_WORKSPACE_BYTES",
+    "check_capacities",
+    "check_count",
+    "check_name",
+    "check_plan",
+    "check_seconds",
+]
+
+MAX_EP_SIZE: Final = 64
+"""FlashInfer's kMaxRanks."""
+MAX_TOP_K: Final = 22
+"""FlashInfer's kMaxTopK."""
+MAX_NUM_EXPERTS: Final = 1 << 16
+MAX_TOKENS: Final = (1 << 31) - 1
+"""FlashInfer holds max_num_tokens in an int32."""
+MAX_BYTES_PER_TOKEN: Final = 1 << 22
+"""4 MiB per token: far above any layer (a 65,536-wide fp32 row is 256 KiB)."""
+MAX_WORKSPACE_BYTES: Final = 1 << 40
+"""A plan whose derived workspace exceeds 1 TiB per rank is refused as absurd."""
+MAX_GENERATION: Final = (1 << 53) - 1
+"""Generations and epochs stay exact in JSON, in a double and in uint64."""
+MAX_ROUND: Final = (1 << 31) - 1
+MAX_NAME_LENGTH: Final = 256
+"""Longest group name, layer label or lifetime token."""
+MAX_BUILD_SECONDS: Final = 86400.0
+
+
+def check_count(field: str, value: int, low: int, high: int, why: str = "") -> None:
+    """Checks that the integer ``value`` lies in ``[low, high]``.
+
+    Raises:
+        InvalidArgument: naming ``field`` and ``value``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        suffix = f" ({why})" if why else ""
+        raise InvalidArgument.of(field, value, f"must be an integer in [{low}, {high}]{suffix}")
+
+
+def check_seconds(field: str, value: float) -> None:
+    """Checks a duration in seconds: finite, in ``[0, MAX_BUILD_SECONDS)``.
+
+    Raises:
+        InvalidArgument: naming ``field`` and ``value``.
+    """
+    if not (isinstance(value, (int, float)) and math.isfinite(value)) or not (
+        0.0 <= value < MAX_BUILD_SECONDS
+    ):
+        raise InvalidArgument.of(field, value, f"must be in [0, {MAX_BUILD_SECONDS:g}) seconds")
+
+
+def check_name(field: str, value: str, *, allow_empty: bool) -> None:
+    """Checks a name or label: printable, at most :data:`MAX_NAME_LENGTH` characters.
+
+    Raises:
+        InvalidArgument: naming ``field`` and (a prefix of) ``value``.
+    """
+    if not isinstance(value, str):
+        raise InvalidArgument.of(field, value, "must be a string")
+    if not value and not allow_empty:
+        raise InvalidArgument.of(field, value, "must not be empty")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidArgument.of(
+            field, value[:40] + "...", f"is {len(value)} characters; at most {MAX_NAME_LENGTH}"
+        )
+    if not value.isprintable():
+        raise InvalidArgument.of(field, value, "must hold printable characters only")
+
+
+def check_capacities(prefix: str, capacities: Capacities, ep_size: int) -> None:
+    """Checks every field of ``capacities`` and the workspace they derive at ``ep_size``.
+
+    Raises:
+        InvalidArgument: naming the first bad field (``prefix.field``) and its value.
+    """
+    c = capacities
+    check_count(f"{prefix}.max_tokens", c.max_tokens, 1, MAX_TOKENS)
+    check_count(
+        f"{prefix}.dispatch_bytes_per_token", c.dispatch_bytes_per_token, 1, MAX_BYTES_PER_TOKEN
+    )
+    check_count(
+        f"{prefix}.combine_bytes_per_token", c.combine_bytes_per_token, 1, MAX_BYTES_PER_TOKEN
+    )
+    check_count(f"{prefix}.top_k", c.top_k, 1, MAX_TOP_K, "FlashInfer's kMaxTopK")
+    check_count(
+        f"{prefix}.num_experts",
+        c.num_experts,
+        ep_size,
+        MAX_NUM_EXPERTS,
+        f"FlashInfer needs num_experts >= ep_size={ep_size}",
+    )
+    check_count(f"{prefix}.eplb_experts", c.eplb_experts, 0, MAX_NUM_EXPERTS)
+    workspace = c.workspace_bytes(ep_size)
+    if workspace > MAX_WORKSPACE_BYTES:
+        raise InvalidArgument(
+            f"{prefix}: max_tokens={c.max_tokens}, dispatch_bytes_per_token="
+            f"{c.dispatch_bytes_per_token}, combine_bytes_per_token={c.combine_bytes_per_token} "
+            f"derive a workspace of {workspace} bytes per rank at ep_size={ep_size}; at most "
+            f"{MAX_WORKSPACE_BYTES} (1 TiB)",
+            field=prefix,
+            value=workspace,
+        )
+
+
+def check_plan(prefix: str, plan: Plan, ep_size: int) -> None:
+    """Checks a plan's capacities, epoch and generation.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value.
+    """
+    check_capacities(f"{prefix}.capacities", plan.capacities, ep_size)
+    check_count(f"{prefix}.epoch", plan.epoch, 0, MAX_GENERATION)
+    check_count(f"{prefix}.generation", plan.generation, 1, MAX_GENERATION)

@@ -1,0 +1,433 @@
+"""The one codec between a group's state and its stored row (JSON text).
+
+Rows are versioned documents (``"version": 2``). Every field is read,
+type-checked and range-checked (:mod:`moe_sidecar.limits`) explicitly: a
+hand-edited, truncated or absurd row fails to load with the reason, never
+half-loads, and never loads a value the sidecar would refuse as input.
+
+Rows of earlier versions load too: a row written by one release loads in the
+next. Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
+load: each stored plan becomes the least capacities whose FlashInfer
+workspace is at least the stored byte count at the stored token count (the
+split into dispatch and combine bytes was not recorded, so the combine part
+is the minimum and the dispatch part takes the rest); retained round
+outcomes and an open round are dropped (a rank retrying across the upgrade
+re-proposes its round).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from moe_sidecar import limits
+from moe_sidecar.errors import ErrorCode, InvalidArgument
+from moe_sidecar.group import (
+    Decision,
+    GroupState,
+    Growth,
+    OpenRound,
+    Outcome,
+    Proposal,
+    RankRecord,
+    Refusal,
+    Requirement,
+)
+from moe_sidecar.plan import Action, Capacities, Plan
+from moe_sidecar.sizing import align, aux_data_size
+
+__all__ = ["ROW_VERSION", "RowError", "decode_group", "encode_group"]
+
+ROW_VERSION = 2
+"""Version of the rows this release writes; it reads this and every earlier one."""
+
+
+class RowError(ValueError):
+    """A stored row cannot be loaded; the message says which field and why."""
+
+
+# --- encoding -----------------------------------------------------------------------
+
+
+def _capacities(c: Capacities) -> dict[str, Any]:
+    return {
+        "max_tokens": c.max_tokens,
+        "dispatch_bytes_per_token": c.dispatch_bytes_per_token,
+        "combine_bytes_per_token": c.combine_bytes_per_token,
+        "top_k": c.top_k,
+        "num_experts": c.num_experts,
+        "eplb_experts": c.eplb_experts,
+    }
+
+
+def _plan(p: Plan | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {"capacities": _capacities(p.capacities), "epoch": p.epoch, "generation": p.generation}
+
+
+def _outcome(o: Outcome) -> dict[str, Any]:
+    if isinstance(o, Decision):
+        return {
+            "kind": "decision",
+            "round": o.round,
+            "action": o.action.value,
+            "plan": _plan(o.plan),
+            "grew": o.grew,
+            "layer": o.layer,
+        }
+    return {
+        "kind": "refusal",
+        "round": o.round,
+        "code": o.code.value,
+        "message": o.message,
+        "missing_ranks": list(o.missing_ranks),
+    }
+
+
+def _proposal(p: Proposal) -> dict[str, Any]:
+    return {
+        "group": p.group,
+        "ep_size": p.ep_size,
+        "ep_rank": p.ep_rank,
+        "local_ranks": p.local_ranks,
+        "lifetime": p.lifetime,
+        "round": p.round,
+        "requirement": {
+            "capacities": _capacities(p.requirement.capacities),
+            "layer": p.requirement.layer,
+        },
+    }
+
+
+def encode_group(state: GroupState) -> str:
+    """The JSON text stored for ``state`` (a version :data:`ROW_VERSION` row)."""
+    rnd = state.open_round
+    document = {
+        "version": ROW_VERSION,
+        "name": state.name,
+        "ep_size": state.ep_size,
+        "local_ranks": state.local_ranks,
+        "epoch": state.epoch,
+        "plan": _plan(state.plan),
+        "generation": state.generation,
+        "lifetime_index": state.lifetime_index,
+        "built": _plan(state.built),
+        "last_closed_round": state.last_closed_round,
+        "closed": [_outcome(o) for o in state.closed],
+        "open_round": None
+        if rnd is None
+        else {
+            "number": rnd.number,
+            "opened_at": rnd.opened_at,
+            "deadline": rnd.deadline,
+            "proposals": [_proposal(p) for p in rnd.proposals],
+            "need": None if rnd.need is None else _capacities(rnd.need),
+        },
+        "ranks": [
+            {
+                "ep_rank": r.ep_rank,
+                "lifetime": r.lifetime,
+                "lifetime_index": r.lifetime_index,
+                "last_round": r.last_round,
+                "last_layer": r.last_layer,
+                "last_seen": r.last_seen,
+                "committed_generation": r.committed_generation,
+                "build_seconds": r.build_seconds,
+            }
+            for r in state.ranks
+        ],
+        "history": [
+            {
+                "plan": _plan(g.plan),
+                "layer": g.layer,
+                "ep_rank": g.ep_rank,
+                "round": g.round,
+                "at": g.at,
+            }
+            for g in state.history
+        ],
+    }
+    return json.dumps(document, separators=(",", ":"))
+
+
+# --- decoding -----------------------------------------------------------------------
+
+
+def _get(d: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise RowError(f"missing field {key!r}")
+    value = d[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int subclass; a stored bool where a number belongs is corruption.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise RowError(f"field {key!r} holds {value!r}")
+    return value
+
+
+def _int(d: Any, key: str, low: int = 0, high: int = limits.MAX_GENERATION) -> int:
+    value = int(_get(d, key, int))
+    if not low <= value <= high:
+        raise RowError(f"field {key!r} holds {value}, outside [{low}, {high}]")
+    return value
+
+
+def _float(d: Any, key: str) -> float:
+    value = float(_get(d, key, (int, float)))
+    if value != value or value in (float("inf"), float("-inf")):
+        raise RowError(f"field {key!r} holds {value}")
+    return value
+
+
+def _str(d: Any, key: str) -> str:
+    value = str(_get(d, key, str))
+    if len(value) > 4 * limits.MAX_NAME_LENGTH + 4096:
+        raise RowError(f"field {key!r} holds {len(value)} characters")
+    return value
+
+
+def _list(d: Any, key: str) -> list[Any]:
+    return list(_get(d, key, list))
+
+
+def _checked(check: Any, *args: Any) -> None:
+    try:
+        check(*args)
+    except InvalidArgument as error:
+        raise RowError(error.message) from None
+
+
+def _decode_capacities(d: Any, ep_size: int, where: str) -> Capacities:
+    capacities = Capacities(
+        max_tokens=_int(d, "max_tokens"),
+        dispatch_bytes_per_token=_int(d, "dispatch_bytes_per_token"),
+        combine_bytes_per_token=_int(d, "combine_bytes_per_token"),
+        top_k=_int(d, "top_k"),
+        num_experts=_int(d, "num_experts"),
+        eplb_experts=_int(d, "eplb_experts"),
+    )
+    _checked(limits.check_capacities, where, capacities, ep_size)
+    return capacities
+
+
+def _decode_plan(d: Any, key: str, ep_size: int) -> Plan | None:
+    value = _get(d, key, (dict, type(None)))
+    if value is None:
+        return None
+    plan = Plan(
+        capacities=_decode_capacities(
+            _get(value, "capacities", dict), ep_size, f"{key}.capacities"
+        ),
+        epoch=_int(value, "epoch"),
+        generation=_int(value, "generation"),
+    )
+    _checked(limits.check_plan, key, plan, ep_size)
+    return plan
+
+
+def _required_plan(d: Any, key: str, ep_size: int) -> Plan:
+    plan = _decode_plan(d, key, ep_size)
+    if plan is None:
+        raise RowError(f"field {key!r} holds null")
+    return plan
+
+
+def _decode_outcome(d: Any, ep_size: int) -> Outcome:
+    kind = _str(d, "kind")
+    if kind == "decision":
+        return Decision(
+            round=_int(d, "round", 1, limits.MAX_ROUND),
+            action=Action(_str(d, "action")),
+            plan=_required_plan(d, "plan", ep_size),
+            grew=bool(_get(d, "grew", bool)),
+            layer=_str(d, "layer"),
+        )
+    if kind == "refusal":
+        return Refusal(
+            round=_int(d, "round", 1, limits.MAX_ROUND),
+            code=ErrorCode(_str(d, "code")),
+            message=_str(d, "message"),
+            missing_ranks=tuple(int(r) for r in _list(d, "missing_ranks")),
+        )
+    raise RowError(f"unknown outcome kind {kind!r}")
+
+
+def _decode_proposal(d: Any, ep_size: int) -> Proposal:
+    r = _get(d, "requirement", dict)
+    return Proposal(
+        group=_str(d, "group"),
+        ep_size=_int(d, "ep_size", 1, limits.MAX_EP_SIZE),
+        ep_rank=_int(d, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        local_ranks=_int(d, "local_ranks", 1, limits.MAX_EP_SIZE),
+        lifetime=_str(d, "lifetime"),
+        round=_int(d, "round", 1, limits.MAX_ROUND),
+        requirement=Requirement(
+            capacities=_decode_capacities(_get(r, "capacities", dict), ep_size, "requirement"),
+            layer=_str(r, "layer"),
+        ),
+    )
+
+
+def _decode_rank(r: Any) -> RankRecord:
+    return RankRecord(
+        ep_rank=_int(r, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        lifetime=_str(r, "lifetime"),
+        lifetime_index=_int(r, "lifetime_index"),
+        last_round=_int(r, "last_round", 0, limits.MAX_ROUND),
+        last_layer=_str(r, "last_layer"),
+        last_seen=_float(r, "last_seen"),
+        committed_generation=_int(r, "committed_generation"),
+        build_seconds=_float(r, "build_seconds"),
+    )
+
+
+def _decode_v2(d: Any) -> GroupState:
+    ep_size = _int(d, "ep_size", 1, limits.MAX_EP_SIZE)
+    rnd = _get(d, "open_round", (dict, type(None)))
+    open_round = None
+    if rnd is not None:
+        need = _get(rnd, "need", (dict, type(None)))
+        open_round = OpenRound(
+            number=_int(rnd, "number", 1, limits.MAX_ROUND),
+            opened_at=_float(rnd, "opened_at"),
+            deadline=_float(rnd, "deadline"),
+            proposals=tuple(_decode_proposal(p, ep_size) for p in _list(rnd, "proposals")),
+            need=None if need is None else _decode_capacities(need, ep_size, "open_round.need"),
+        )
+    return GroupState(
+        name=_str(d, "name"),
+        ep_size=ep_size,
+        local_ranks=_int(d, "local_ranks", 1, ep_size),
+        epoch=_int(d, "epoch"),
+        plan=_decode_plan(d, "plan", ep_size),
+        generation=_int(d, "generation"),
+        lifetime_index=_int(d, "lifetime_index"),
+        built=_decode_plan(d, "built", ep_size),
+        last_closed_round=_int(d, "last_closed_round", 0, limits.MAX_ROUND),
+        closed=tuple(_decode_outcome(o, ep_size) for o in _list(d, "closed")),
+        open_round=open_round,
+        ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
+        history=tuple(
+            Growth(
+                plan=_required_plan(g, "plan", ep_size),
+                layer=_str(g, "layer"),
+                ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+                round=_int(g, "round", 0, limits.MAX_ROUND),
+                at=_float(g, "at"),
+            )
+            for g in _list(d, "history")
+        ),
+    )
+
+
+# --- version 1 (moe-sidecar 0.1.0) --------------------------------------------------
+
+
+def _v1_capacities(
+    ep_size: int, workspace_bytes: int, max_tokens: int, top_k: int, num_experts: int
+) -> Capacities:
+    """The least capacities (combine part minimal) whose workspace holds ``workspace_bytes``."""
+    per_token_row = ep_size * max_tokens
+    room = workspace_bytes - align(aux_data_size(ep_size, max_tokens)) - align(per_token_row)
+    dispatch = max(1, -(-room // per_token_row))
+    return Capacities(
+        max_tokens=max_tokens,
+        dispatch_bytes_per_token=dispatch,
+        combine_bytes_per_token=1,
+        top_k=top_k,
+        num_experts=num_experts,
+    )
+
+
+def _decode_v1_plan(d: Any, key: str, ep_size: int, epoch: int) -> Plan | None:
+    value = _get(d, key, (dict, type(None)))
+    if value is None:
+        return None
+    tokens = _int(value, "max_num_tokens", 1, limits.MAX_TOKENS)
+    plan = Plan(
+        capacities=_v1_capacities(
+            ep_size,
+            _int(value, "workspace_bytes", 1, limits.MAX_WORKSPACE_BYTES),
+            tokens,
+            _int(value, "top_k"),
+            _int(value, "num_experts"),
+        ),
+        epoch=epoch,
+        generation=_int(value, "generation"),
+    )
+    _checked(limits.check_plan, key, plan, ep_size)
+    return plan
+
+
+def _decode_v1(d: Any) -> GroupState:
+    ep_size = _int(d, "ep_size", 1, limits.MAX_EP_SIZE)
+    plan = _decode_v1_plan(d, "plan", ep_size, 0)
+    shape = plan.capacities if plan is not None else None
+    history = []
+    for g in _list(d, "history"):
+        if shape is None:
+            break  # a history without a stored plan has no shape to give it
+        grown = Plan(
+            capacities=_v1_capacities(
+                ep_size,
+                _int(g, "workspace_bytes", 1, limits.MAX_WORKSPACE_BYTES),
+                _int(g, "max_num_tokens", 1, limits.MAX_TOKENS),
+                shape.top_k,
+                shape.num_experts,
+            ),
+            epoch=0,
+            generation=_int(g, "generation"),
+        )
+        history.append(
+            Growth(
+                plan=grown,
+                layer=_str(g, "layer"),
+                ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+                round=_int(g, "round", 0, limits.MAX_ROUND),
+                at=_float(g, "at"),
+            )
+        )
+    return GroupState(
+        name=_str(d, "name"),
+        ep_size=ep_size,
+        local_ranks=_int(d, "local_ranks", 1, ep_size),
+        plan=plan,
+        generation=_int(d, "generation"),
+        lifetime_index=_int(d, "lifetime_index"),
+        built=_decode_v1_plan(d, "built", ep_size, 0),
+        last_closed_round=_int(d, "last_closed_round", 0, limits.MAX_ROUND),
+        ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
+        history=tuple(history),
+    )
+
+
+_DECODERS = {1: _decode_v1, 2: _decode_v2}
+
+
+def decode_group(text: str) -> GroupState:
+    """The group state stored as ``text``, of any version this release reads.
+
+    Raises:
+        RowError: the text is not a complete, well-typed, in-range group
+            document of a known version.
+    """
+    try:
+        document = json.loads(text)
+    except RecursionError:
+        raise RowError("the row is nested too deeply to be a group") from None
+    except ValueError as error:
+        raise RowError(f"not JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise RowError(f"not a JSON object but {type(document).__name__}")
+    version = document.get("version", 1)
+    decoder = _DECODERS.get(version) if isinstance(version, int) else None
+    if decoder is None:
+        raise RowError(f"row version {version!r}; this release reads versions {sorted(_DECODERS)}")
+    try:
+        return decoder(document)
+    except (KeyError, TypeError) as error:
+        raise RowError(f"malformed: {error!r}") from None
+    except ValueError as error:
+        if isinstance(error, RowError):
+            raise
+        raise RowError(str(error)) from None

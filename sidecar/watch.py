@@ -1,0 +1,86 @@
+"""Watch streams: a bounded queue of group events per subscriber.
+
+A subscriber that falls behind by more than its limit is cut off (told to
+reconnect and resynchronise), so a slow watcher can neither block rounds nor
+grow the sidecar's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from moe_sidecar.effects import GroupEvent
+from moe_sidecar.errors import CoordinatorError, CoordinatorUnavailable
+
+__all__ = ["WATCH_QUEUE_LIMIT", "Subscription"]
+
+WATCH_QUEUE_LIMIT = 1024
+"""Undelivered events a Watch stream may hold before it is cut off."""
+
+
+class Subscription:
+    """One Watch stream: a bounded queue of events, iterated asynchronously.
+
+    A subscriber that falls :data:`WATCH_QUEUE_LIMIT` events behind is cut
+    off (its queue is dropped and iteration raises
+    :class:`CoordinatorUnavailable`, telling it to reconnect and resync),
+    so a slow watcher can neither block rounds nor grow memory.
+    """
+
+    def __init__(self, group: str, limit: int) -> None:
+        self.group = group
+        """The watched group, or ``""`` for every group."""
+        self._limit = limit
+        self._queue: collections.deque[GroupEvent] = collections.deque()
+        self._wake = asyncio.Event()
+        self._ended: CoordinatorError | None = None
+        self._finished = False
+
+    def wants(self, event: GroupEvent) -> bool:
+        return not self.group or self.group == event.group
+
+    def offer(self, event: GroupEvent) -> bool:
+        """Queues ``event``; False when the subscriber overflowed and is cut off."""
+        if self._finished or self._ended is not None:
+            return False
+        if len(self._queue) >= self._limit:
+            self._queue.clear()
+            self.end(
+                CoordinatorUnavailable(
+                    f"watch stream fell more than {self._limit} events behind and was cut "
+                    "off; reconnect and resynchronise with ListGroups/GetGroup"
+                )
+            )
+            return False
+        self._queue.append(event)
+        self._wake.set()
+        return True
+
+    def end(self, error: CoordinatorError | None = None) -> None:
+        """Ends the stream once queued events are read: with ``error``, or cleanly."""
+        if error is None:
+            self._finished = True
+        elif self._ended is None:
+            self._ended = error
+        self._wake.set()
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> GroupEvent:
+        """The next event.
+
+        Raises:
+            CoordinatorUnavailable: the subscriber was cut off or the sidecar stops.
+            StopAsyncIteration: the stream ended cleanly.
+        """
+        while True:
+            if self._ended is not None:
+                raise self._ended
+            if self._queue:
+                return self._queue.popleft()
+            if self._finished:
+                raise StopAsyncIteration
+            self._wake.clear()
+            await self._wake.wait()

@@ -1,0 +1,341 @@
+"""The one codec between the wire contract (``moe_workspace.v1``) and the domain.
+
+Both ends of the gRPC connection use it: the sidecar's servicer, the client's
+transport, ``moe-sidecar groups`` and ``simulate``. It imports the generated
+code and the domain types only (no server state, no metrics, no torch), so a
+rank process can use it without pulling in the daemon.
+
+Decoding a request checks presence (a missing message is INVALID_ARGUMENT
+naming it), not ranges: the decision core checks every range on its own
+input. Decoding a response the client received checks what it acts on.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from moe_sidecar.effects import EventKind, GroupEvent
+from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.group import (
+    CommitRecord,
+    Decision,
+    GroupSummary,
+    Growth,
+    Proposal,
+    RankSummary,
+    Requirement,
+)
+from moe_sidecar.plan import Action, Capacities, Plan
+from moe_workspace.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "action_from_proto",
+    "action_to_proto",
+    "capacities_from_proto",
+    "capacities_to_proto",
+    "commit_from_proto",
+    "commit_to_proto",
+    "decision_from_proto",
+    "decision_to_proto",
+    "event_to_proto",
+    "plan_from_proto",
+    "plan_to_proto",
+    "proposal_from_proto",
+    "proposal_to_proto",
+    "summary_from_proto",
+    "summary_to_proto",
+]
+
+_ACTION_TO_PROTO = {
+    Action.BUILD: pb.ACTION_BUILD,
+    Action.REUSE: pb.ACTION_REUSE,
+    Action.REBUILD: pb.ACTION_REBUILD,
+}
+_ACTION_FROM_PROTO = {wire: action for action, wire in _ACTION_TO_PROTO.items()}
+
+_EVENT_TO_PROTO = {
+    EventKind.ROUND_DECIDED: pb.EVENT_KIND_ROUND_DECIDED,
+    EventKind.ROUND_REFUSED: pb.EVENT_KIND_ROUND_REFUSED,
+    EventKind.RANK_TIMEOUT: pb.EVENT_KIND_RANK_TIMEOUT,
+    EventKind.COMMIT: pb.EVENT_KIND_COMMIT,
+    EventKind.RESET: pb.EVENT_KIND_RESET,
+    EventKind.LIFETIME_STARTED: pb.EVENT_KIND_LIFETIME_STARTED,
+    EventKind.ROUND_ABORTED: pb.EVENT_KIND_ROUND_ABORTED,
+}
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(round(seconds * 1e9))
+    return stamp
+
+
+def _seconds(stamp: Timestamp) -> float:
+    return stamp.seconds + stamp.nanos / 1e9
+
+
+# --- actions, capacities, plans ------------------------------------------------------
+
+
+def action_to_proto(action: Action | None) -> pb.Action.ValueType:
+    """The wire action (``ACTION_UNSPECIFIED`` for None)."""
+    return pb.ACTION_UNSPECIFIED if action is None else _ACTION_TO_PROTO[action]
+
+
+def action_from_proto(action: pb.Action.ValueType) -> Action | None:
+    """The domain action, or None for ``ACTION_UNSPECIFIED`` or an unknown value."""
+    return _ACTION_FROM_PROTO.get(action)
+
+
+def capacities_to_proto(c: Capacities) -> pb.Capacities:
+    """The wire form of capacities."""
+    return pb.Capacities(
+        max_tokens=c.max_tokens,
+        dispatch_bytes_per_token=c.dispatch_bytes_per_token,
+        combine_bytes_per_token=c.combine_bytes_per_token,
+        top_k=c.top_k,
+        num_experts=c.num_experts,
+        eplb_experts=c.eplb_experts,
+    )
+
+
+def capacities_from_proto(c: pb.Capacities) -> Capacities:
+    """The domain form of wire capacities (ranges unchecked)."""
+    return Capacities(
+        max_tokens=c.max_tokens,
+        dispatch_bytes_per_token=c.dispatch_bytes_per_token,
+        combine_bytes_per_token=c.combine_bytes_per_token,
+        top_k=c.top_k,
+        num_experts=c.num_experts,
+        eplb_experts=c.eplb_experts,
+    )
+
+
+def plan_to_proto(plan: Plan, ep_size: int | None) -> pb.Plan:
+    """The wire form of a plan; ``workspace_bytes`` derived at ``ep_size`` (None: 0)."""
+    return pb.Plan(
+        capacities=capacities_to_proto(plan.capacities),
+        epoch=plan.epoch,
+        generation=plan.generation,
+        workspace_bytes=plan.capacities.workspace_bytes(ep_size) if ep_size else 0,
+    )
+
+
+def plan_from_proto(plan: pb.Plan, field: str = "plan") -> Plan:
+    """The domain form of a wire plan (its derived ``workspace_bytes`` is ignored).
+
+    Raises:
+        InvalidArgument: the plan has no capacities (naming ``field``).
+    """
+    if not plan.HasField("capacities"):
+        raise InvalidArgument.of(f"{field}.capacities", None, "is missing")
+    return Plan(
+        capacities=capacities_from_proto(plan.capacities),
+        epoch=plan.epoch,
+        generation=plan.generation,
+    )
+
+
+# --- requests ------------------------------------------------------------------------
+
+
+def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
+    """The ``ProposeRequest`` a rank sends for ``p``."""
+    return pb.ProposeRequest(
+        group=p.group,
+        ep_size=p.ep_size,
+        ep_rank=p.ep_rank,
+        local_ranks=p.local_ranks,
+        lifetime=p.lifetime,
+        round=p.round,
+        requirement=pb.Requirement(
+            capacities=capacities_to_proto(p.requirement.capacities),
+            layer=p.requirement.layer,
+        ),
+    )
+
+
+def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
+    """The domain proposal of a ``ProposeRequest``.
+
+    Raises:
+        InvalidArgument: the requirement or its capacities are missing.
+    """
+    if not request.HasField("requirement"):
+        raise InvalidArgument.of("requirement", None, "is missing; every proposal states its need")
+    r = request.requirement
+    if not r.HasField("capacities"):
+        raise InvalidArgument.of(
+            "requirement.capacities", None, "is missing; every proposal states its need"
+        )
+    return Proposal(
+        group=request.group,
+        ep_size=request.ep_size,
+        ep_rank=request.ep_rank,
+        local_ranks=request.local_ranks,
+        lifetime=request.lifetime,
+        round=request.round,
+        requirement=Requirement(capacities=capacities_from_proto(r.capacities), layer=r.layer),
+    )
+
+
+def commit_to_proto(group: str, record: CommitRecord) -> pb.CommitRequest:
+    """The ``CommitRequest`` a rank sends for ``record``."""
+    return pb.CommitRequest(
+        group=group,
+        ep_rank=record.ep_rank,
+        lifetime=record.lifetime,
+        round=record.round,
+        plan=plan_to_proto(record.plan, None),
+        build_seconds=record.build_seconds,
+    )
+
+
+def commit_from_proto(request: pb.CommitRequest) -> tuple[str, CommitRecord]:
+    """The group name and domain record of a ``CommitRequest``.
+
+    Raises:
+        InvalidArgument: the plan (or its capacities) is missing.
+    """
+    if not request.HasField("plan"):
+        raise InvalidArgument.of("plan", None, "is missing; commit the plan the rank holds")
+    return request.group, CommitRecord(
+        ep_rank=request.ep_rank,
+        lifetime=request.lifetime,
+        round=request.round,
+        plan=plan_from_proto(request.plan),
+        build_seconds=request.build_seconds,
+    )
+
+
+# --- responses -----------------------------------------------------------------------
+
+
+def decision_to_proto(decision: Decision, ep_size: int) -> pb.ProposeResponse:
+    """The response every rank of a decided round gets."""
+    return pb.ProposeResponse(
+        round=decision.round,
+        action=_ACTION_TO_PROTO[decision.action],
+        plan=plan_to_proto(decision.plan, ep_size),
+        grew=decision.grew,
+    )
+
+
+def decision_from_proto(response: pb.ProposeResponse, layer: str) -> Decision:
+    """The decision a ``ProposeResponse`` carries for a round of ``layer``.
+
+    Raises:
+        ValueError: the response has no action, no plan or no capacities.
+    """
+    action = action_from_proto(response.action)
+    if action is None or not response.HasField("plan"):
+        raise ValueError(
+            f"malformed ProposeResponse (action={response.action}, "
+            f"plan present={response.HasField('plan')})"
+        )
+    try:
+        plan = plan_from_proto(response.plan)
+    except InvalidArgument as error:
+        raise ValueError(f"malformed ProposeResponse: {error.message}") from None
+    return Decision(round=response.round, action=action, plan=plan, grew=response.grew, layer=layer)
+
+
+def _growth_to_proto(g: Growth, ep_size: int) -> pb.Growth:
+    return pb.Growth(
+        plan=plan_to_proto(g.plan, ep_size),
+        layer=g.layer,
+        ep_rank=g.ep_rank,
+        round=g.round,
+        time=_timestamp(g.at),
+    )
+
+
+def summary_to_proto(s: GroupSummary) -> pb.Group:
+    """The wire view of a group: plan, lifetimes, rounds, ranks and growth history."""
+    group = pb.Group(
+        name=s.name,
+        ep_size=s.ep_size,
+        local_ranks=s.local_ranks,
+        epoch=s.epoch,
+        lifetimes=s.lifetimes,
+        last_closed_round=s.last_closed_round,
+        open_round=s.open_round,
+        waiting_ranks=s.waiting_ranks,
+        ranks=[
+            pb.RankState(
+                ep_rank=r.ep_rank,
+                lifetime=r.lifetime,
+                last_round=r.last_round,
+                last_layer=r.last_layer,
+                committed_generation=r.committed_generation,
+                last_build_seconds=r.build_seconds,
+                last_seen=_timestamp(r.last_seen),
+                current=r.current,
+            )
+            for r in s.ranks
+        ],
+        history=[_growth_to_proto(g, s.ep_size) for g in s.history],
+    )
+    if s.plan is not None:
+        group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size))
+    return group
+
+
+def summary_from_proto(group: pb.Group) -> GroupSummary:
+    """The domain view of a wire group (what ``moe-sidecar groups`` prints).
+
+    Raises:
+        InvalidArgument: a plan in it has no capacities.
+    """
+    return GroupSummary(
+        name=group.name,
+        ep_size=group.ep_size,
+        local_ranks=group.local_ranks,
+        epoch=group.epoch,
+        plan=plan_from_proto(group.plan) if group.HasField("plan") else None,
+        lifetimes=group.lifetimes,
+        last_closed_round=group.last_closed_round,
+        open_round=group.open_round,
+        waiting_ranks=group.waiting_ranks,
+        ranks=tuple(
+            RankSummary(
+                ep_rank=r.ep_rank,
+                lifetime=r.lifetime,
+                last_round=r.last_round,
+                last_layer=r.last_layer,
+                committed_generation=r.committed_generation,
+                build_seconds=r.last_build_seconds,
+                last_seen=_seconds(r.last_seen),
+                current=r.current,
+            )
+            for r in group.ranks
+        ),
+        history=tuple(
+            Growth(
+                plan=plan_from_proto(h.plan, "history.plan"),
+                layer=h.layer,
+                ep_rank=h.ep_rank,
+                round=h.round,
+                at=_seconds(h.time),
+            )
+            for h in group.history
+        ),
+    )
+
+
+def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
+    """The wire form of a group event (plan bytes derived at ``ep_size``)."""
+    message = pb.GroupEvent(
+        group=event.group,
+        kind=_EVENT_TO_PROTO[event.kind],
+        time=_timestamp(event.at),
+        round=event.round,
+        action=action_to_proto(event.action),
+        ep_rank=event.ep_rank,
+        layer=event.layer,
+        message=event.message,
+        missing_ranks=list(event.missing_ranks),
+    )
+    if event.plan is not None:
+        message.plan.CopyFrom(plan_to_proto(event.plan, ep_size))
+    return message

@@ -1,0 +1,118 @@
+"""The stored-row codec: exact round trips, every version loads, bad rows say why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_sidecar import policy
+from moe_sidecar.plan import Plan
+from moe_sidecar.row_codec import ROW_VERSION, RowError, decode_group, encode_group
+from moe_sidecar.sizing import workspace_size_per_rank
+from tests.unit.groups import rich_state
+
+pytestmark = pytest.mark.timeout(10)
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def test_encoding_round_trips_exactly() -> None:
+    state = rich_state()
+    assert json.loads(encode_group(state))["version"] == ROW_VERSION
+    assert decode_group(encode_group(state)) == state
+    reset = policy.reset(state, 200.0).state
+    assert decode_group(encode_group(reset)) == reset
+
+
+def test_a_version_2_row_of_this_release_loads() -> None:
+    # Written by this release and kept: every later release must load it.
+    state = decode_group((DATA / "group-row-v2.json").read_text())
+    assert state.plan is not None and state.plan.generation == 2
+    assert state.open_round is not None
+
+
+def test_a_version_1_row_of_0_1_0_loads_with_a_plan_at_least_as_big() -> None:
+    # Written by moe-sidecar 0.1.0 (plans as byte counts): the DeepSeek-V3
+    # NVFP4 + bf16 MTP union at EP 2, 128 tokens (7,379,328 B per rank).
+    document = json.loads((DATA / "group-row-v1.json").read_text())
+    state = decode_group(json.dumps(document))
+    assert state.plan is not None
+    plan: Plan = state.plan
+    capacities = plan.capacities
+    assert (capacities.max_tokens, capacities.top_k, capacities.num_experts) == (128, 8, 256)
+    assert plan.generation == 2 and state.generation == 2
+    workspace = capacities.workspace_bytes(2)
+    assert workspace >= document["plan"]["workspace_bytes"] == 7_379_328
+    assert workspace < document["plan"]["workspace_bytes"] + 2 * 128 + 128
+    assert [g.plan.generation for g in state.history] == [1, 2]
+    assert [g.layer for g in state.history] == ["model.layers.3.mlp", "model.layers.61.mlp"]
+    # Retained outcomes and the open round of the old format are dropped.
+    assert state.open_round is None and state.closed == ()
+    assert state.last_closed_round == document["last_closed_round"]
+    assert [r.committed_generation for r in state.ranks] == [2, 2]
+    assert workspace_size_per_rank(2, 128, 3584 + 448 + 64, 14336) < workspace
+
+
+def _row(**changes: object) -> str:
+    document = json.loads(encode_group(rich_state()))
+    for path, value in changes.items():
+        target = document
+        *parents, leaf = path.split("__")
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[leaf] = value
+    return json.dumps(document)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"name": "g/ep4", "version": 2}', "missing field"),
+        ('{"version": 99}', "row version 99"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        (_row(generation=True), "field 'generation' holds True"),
+        (_row(generation=-1), "field 'generation' holds -1"),
+        (_row(generation=1 << 64), "outside"),
+        (_row(plan__generation=0), "plan.generation=0"),
+        (_row(plan__capacities__max_tokens=0), "plan.capacities.max_tokens=0"),
+        (_row(plan__capacities__top_k=23), "plan.capacities.top_k=23"),
+        (
+            _row(
+                plan__capacities__dispatch_bytes_per_token=1 << 22,
+                plan__capacities__max_tokens=1 << 30,
+            ),
+            "at most 1099511627776",
+        ),
+        (_row(ep_size=65), "field 'ep_size' holds 65"),
+        (_row(local_ranks=9), "field 'local_ranks' holds 9"),
+        (_row(closed=[{"kind": "maybe"}]), "unknown outcome kind"),
+        (
+            _row(
+                closed=[
+                    {
+                        "kind": "refusal",
+                        "round": 1,
+                        "code": "BOGUS",
+                        "message": "",
+                        "missing_ranks": [],
+                    }
+                ]
+            ),
+            "BOGUS",
+        ),
+        (_row(ranks=[{"ep_rank": 0}]), "missing field 'lifetime'"),
+        (
+            _row(history=[{"plan": None, "layer": "", "ep_rank": 0, "round": 1, "at": 0}]),
+            "holds null",
+        ),
+        (_row(ranks__0__last_seen=float("nan")), "last_seen"),
+    ],
+)
+def test_bad_rows_are_refused_with_the_reason(text: str, needle: str) -> None:
+    with pytest.raises(RowError) as info:
+        decode_group(text)
+    assert needle in str(info.value)
