@@ -20,6 +20,12 @@ that shows every rank holds the replacement.
 
 FlashInfer is imported on first build, never at import time: importing or
 calling it loads its CUDA module, which CPU processes must never do.
+
+JIT cache health: before its first build, the backend has
+:func:`moe_sidecar.client.backends.jit_cache.prepare_module` log (once per process) which
+FlashInfer cache the all-to-all module comes from and whether it is compiled
+there, then load (or compile) the module, timed; :attr:`FlashInferBackend.module_load`
+and :attr:`FlashInferBackend.first_build_seconds` say how the start went.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
+import time
 from typing import Any
 
 import torch
@@ -34,6 +41,7 @@ import torch.distributed as dist
 
 from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
+from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.plan import Capacities
 
@@ -72,6 +80,8 @@ class _FlashInfer:
                 f"flashinfer-python=={SUPPORTED_FLASHINFER}"
             )
         self.MoeAlltoAll: Any = moe_alltoall
+        # FlashInfer's loader of the module behind MoeAlltoAll (cached by it).
+        self.get_module: Any = getattr(alltoall, "get_moe_alltoall_module", None)
         self.MnnvlConfig: Any = mnnvl.MnnvlConfig
         self.MnnvlMemory: Any = mnnvl.MnnvlMemory
         self.Mapping: Any = mapping.Mapping
@@ -95,6 +105,18 @@ class FlashInferBackend:
         self.unreleased = 0
         """Releases after which the allocation was still mapped (someone else
         kept a reference); 0 when every superseded workspace was freed."""
+        self.module_load: ModuleLoad | None = None
+        """How FlashInfer's all-to-all module became ready in this process
+        (seconds, whether it was compiled, the cache it came from); set by the
+        first build."""
+        self.first_build_seconds: float | None = None
+        """Wall time of this backend's first build: the module's load (or
+        compile) plus the first collective workspace allocation."""
+
+    @property
+    def jit_compiled(self) -> bool | None:
+        """Whether this process's start compiled the all-to-all module (None: unknown yet)."""
+        return self.module_load.compiled if self.module_load is not None else None
 
     def _flashinfer(self) -> _FlashInfer:
         if self._fi is None:
@@ -123,7 +145,10 @@ class FlashInferBackend:
         Raises:
             BackendError: FlashInfer is missing or lacks MoeAlltoAll.
         """
+        started = time.perf_counter()
         fi = self._flashinfer()
+        if self.module_load is None and fi.get_module is not None:
+            self.module_load = prepare_module(fi.get_module)
         communicator = GroupCommunicator(self._group)
         if (communicator.Get_size(), communicator.Get_rank()) != (spec.ep_size, spec.ep_rank):
             raise BackendError(
@@ -138,6 +163,8 @@ class FlashInferBackend:
             workspace_size_per_rank=spec.workspace_size_per_rank,
             mnnvl_config=fi.MnnvlConfig(comm_backend=communicator),
         )
+        if self.first_build_seconds is None:
+            self.first_build_seconds = time.perf_counter() - started
         return handle
 
     def release(self, handle: AlltoAll) -> None:
