@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -170,6 +171,30 @@ def warm_up_cuda(rank: int) -> None:
     (a.float() * 2).to(torch.bfloat16).sum().item()
     torch.arange(4, device=device).to(torch.uint8).view(torch.int32)
     torch.cuda.synchronize()
+
+
+NO_AOT_DIR = Path("/nonexistent/flashinfer-aot")
+
+
+def use_jit_cache_only() -> None:
+    """Makes FlashInfer in this process ignore ahead-of-time modules.
+
+    The GPU machine's install line copies a compiled ``mnnvl_moe_alltoall.so``
+    into ``flashinfer/data/aot/``, which FlashInfer loads before looking at its
+    JIT cache (``jit_env.get_aot_artifacts``: the ``FLASHINFER_AOT_DIR``
+    fallback wins outright). Tests and benchmarks of the cache must not load
+    it: this points FlashInfer's AOT directory somewhere empty, through the
+    module attributes FlashInfer reads at call time (``flashinfer/jit/env.py``:
+    "do ``from .jit import env as jit_env`` ... this helps AOT script to
+    override envs"). Call it before the all-to-all module is first loaded.
+    Imports FlashInfer.
+    """
+    import flashinfer.jit.env as jit_env
+
+    jit_env.FLASHINFER_AOT_DIR = NO_AOT_DIR
+    jit_env.FLASHINFER_AOT_PROVIDERS = ()
+    jit_env.FLASHINFER_AOT_DIRS = (NO_AOT_DIR,)
+    assert not jit_env.get_aot_artifacts("mnnvl_moe_alltoall"), "an AOT module is still found"
 
 
 def world() -> Any:
