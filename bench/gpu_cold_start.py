@@ -133,9 +133,9 @@ def _rank_model(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, A
 
     t["flashinfer_imported"] = time.time()
 
-    from client import WorkspaceManager, sizing
-    from client.backends import BuildSpec
-    from client.backends.flashinfer import FlashInferBackend
+    from moe_sidecar.client import WorkspaceManager, sizing
+    from moe_sidecar.client.backends import BuildSpec
+    from moe_sidecar.client.backends.flashinfer import FlashInferBackend
 
     tokens = int(case["max_tokens"])
     layers = _layers(int(case["layers"]))
@@ -243,7 +243,7 @@ def _prewarm_command(arch: str, base: Path) -> list[str]:
     # `moe-sidecar prewarm` through the interpreter: the GPU machine installs
     # with --target, so the console script is not on PATH. Imported here, not
     # at the top: the spawned ranks re-import this module.
-    from sidecar import cli
+    from moe_sidecar import cli
 
     return [
         sys.executable,
@@ -412,7 +412,7 @@ def main() -> None:
 
     import torch
 
-    from client.prewarm import ToolMissing, find_cuda_toolkit, find_flashinfer, normalize_capability
+    from moe_sidecar.client.prewarm import ToolMissing, find_cuda_toolkit, find_flashinfer, normalize_capability
 
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()}")

@@ -8,7 +8,7 @@
 2. The same command again: "already built", nothing compiled, the library untouched.
 3. A GPU process with ``FLASHINFER_WORKSPACE_BASE`` at that cache (and the AOT
    copy hidden, see ``workers.use_jit_cache_only``) loads the module through
-   the backend's JIT-cache report (``client.backends.jit_cache``): the report
+   the backend's JIT-cache report (``moe_sidecar.client.backends.jit_cache``): the report
    says "found in the cache", the load does not compile (the library is not
    rewritten; FlashInfer's ninja finds it up to date), and the module answers.
 
@@ -26,15 +26,15 @@ from typing import Any
 
 import pytest
 
-from client.backends.flashinfer import SUPPORTED_FLASHINFER
-from client.prewarm import (
+from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
+from moe_sidecar.client.prewarm import (
     ToolMissing,
     cache_paths,
     find_cuda_toolkit,
     normalize_capability,
     parse_arch,
 )
-from sidecar import cli
+from moe_sidecar import cli
 from tests.dockerfile import REPO
 
 pytestmark = [pytest.mark.gpu(gpus=1), pytest.mark.timeout(720)]
@@ -55,7 +55,7 @@ torch.cuda.set_device(0)
 from tests.gpu.workers import use_jit_cache_only
 use_jit_cache_only()
 import flashinfer.comm.trtllm_moe_alltoall as alltoall
-from client.backends.jit_cache import prepare_module
+from moe_sidecar.client.backends.jit_cache import prepare_module
 load = prepare_module(alltoall.get_moe_alltoall_module)
 module = alltoall.get_moe_alltoall_module()
 names, values = module.moe_a2a_get_metainfo_index_pairs()

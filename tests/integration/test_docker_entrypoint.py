@@ -15,6 +15,13 @@ and do what the image does, outside a container:
 * the shape of the image: slim Python stages, a numeric non-root user, the
   ports and volumes that ``SidecarConfig``'s defaults and the image's
   environment name, no torch, CUDA or flashinfer anywhere.
+
+``docker/Dockerfile.inference`` (the example inference stage that runs
+``moe-sidecar prewarm`` at build time) is checked by reading it: a CUDA devel
+base, the client and flashinfer extras from the same build context, and a
+prewarm command that the real CLI parses, run as the image's user after the
+install, into the ``FLASHINFER_WORKSPACE_BASE`` the image keeps for its
+processes, with no variable that would send them to another cache directory.
 """
 
 from __future__ import annotations
@@ -373,6 +380,15 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
     )
     assert demo.returncode == 2 and "Traceback" not in demo.stderr, demo.stderr
     assert "needs torch, i.e. the client extra: pip install 'moe-sidecar[client]'" in demo.stderr
+    prewarm = subprocess.run(
+        [str(venv_python.parent / "moe-sidecar"), "prewarm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={},
+    )
+    assert prewarm.returncode == 2 and "Traceback" not in prewarm.stderr, prewarm.stderr
+    assert "pip install 'moe-sidecar[client,flashinfer]'" in prewarm.stderr
 
     # The image's environment, paths under the root; only ports change.
     env = {k: _under(image_root, v) for k, v in image_env().items()}
@@ -429,3 +445,62 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
             raise
     assert code == 0, log.read_text()
     assert not socket_path.exists(), "the socket is removed on a clean stop"
+
+
+# --- the example inference stage -----------------------------------------------------------
+
+INFERENCE_DOCKERFILE = REPO / "docker" / "Dockerfile.inference"
+
+
+def test_inference_stage_prewarms_the_module_its_processes_will_load() -> None:
+    from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
+    from moe_sidecar.client.prewarm import (
+        BUILD_ENV,
+        DEFAULT_ARCHS,
+        ENV_ARCH_LIST,
+        ENV_WORKSPACE_BASE,
+        cache_paths,
+        parse_arch_flags,
+    )
+
+    [stage] = parse_dockerfile(INFERENCE_DOCKERFILE)
+    # nvcc comes with the CUDA *devel* images; FlashInfer also runs ninja at run time.
+    assert re.fullmatch(r"nvidia/cuda:[\d.]+-devel-ubuntu[\d.]+", stage.base), stage.base
+    env = stage.env({"PATH": "/usr/local/cuda/bin:/usr/bin:/bin"})
+    base = env[ENV_WORKSPACE_BASE]
+    assert base.startswith("/") and env["CUDA_HOME"] == "/usr/local/cuda"
+    assert env["PATH"].startswith("/opt/inference/bin:"), "the venv's moe-sidecar and ninja"
+    # Nothing that would point the processes at another cache directory or
+    # make FlashInfer skip or change the build.
+    assert ENV_ARCH_LIST not in env and "FLASHINFER_DISABLE_JIT" not in env
+    assert not {k for k in env if k in BUILD_ENV} - {"CUDA_HOME"}, env
+
+    runs = [r.arguments for r in stage.all("RUN")]
+    installs = [shlex.split(r) for r in runs if "pip install" in r]
+    assert len(installs) == 1
+    targets = [w for w in installs[0][installs[0].index("install") + 1 :] if not w.startswith("-")]
+    assert targets == [".[client,flashinfer]"], installs
+    # The same build context as the sidecar image (whose .dockerignore test
+    # checks that every copied file reaches it).
+    assert set(_copy_sources(stage)) == set(_copy_sources(STAGES[0]))
+
+    # prewarm: after the install, as the image's user, which owns the cache directory.
+    order = [(i.keyword, i.arguments) for i in stage.instructions]
+    prewarm_at = next(i for i, (k, a) in enumerate(order) if k == "RUN" and "prewarm" in a)
+    install_at = next(i for i, (k, a) in enumerate(order) if k == "RUN" and "pip install" in a)
+    user_at = max(i for i, (k, _) in enumerate(order) if k == "USER")
+    assert install_at < user_at < prewarm_at
+    uid, _, gid = stage.all("USER")[-1].arguments.partition(":")
+    assert uid.isdigit() and int(uid) != 0
+    assert re.search(rf"install -d -o {uid} -g {gid} -m 0755 {re.escape(base)}\b", " ".join(runs))
+    argv = shlex.split(order[prewarm_at][1])
+    assert argv[0] == "moe-sidecar"
+    args = cli.build_parser().parse_args(argv[1:])
+    assert args.command == "prewarm" and args.workspace_base is None and not args.ignore_aot
+    built = parse_arch_flags(args.arch)
+    assert built == parse_arch_flags(DEFAULT_ARCHS), "Hopper and Blackwell, one build each"
+    dirs = {cache_paths(Path(base), SUPPORTED_FLASHINFER, t).workspace_dir for t in built}
+    assert dirs == {
+        Path(base) / ".cache" / "flashinfer" / SUPPORTED_FLASHINFER / arch
+        for arch in ("90a", "100a")
+    }

@@ -5,12 +5,21 @@ and compared with what ``moe-sidecar serve`` makes of the same environment
 (``config_from_flags``), with ``SidecarConfig``'s defaults, with the image
 (``docker/Dockerfile``) and with the client library's env names, so a
 renamed flag, a moved port or a typo in a path fails here, not in a cluster.
+
+FlashInfer's JIT cache: the node volume, its two init containers and the
+inference container are checked against FlashInfer's cache layout as
+``client.prewarm`` computes it, against ``moe-sidecar prewarm``'s own parser
+and against ``docker/Dockerfile.inference``; the seeding script runs for real
+(as the kubelet would pass it) on a cache laid out in a temporary directory.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +27,14 @@ import pytest
 import yaml
 
 from moe_sidecar import cli
+from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
+from moe_sidecar.client.prewarm import (
+    ENV_WORKSPACE_BASE,
+    cache_paths,
+    flashinfer_cache_dir,
+    make_plan,
+    parse_arch_flags,
+)
 from moe_sidecar.config import SidecarConfig, config_from_flags
 from moe_sidecar.defaults import (
     CLIENT_ENV_KEYS,
@@ -59,6 +76,8 @@ SIDECARS: list[dict[str, Any]] = [
     c for c in POD.get("initContainers", []) if c.get("restartPolicy") == "Always"
 ]
 INFERENCE: list[dict[str, Any]] = [c for c in POD["containers"] if c["name"] == "inference"]
+INIT: dict[str, dict[str, Any]] = {c["name"]: c for c in POD.get("initContainers", [])}
+INFERENCE_DOCKERFILE = REPO / "docker" / "Dockerfile.inference"
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
@@ -209,9 +228,9 @@ def test_state_and_jit_cache_live_on_volumes() -> None:
     assert mounted == set(volumes)
 
 
-@pytest.mark.parametrize("which", ["sidecar", "inference"])
+@pytest.mark.parametrize("which", ["sidecar", "inference", "flashinfer-prewarm"])
 def test_containers_are_locked_down_and_sized(which: str) -> None:
-    container = _sidecar() if which == "sidecar" else _inference()
+    container = {"sidecar": _sidecar(), "inference": _inference()}.get(which) or INIT[which]
     context = container["securityContext"]
     assert context["runAsNonRoot"] is True and POD["securityContext"]["runAsNonRoot"] is True
     assert context["runAsUser"] != 0
@@ -253,3 +272,211 @@ def test_metrics_are_scraped_from_the_metrics_port() -> None:
     ports = {p["name"]: p["containerPort"] for p in _sidecar()["ports"]}
     assert ports[endpoint["port"]] == config.metrics_port
     assert endpoint["path"] == "/metrics"
+
+
+# --- FlashInfer's JIT cache on the node ----------------------------------------------------
+
+
+def _cache_init() -> dict[str, Any]:
+    return INIT["flashinfer-cache"]
+
+
+def _prewarm_init() -> dict[str, Any]:
+    return INIT["flashinfer-prewarm"]
+
+
+def _workspace_base() -> str:
+    return _env(_inference())[ENV_WORKSPACE_BASE]
+
+
+def _cache_volume() -> str:
+    return _mounts(_inference())[_workspace_base()]
+
+
+def _prewarm_targets(argv: list[str]) -> tuple[frozenset[Any], ...]:
+    """The targets of a ``moe-sidecar prewarm`` command line, as the CLI parses it."""
+    assert argv[0] == "moe-sidecar", argv
+    args = cli.build_parser().parse_args(argv[1:])
+    assert args.command == "prewarm" and args.workspace_base is None, argv
+    return parse_arch_flags(args.arch)
+
+
+def _image_prewarm() -> list[str]:
+    [stage] = [s for s in parse_dockerfile(INFERENCE_DOCKERFILE) if s.name == "inference"]
+    [argv] = [
+        shlex.split(r.arguments) for r in stage.all("RUN") if r.arguments.startswith("moe-sidecar")
+    ]
+    return argv
+
+
+def test_the_jit_cache_is_a_node_volume_where_flashinfer_looks() -> None:
+    base = _workspace_base()
+    volume = _volumes()[_cache_volume()]
+    assert volume["hostPath"]["type"] == "DirectoryOrCreate", volume
+    assert Path(volume["hostPath"]["path"]).is_absolute()
+    assert "emptyDir" not in volume
+    # The image's value, so the module it was built with is found at this path.
+    [stage] = parse_dockerfile(INFERENCE_DOCKERFILE)
+    assert stage.env({})[ENV_WORKSPACE_BASE] == base
+    # prewarm writes where the inference processes read: same variable, same mount.
+    prewarm = _prewarm_init()
+    assert _env(prewarm)[ENV_WORKSPACE_BASE] == base
+    assert _mounts(prewarm)[base] == _cache_volume()
+    for target in _prewarm_targets([*prewarm["command"], *prewarm["args"]]):
+        library = cache_paths(Path(base), SUPPORTED_FLASHINFER, target).library
+        assert library.is_relative_to(base), library
+
+
+def test_the_cache_init_seeds_from_the_image_and_hands_the_volume_to_the_inference_user() -> None:
+    init, inference, prewarm = _cache_init(), _inference(), _prewarm_init()
+    env = _env(init)
+    base = Path(_workspace_base())
+    # The seed is the image's own cache, visible because the volume is mounted elsewhere.
+    assert env["SEED_DIR"] == str(flashinfer_cache_dir(base))
+    assert str(base) not in _mounts(init)
+    assert _mounts(init)[env["NODE_VOLUME"]] == _cache_volume()
+    assert env["NODE_CACHE_DIR"] == str(flashinfer_cache_dir(Path(env["NODE_VOLUME"])))
+    # ...so a copied directory keeps, in the inference container, the absolute
+    # paths FlashInfer's build files recorded in the image.
+    assert init["image"] == prewarm["image"] == inference["image"]
+    context = inference["securityContext"]
+    assert env["CACHE_OWNER"] == f"{context['runAsUser']}:{context['runAsGroup']}"
+    for key in ("runAsUser", "runAsGroup"):
+        assert prewarm["securityContext"][key] == context[key]
+    # The image creates the cache directory for the same user (docker/Dockerfile.inference).
+    [stage] = parse_dockerfile(INFERENCE_DOCKERFILE)
+    created = " ".join(r.arguments for r in stage.all("RUN"))
+    assert re.search(
+        rf"install -d -o {context['runAsUser']} -g {context['runAsGroup']} -m 0755 {base}\b",
+        created,
+    )
+    assert stage.all("USER")[-1].arguments == env["CACHE_OWNER"]
+    # The seed comes before the prewarm, which comes before the inference container.
+    names = [c["name"] for c in POD["initContainers"]]
+    assert names.index("flashinfer-cache") < names.index("flashinfer-prewarm")
+
+
+def test_the_prewarm_init_builds_what_the_image_built_and_needs_no_gpu() -> None:
+    prewarm = _prewarm_init()
+    targets = _prewarm_targets([*prewarm["command"], *prewarm["args"]])
+    assert targets == _prewarm_targets(_image_prewarm())
+    assert all(len(t) == 1 for t in targets), "one architecture per build (FlashInfer's dirs)"
+    env = _env(prewarm)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert "FLASHINFER_CUDA_ARCH_LIST" not in env and "FLASHINFER_DISABLE_JIT" not in env
+    for scope in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in prewarm["resources"].get(scope, {})
+    # A read-only root: nvcc and prewarm write temporary files to a volume.
+    assert "emptyDir" in _volumes()[_mounts(prewarm)["/tmp"]]
+    assert _mounts(prewarm)[env["HOME"]] == _mounts(_inference())[_env(_inference())["HOME"]]
+
+
+def test_the_root_init_container_may_only_chown_and_copy() -> None:
+    init = _cache_init()
+    context = init["securityContext"]
+    assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False
+    assert context["capabilities"]["drop"] == ["ALL"]
+    assert sorted(context["capabilities"]["add"]) == ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["readOnlyRootFilesystem"] is True and context.get("privileged") is False
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert list(_mounts(init).values()) == [_cache_volume()], "it touches the cache volume only"
+    assert init["command"] == ["/bin/sh", "-c"] and len(init["args"]) == 1
+    for resource in ("cpu", "memory"):
+        assert (
+            0
+            < _quantity(init["resources"]["requests"][resource])
+            <= _quantity(init["resources"]["limits"][resource])
+        )
+
+
+def _kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """What the kubelet passes for ``text`` in ``command``/``args``: ``$(VAR)`` of
+    the container's env replaced, ``$$`` made ``$``, anything else kept
+    (k8s.io/kubernetes third_party/forked/golang/expansion)."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "$" and i + 1 < len(text):
+            if text[i + 1] == "$":
+                out.append("$")
+                i += 2
+                continue
+            if text[i + 1] == "(":
+                end = text.find(")", i + 2)
+                if end != -1:
+                    name = text[i + 2 : end]
+                    out.append(env.get(name, text[i : end + 1]))
+                    i = end + 1
+                    continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def _lay_out_cache(cache_dir: Path, arch: str, marker: bytes) -> Path:
+    """What a FlashInfer build leaves for one target (the files that matter to it)."""
+    module = cache_dir / SUPPORTED_FLASHINFER / arch / "cached_ops" / "mnnvl_moe_alltoall"
+    module.mkdir(parents=True)
+    for name, content in (
+        ("mnnvl_moe_alltoall.so", marker),
+        ("build.ninja", b"ninja_required_version = 1.3\n"),
+        (".ninja_log", b"# ninja log v6\n"),
+        ("trtllm_moe_alltoall.cuda.o", b"obj"),
+    ):
+        (module / name).write_bytes(content)
+        os.utime(module / name, ns=(1_700_000_000_123_456_789, 1_700_000_000_123_456_789))
+    (cache_dir / SUPPORTED_FLASHINFER / arch / "flashinfer_jit.log").write_bytes(b"")
+    return module
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the script chowns: run as root (CI is)")
+def test_the_seeding_script_copies_once_keeps_mtimes_and_chowns(tmp_path: Path) -> None:
+    init = _cache_init()
+    env = _env(init)
+    script = _kubelet_expand(init["args"][0], env)
+    owner = tuple(int(x) for x in env["CACHE_OWNER"].split(":"))
+    seed = tmp_path / "image" / ".cache" / "flashinfer"
+    volume = tmp_path / "node"
+    node_cache = volume / ".cache" / "flashinfer"
+    _lay_out_cache(seed, "90a", b"hopper-from-image")
+    _lay_out_cache(seed, "100a", b"blackwell-from-image")
+    # A node that already has a Blackwell module (e.g. compiled by an earlier pod).
+    _lay_out_cache(node_cache, "100a", b"blackwell-on-node")
+    run_env = {
+        **env,
+        "SEED_DIR": str(seed),
+        "NODE_VOLUME": str(volume),
+        "NODE_CACHE_DIR": str(node_cache),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    }
+
+    def run() -> str:
+        done = subprocess.run(
+            [*init["command"], script], env=run_env, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    first = run()
+    assert first.splitlines() == [f"seeded {node_cache}/{SUPPORTED_FLASHINFER}/90a from the image"]
+    hopper = node_cache / SUPPORTED_FLASHINFER / "90a" / "cached_ops" / "mnnvl_moe_alltoall"
+    assert (hopper / "mnnvl_moe_alltoall.so").read_bytes() == b"hopper-from-image"
+    # mtimes as they were: FlashInfer's ninja compares them with its logs.
+    for name in ("mnnvl_moe_alltoall.so", ".ninja_log", "trtllm_moe_alltoall.cuda.o"):
+        assert (hopper / name).stat().st_mtime_ns == 1_700_000_000_123_456_789, name
+    blackwell = node_cache / SUPPORTED_FLASHINFER / "100a" / "cached_ops" / "mnnvl_moe_alltoall"
+    assert (blackwell / "mnnvl_moe_alltoall.so").read_bytes() == b"blackwell-on-node"
+    assert not list(node_cache.rglob("*.seeding")), "no half-copied directory left"
+    for path in [volume, *volume.rglob("*")]:
+        assert (path.stat().st_uid, path.stat().st_gid) == owner, path
+    assert run() == "", "a second start copies nothing"
+
+    # What the prewarm init container then finds on the volume: nothing to build.
+    prewarm = _prewarm_init()
+    plan = make_plan(
+        _prewarm_targets([*prewarm["command"], *prewarm["args"]]),
+        base=volume,
+        version=SUPPORTED_FLASHINFER,
+        arch_source="--arch",
+    )
+    assert [t.status for t in plan.targets] == ["already-built", "already-built"]
