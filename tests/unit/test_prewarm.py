@@ -453,3 +453,79 @@ def test_missing_nvcc_is_reported_when_something_is_to_be_built(tmp_path: Path) 
     )  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
     assert "nvcc not found at" in run.stderr and "CUDA_HOME" in run.stderr
+
+
+# --- the build process -------------------------------------------------------------------
+
+
+def test_a_failed_build_exits_1_with_flashinfers_error(tmp_path: Path) -> None:
+    # The stand-in cannot be imported: the build process fails as it would on
+    # a broken FlashInfer install, and its error comes back to the user.
+    site = _stand_in_flashinfer(tmp_path / "site", SUPPORTED_FLASHINFER)
+    env = _toolchain_env(tmp_path)
+    run = _prewarm(
+        "--arch", "9.0a", "--workspace-base", str(tmp_path / "b"), "--json",
+        env=env, extra_path=site,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert "ImportError: a stand-in: never imported" in run.stderr
+    document = json.loads(run.stdout)
+    assert document["ok"] is False and document["exit_status"] == 1
+    [target] = document["targets"]
+    assert target["outcome"] == "failed" and "a stand-in" in target["error"]
+    assert "building into" in run.stderr and "FAILED" in run.stderr
+
+
+_SLOW_BUILD = """
+import os, subprocess, time
+child = subprocess.Popen(["sleep", "120"])  # what nvcc under ninja would be
+with open(os.environ["PREWARM_TEST_PIDFILE"], "w") as f:
+    f.write(str(child.pid))
+time.sleep(120)
+"""
+
+
+def test_a_build_past_its_timeout_is_stopped_with_all_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import time
+
+    import psutil  # type: ignore[import-untyped]
+
+    from client.prewarm import BuildFailed, build_target
+
+    site = tmp_path / "site"
+    (site / "flashinfer").mkdir(parents=True)
+    (site / "flashinfer" / "__init__.py").write_text(_SLOW_BUILD)
+    monkeypatch.syspath_prepend(str(site))  # the build process imports what this one would
+    pidfile = tmp_path / "nvcc.pid"
+    [target] = make_plan(
+        [frozenset({H})], base=tmp_path / "b", version=SUPPORTED_FLASHINFER, arch_source="--arch"
+    ).targets
+    progress = io.StringIO()
+    started = time.monotonic()
+    with pytest.raises(BuildFailed, match="ran past --timeout 3 s"):
+        build_target(
+            target,
+            env={**os.environ, "PREWARM_TEST_PIDFILE": str(pidfile)},
+            timeout=3.0,
+            progress=progress,
+            progress_every=0.5,
+        )
+    assert time.monotonic() - started < 20
+    lines = progress.getvalue().splitlines()
+    assert len(lines) >= 3 and all("9.0a: compiling mnnvl_moe_alltoall ..." in x for x in lines)
+    # The process group went with it: the "compiler" is gone too (or a zombie
+    # waiting for this container's init to reap it).
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the build's child {pid} outlived the stopped build")
