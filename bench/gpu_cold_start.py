@@ -273,7 +273,12 @@ def _finish_prewarm(
 ) -> dict[str, Any]:
     code = process.wait(timeout=560)
     wall = time.monotonic() - started
-    document: dict[str, Any] = json.loads(json_out.read_text())
+    try:
+        document: dict[str, Any] = json.loads(json_out.read_text())
+    except json.JSONDecodeError:
+        raise SystemExit(
+            f"moe-sidecar prewarm exited {code} without its JSON:\n{json_out.read_text()}"
+        ) from None
     document["wall_s"] = wall
     if code != 0 or not document.get("ok"):
         raise SystemExit(f"moe-sidecar prewarm failed ({code}): {document.get('error')}")
