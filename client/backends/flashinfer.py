@@ -110,8 +110,9 @@ class FlashInferBackend:
         (seconds, whether it was compiled, the cache it came from); set by the
         first build."""
         self.first_build_seconds: float | None = None
-        """Wall time of this backend's first build: the module's load (or
-        compile) plus the first collective workspace allocation."""
+        """Wall time of this backend's first successful build: FlashInfer's
+        import (when not imported yet), the module's load (or compile) and the
+        first collective workspace allocation."""
 
     @property
     def jit_compiled(self) -> bool | None:
