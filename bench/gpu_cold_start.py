@@ -148,11 +148,13 @@ def _rank_model(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, A
         held: list[Any] = []
         built_bytes = 0
         for _, (x_bytes, sf_bytes) in layers:
-            need = sizing.layer_sizes(world_size, tokens, TOP_K, HIDDEN, x_bytes, sf_bytes)
-            if need.workspace_bytes > built_bytes:
-                spec = BuildSpec(world_size, rank, tokens, TOP_K, NUM_EXPERTS, need.workspace_bytes)
-                held.append(backend.build(spec))
-                built_bytes = need.workspace_bytes
+            need = sizing.layer_capacities(
+                world_size, tokens, TOP_K, NUM_EXPERTS, HIDDEN, x_bytes, sf_bytes
+            )
+            need_bytes = backend.workspace_bytes(need, world_size)
+            if need_bytes > built_bytes:
+                held.append(backend.build(BuildSpec(world_size, rank, need, need_bytes)))
+                built_bytes = need_bytes
         a2a = held[-1]
         out.update(builds=len(held), rebuilds=0, releases=0, workspace_bytes=built_bytes)
     else:
@@ -417,7 +419,12 @@ def main() -> None:
 
     import torch
 
-    from moe_sidecar.client.prewarm import ToolMissing, find_cuda_toolkit, find_flashinfer, normalize_capability
+    from moe_sidecar.client.prewarm import (
+        ToolMissing,
+        find_cuda_toolkit,
+        find_flashinfer,
+        normalize_capability,
+    )
 
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()}")

@@ -68,6 +68,13 @@ class ManagerCounters:
     """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
     the hostname exchange at construction); the backend's own build
     collectives are not counted here."""
+    first_build_seconds: float | None = None
+    """Seconds the first build of this process took (None: nothing built yet).
+    With FlashInfer it includes loading (or JIT-compiling) its module: a cold
+    start shows here as minutes, a prewarmed one as seconds."""
+    jit_compiled: bool | None = None
+    """Whether the backend had to JIT-compile its module (None: not known,
+    e.g. nothing built yet or a backend without a JIT)."""
 
 
 class WorkspaceManager:
@@ -153,6 +160,7 @@ class WorkspaceManager:
         self._rebuilds = 0
         self._reuses = 0
         self._releases = 0
+        self._first_build_seconds: float | None = None
 
         self.initialized = False
         self.moe_alltoall: AlltoAll | None = None
@@ -215,6 +223,8 @@ class WorkspaceManager:
             releases=self._releases,
             rpcs=self._transport.rpc_count,
             collectives=self._collectives,
+            first_build_seconds=self._first_build_seconds,
+            jit_compiled=getattr(self.backend, "jit_compiled", None),
         )
 
     def _set_built(self, handle: AlltoAll | None, plan: Plan | None) -> None:
@@ -366,6 +376,8 @@ class WorkspaceManager:
         started = time.perf_counter()
         handle = self.backend.build(spec)
         build_seconds = time.perf_counter() - started
+        if self._first_build_seconds is None:
+            self._first_build_seconds = build_seconds
         # Every rank must hold the new workspace before any frees the old one:
         # peers may still read it. The EP group only; never the world.
         dist.barrier(group=self.cpu_group)

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from moe_sidecar import cli
 from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
 from moe_sidecar.client.prewarm import (
     ToolMissing,
@@ -34,7 +35,6 @@ from moe_sidecar.client.prewarm import (
     normalize_capability,
     parse_arch,
 )
-from moe_sidecar import cli
 from tests.dockerfile import REPO
 
 pytestmark = [pytest.mark.gpu(gpus=1), pytest.mark.timeout(720)]

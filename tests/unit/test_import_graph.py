@@ -48,10 +48,13 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module name imported anywhere in ``path`` (lazy imports too)."""
+def _imports(path: Path, *, top_level: bool = False) -> set[str]:
+    """Module names imported in ``path``: anywhere (lazy imports too), or only
+    at module level (what importing the module runs)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level else list(ast.walk(tree))
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -112,8 +115,9 @@ def test_the_sidecar_imports_neither_torch_nor_the_client() -> None:
             continue
         imported = _imports(path)
         assert not {m for m in imported if m.split(".")[0] in ("torch", "flashinfer")}, name
-        # cli reaches the client's simulate lazily, inside the command that needs torch.
+        loaded = {m for m in _imports(path, top_level=True) if m.startswith("moe_sidecar.client")}
+        assert not loaded, f"importing {name} imports {loaded}"
+        # Only the command line reaches the client, inside the commands that need it.
         reached = {m for m in imported if m in MODULES and m.startswith("moe_sidecar.client")}
-        assert (
-            reached <= {"moe_sidecar.client.simulate"} if name == "moe_sidecar.cli" else not reached
-        ), name
+        if name != "moe_sidecar.cli":
+            assert not reached, f"{name} imports {reached}"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_sidecar import cli
 from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
 from moe_sidecar.client.prewarm import (
     DEFAULT_ARCHS,
@@ -42,7 +43,6 @@ from moe_sidecar.client.prewarm import (
     parse_flashinfer_arch_list,
     workspace_base,
 )
-from moe_sidecar import cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -493,7 +493,7 @@ def test_a_build_past_its_timeout_is_stopped_with_all_it_started(
 
     import psutil  # type: ignore[import-untyped]
 
-    from client.prewarm import BuildFailed, build_target
+    from moe_sidecar.client.prewarm import BuildFailed, build_target
 
     site = tmp_path / "site"
     (site / "flashinfer").mkdir(parents=True)
