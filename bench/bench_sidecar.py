@@ -92,7 +92,7 @@ def _request(
         ep_size=ep_size or max(ranks, 8),
         ep_rank=rank,
         local_ranks=ranks,
-        lifetime=f"bench-{group}-{rank}",
+        lifetime=f"bench-{group}-{rank}-lifetime-token",
         round=rnd,
         requirement=pb.Requirement(
             capacities=capacities_to_proto(NEED.capacities), layer=NEED.layer
@@ -282,7 +282,7 @@ async def fill_groups(target: str, groups: int, ranks: int, rounds: int, paralle
                             ep_size=ranks,
                             ep_rank=rank,
                             local_ranks=ranks,
-                            lifetime=f"l{rank}",
+                            lifetime=f"l{rank}-lifetime-token",
                             round=rnd,
                             requirement=need,
                         ),

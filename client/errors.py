@@ -25,6 +25,7 @@ from moe_sidecar.errors import (
     InternalError,
     InvalidArgument,
     PreconditionFailed,
+    ResourceExhausted,
     RoundAborted,
     RoundTimedOut,
     error_for_code,
@@ -42,6 +43,7 @@ __all__ = [
     "InvalidArgument",
     "PreconditionFailed",
     "RankFailure",
+    "ResourceExhausted",
     "RoundAborted",
     "RoundTimedOut",
     "RpcStatus",
@@ -94,6 +96,7 @@ _CODE_BY_STATUS: dict[grpc.StatusCode, ErrorCode] = {
     grpc.StatusCode.ABORTED: ErrorCode.ABORTED,
     grpc.StatusCode.UNAVAILABLE: ErrorCode.UNAVAILABLE,
     grpc.StatusCode.PERMISSION_DENIED: ErrorCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.INTERNAL: ErrorCode.INTERNAL,
     # The server cancels calls in flight when it stops: the sidecar went away.
     grpc.StatusCode.CANCELLED: ErrorCode.UNAVAILABLE,

@@ -27,7 +27,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ from moe_sidecar.client.sizing import layer_capacities
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.defaults import ENV_LOCAL_RANKS, ENV_TARGET
 from moe_sidecar.group import CommitRecord, Decision, Proposal, Requirement
+from moe_sidecar.identity import new_lifetime_secret
 from moe_sidecar.plan import Action, Plan, decide_action
 from moe_sidecar.policy import validate_group_name
 
@@ -151,7 +151,8 @@ class WorkspaceManager:
         self.backend: AlltoAllBackend = (
             backend_for(backend, cpu_group) if isinstance(backend, str) else backend
         )
-        self.lifetime = uuid.uuid4().hex
+        self.lifetime = new_lifetime_secret()
+        """This process lifetime's secret token; the sidecar keeps only its digest."""
         self._round = 0
         """Round of the current lifetime (the n-th initialize() since it began)."""
         self._initializes = 0
@@ -449,5 +450,5 @@ class WorkspaceManager:
             self.backend.release(handle)
             self._releases += 1
         self._transport.close()
-        self.lifetime = uuid.uuid4().hex
+        self.lifetime = new_lifetime_secret()
         self._round = 0

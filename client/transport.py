@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -38,6 +39,7 @@ from moe_sidecar.client.errors import (
 from moe_sidecar.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
 from moe_sidecar.effects import Wait
 from moe_sidecar.group import CommitRecord, Decision, GroupState, Proposal, Refusal
+from moe_sidecar.identity import lifetime_id
 from moe_sidecar.wire_codec import commit_to_proto, decision_from_proto, proposal_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
@@ -309,6 +311,8 @@ class EmbeddedTransport:
             InternalError: the core left the round open although this rank is
                 its only local rank (``local_ranks`` must be 1 here).
         """
+        # The in-process boundary: the core sees the lifetime's id, never its token.
+        proposal = replace(proposal, lifetime=lifetime_id(proposal.lifetime))
         step = policy.propose(
             self._groups.get(proposal.group), proposal, self._clock(), self.round_timeout
         )
@@ -337,6 +341,7 @@ class EmbeddedTransport:
         state = self._groups.get(group)
         if state is None:
             raise InternalError(f"embedded commit for group {group!r}, which never proposed")
+        record = replace(record, lifetime=lifetime_id(record.lifetime))
         self._groups[group] = policy.commit(state, record, self._clock()).state
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "InternalError",
     "InvalidArgument",
     "PreconditionFailed",
+    "ResourceExhausted",
     "RoundAborted",
     "RoundTimedOut",
     "error_for_code",
@@ -37,6 +38,7 @@ class ErrorCode(enum.Enum):
     ABORTED = "ABORTED"
     UNAVAILABLE = "UNAVAILABLE"
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     INTERNAL = "INTERNAL"
 
 
@@ -116,6 +118,12 @@ class AdminDisabled(CoordinatorError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class ResourceExhausted(CoordinatorError):
+    """A bounded resource is full (groups, watch streams); the message names the limit."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
 class InternalError(CoordinatorError):
     """A bug or an unexpected failure inside the coordinator."""
 
@@ -132,6 +140,7 @@ _BY_CODE: dict[ErrorCode, type[CoordinatorError]] = {
         RoundAborted,
         CoordinatorUnavailable,
         AdminDisabled,
+        ResourceExhausted,
         InternalError,
     )
 }

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from moe_sidecar.errors import CoordinatorError, ErrorCode, error_for_code
+from moe_sidecar.identity import short_id
 from moe_sidecar.plan import Action, Capacities, Plan
 
 __all__ = [
@@ -48,6 +49,8 @@ class Proposal:
     ep_rank: int
     local_ranks: int
     lifetime: str
+    """The rank's lifetime: its secret token on the client's side, its id
+    (:func:`moe_sidecar.identity.lifetime_id`) once past the sidecar's boundary."""
     round: int
     requirement: Requirement
 
@@ -99,6 +102,7 @@ class RankRecord:
 
     ep_rank: int
     lifetime: str
+    """The id of the rank's lifetime (:mod:`moe_sidecar.identity`), never its token."""
     lifetime_index: int
     """Which lifetime of the group this rank's lifetime belongs to."""
     last_round: int = 0
@@ -145,8 +149,18 @@ class GroupState:
     closed: tuple[Outcome, ...] = ()
     """Outcomes of the most recent closed rounds of the current lifetime."""
     open_round: OpenRound | None = None
+    pending: OpenRound | None = None
+    """Round 1 of the next lifetime, collecting ranks that began new lifetimes
+    while the current one runs. It becomes the current lifetime only once
+    every local rank has joined it (a whole restart), so a single stranger
+    can never end the running lifetime."""
     ranks: tuple[RankRecord, ...] = ()
     history: tuple[Growth, ...] = ()
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of the open and the pending round (None: neither)."""
+        deadlines = [r.deadline for r in (self.open_round, self.pending) if r is not None]
+        return min(deadlines) if deadlines else None
 
     def rank(self, ep_rank: int) -> RankRecord | None:
         """What the group knows of ``ep_rank``, if it ever proposed."""
@@ -178,6 +192,7 @@ class RankSummary:
 
     ep_rank: int
     lifetime: str
+    """A short id of the rank's lifetime (:func:`moe_sidecar.identity.short_id`)."""
     last_round: int
     last_layer: str
     committed_generation: int
@@ -201,6 +216,8 @@ class GroupSummary:
     open_round: int
     """The round collecting proposals now (0: none)."""
     waiting_ranks: int
+    restarting_ranks: int
+    """Ranks that began new lifetimes and wait for the rest of the restart."""
     ranks: tuple[RankSummary, ...]
     history: tuple[Growth, ...]
 
@@ -222,10 +239,11 @@ def summarize(state: GroupState) -> GroupSummary:
         last_closed_round=state.last_closed_round,
         open_round=rnd.number if rnd is not None else 0,
         waiting_ranks=len(rnd.proposals) if rnd is not None else 0,
+        restarting_ranks=len(state.pending.proposals) if state.pending is not None else 0,
         ranks=tuple(
             RankSummary(
                 ep_rank=r.ep_rank,
-                lifetime=r.lifetime,
+                lifetime=short_id(r.lifetime),
                 last_round=r.last_round,
                 last_layer=r.last_layer,
                 committed_generation=r.committed_generation,

@@ -51,6 +51,7 @@ from moe_sidecar.group import (
     RankRecord,
     Refusal,
 )
+from moe_sidecar.identity import short_id
 from moe_sidecar.plan import (
     Action,
     Capacities,
@@ -167,25 +168,25 @@ def _latency(rnd: OpenRound, now: float) -> float:
 
 def _round_closed(
     state: GroupState,
+    lifetime_index: int,
     rnd: OpenRound,
     outcome: Outcome,
     event: GroupEvent,
     *,
-    disarm: bool,
     effects: tuple[Effect, ...] = (),
 ) -> Step:
-    """The step that closes ``rnd`` with ``outcome``: persisted before anyone
-    hears of it, every waiter answered, the event published, the timer
-    disarmed when the round had been open (``disarm``)."""
+    """The step that closes ``rnd`` (of lifetime ``lifetime_index``) with
+    ``outcome``: persisted before anyone hears of it, every waiter answered,
+    the event published, the group's timer set to its next deadline."""
     return Step(
         state,
         reply=outcome,
         effects=(
             *effects,
             Persist(),
-            Answer(state.lifetime_index, rnd.number, outcome),
+            Answer(lifetime_index, rnd.number, outcome),
             Publish(event),
-            *((Deadline(None),) if disarm else ()),
+            Deadline(state.next_deadline()),
         ),
     )
 
@@ -211,10 +212,8 @@ def _accepts_newcomers(state: GroupState) -> bool:
 
     It does while the lifetime is still at round 1: round 1 open, or closed
     by a refusal before every local rank arrived (a round 1 that decided had
-    every local rank, so a newcomer after it is a restart).
+    every local rank, so a newcomer after it belongs to a restart).
     """
-    if state.lifetime_index == 0:
-        return False
     if state.open_round is not None:
         return state.open_round.number == 1
     if state.last_closed_round == 0:
@@ -222,14 +221,118 @@ def _accepts_newcomers(state: GroupState) -> bool:
     return state.last_closed_round == 1 and isinstance(state.outcome_of(1), Refusal)
 
 
-def _start_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
-    """Begins a new lifetime of the group; abandons its open round, if any."""
+def _lifetime_started(state: GroupState, p: Proposal, now: float) -> Publish:
+    return Publish(
+        GroupEvent(
+            state.name,
+            EventKind.LIFETIME_STARTED,
+            now,
+            round=1,
+            plan=state.plan,
+            ep_rank=p.ep_rank,
+            message=f"lifetime {state.lifetime_index} started by rank {p.ep_rank} "
+            f"({short_id(p.lifetime)})",
+        )
+    )
+
+
+def _first_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
+    """The group's first lifetime begins with its first proposal."""
+    state = replace(state, lifetime_index=1, local_ranks=p.local_ranks)
+    record = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=1)
+    return _Admitted(state, record, (Persist(), _lifetime_started(state, p, now)))
+
+
+def _admit_new_lifetime(
+    state: GroupState, p: Proposal, record: RankRecord | None, now: float, round_timeout: float
+) -> _Admitted | Step:
+    """A proposal from a lifetime the group has not seen for this rank.
+
+    It joins the running lifetime while that is still at round 1 and the
+    rank's place in it is free; otherwise it belongs to a restart
+    (:func:`_join_restart`), which replaces the running lifetime only once
+    every local rank has joined it.
+    """
+    if p.round != 1:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} from lifetime "
+            f"{short_id(p.lifetime)}, which this sidecar does not know: a lifetime starts at "
+            "round 1 (did the group restart without this rank, or was the sidecar's state "
+            "dir lost?); restart this rank"
+        )
+    if state.lifetime_index == 0:
+        return _first_lifetime(state, p, now)
+    if p.local_ranks != state.local_ranks:
+        raise PreconditionFailed(
+            f"group {p.group!r} runs with local_ranks={state.local_ranks} on this node; a new "
+            f"lifetime of rank {p.ep_rank} with local_ranks={p.local_ranks} is refused (it may "
+            "not end the group's lifetime); use a group name for the new layout, or remove "
+            "the group (an admin call) first"
+        )
+    taken = record is not None and record.lifetime_index == state.lifetime_index
+    if taken or not _accepts_newcomers(state):
+        return _join_restart(state, p, now, round_timeout)
+    if state.last_closed_round == 1:
+        # Round 1 of this lifetime was refused before this rank arrived: it
+        # is part of the same start and shares the refusal.
+        outcome = state.outcome_of(1)
+        assert outcome is not None
+        return Step(state, reply=outcome)
+    joined = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
+    return _Admitted(state, joined, ())
+
+
+def _join_restart(state: GroupState, p: Proposal, now: float, round_timeout: float) -> Step:
+    """Adds a new lifetime's round-1 proposal to the pending restart.
+
+    The running lifetime is untouched until every local rank has proposed
+    here; then it ends (its open round, if any, is aborted) and this round
+    is decided as round 1 of the next lifetime.
+    """
+    pending = state.pending or OpenRound(number=1, opened_at=now, deadline=now + round_timeout)
+    index = state.lifetime_index + 1
+    earlier = pending.proposal_of(p.ep_rank)
+    if earlier is not None:
+        if earlier.lifetime != p.lifetime:
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r}: another lifetime "
+                f"({short_id(earlier.lifetime)}) already joined the group's restart as this "
+                f"rank; lifetime {short_id(p.lifetime)} is refused (two processes claim one rank)"
+            )
+        if earlier.requirement != p.requirement:
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} re-proposed round 1 with "
+                f"{p.requirement} after proposing {earlier.requirement}"
+            )
+        return Step(state, reply=Wait(index, 1, pending.deadline))
+    conflict = _conflict(state, pending, p)
+    if conflict is not None:
+        return _refuse_restart(state, pending, p, conflict, now)
+    capacities = p.requirement.capacities
+    pending = replace(
+        pending,
+        proposals=tuple(sorted((*pending.proposals, p), key=lambda q: q.ep_rank)),
+        need=capacities if pending.need is None else join_capacities(pending.need, capacities),
+    )
+    if len(pending.proposals) < state.local_ranks:
+        state = replace(state, pending=pending)
+        return Step(
+            state,
+            reply=Wait(index, 1, pending.deadline),
+            effects=(Deadline(state.next_deadline()),),
+        )
+    return _restart(state, pending, p, now)
+
+
+def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float) -> Step:
+    """Every local rank began a new lifetime: the running one ends, round 1 of
+    the new one is decided."""
     effects: list[Effect] = [Persist()]
     rnd = state.open_round
     if rnd is not None:
         message = (
-            f"round {rnd.number} of group {p.group!r} abandoned: rank {p.ep_rank} restarted "
-            f"(new lifetime {p.lifetime!r}); restart every rank"
+            f"round {rnd.number} of group {p.group!r} abandoned: every local rank of the group "
+            "began a new lifetime (the group restarted)"
         )
         aborted = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
         effects += [
@@ -240,71 +343,63 @@ def _start_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
                     EventKind.ROUND_ABORTED,
                     now,
                     round=rnd.number,
-                    ep_rank=p.ep_rank,
-                    layer=p.requirement.layer,
                     message=message,
                     ranks=tuple(q.ep_rank for q in rnd.proposals),
                     latency=_latency(rnd, now),
                 )
             ),
-            Deadline(None),
         ]
+    index = state.lifetime_index + 1
     state = replace(
         state,
-        lifetime_index=state.lifetime_index + 1,
+        lifetime_index=index,
         built=None,
         last_closed_round=0,
         closed=(),
         open_round=None,
-        local_ranks=p.local_ranks,
+        pending=None,
     )
-    effects.append(
-        Publish(
-            GroupEvent(
-                state.name,
-                EventKind.LIFETIME_STARTED,
-                now,
-                round=p.round,
-                plan=state.plan,
-                ep_rank=p.ep_rank,
-                message=f"lifetime {state.lifetime_index} started by rank {p.ep_rank} "
-                f"({p.lifetime!r})",
-            )
+    for q in pending.proposals:
+        state = _with_rank(
+            state,
+            RankRecord(
+                ep_rank=q.ep_rank,
+                lifetime=q.lifetime,
+                lifetime_index=index,
+                last_round=1,
+                last_layer=q.requirement.layer,
+                last_seen=now,
+            ),
         )
-    )
-    record = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
-    return _Admitted(state, record, tuple(effects))
+    effects.append(_lifetime_started(state, p, now))
+    return _decide(state, pending, p, now, tuple(effects))
 
 
-def _admit_new_lifetime(
-    state: GroupState, p: Proposal, record: RankRecord | None, now: float
-) -> _Admitted | Step:
-    """A proposal from a lifetime the group has not seen for this rank."""
-    if p.round != 1:
-        raise PreconditionFailed(
-            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} from lifetime "
-            f"{p.lifetime!r}, which this sidecar has never seen; a lifetime starts at "
-            "round 1 (was the sidecar's state dir lost?)"
-        )
-    restarted = record is not None and record.lifetime_index == state.lifetime_index
-    if restarted or not _accepts_newcomers(state):
-        return _start_lifetime(state, p, now)
-    _check_local_ranks(state, p)
-    if state.last_closed_round == 1:
-        # Round 1 of this lifetime was refused before this rank arrived: it
-        # is part of the same restart and shares the refusal.
-        outcome = state.outcome_of(1)
-        assert outcome is not None
-        return Step(state, reply=outcome)
-    joined = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
-    return _Admitted(state, joined, ())
+def _refuse_restart(
+    state: GroupState, pending: OpenRound, p: Proposal, message: str, now: float
+) -> Step:
+    """Refuses a restart's round 1 for every rank in it; the running lifetime goes on."""
+    refusal = Refusal(round=1, code=ErrorCode.FAILED_PRECONDITION, message=message)
+    state = replace(state, pending=None)
+    event = GroupEvent(
+        state.name,
+        EventKind.ROUND_REFUSED,
+        now,
+        round=1,
+        ep_rank=p.ep_rank,
+        layer=p.requirement.layer,
+        message=message,
+        ranks=tuple(sorted({q.ep_rank for q in pending.proposals} | {p.ep_rank})),
+        latency=_latency(pending, now),
+    )
+    return _round_closed(state, state.lifetime_index + 1, pending, refusal, event)
 
 
 def _admit_known(state: GroupState, p: Proposal, record: RankRecord) -> _Admitted | Step:
     """A proposal from the lifetime the group already knows for this rank."""
     if record.lifetime_index != state.lifetime_index:
         raise RoundAborted(
-            f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {p.lifetime!r}, "
+            f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {short_id(p.lifetime)}, "
             "which ended when other ranks of the group restarted; restart this rank"
         )
     _check_local_ranks(state, p)
@@ -367,7 +462,6 @@ def _refuse(
 ) -> Step:
     """Closes ``rnd`` with a FAILED_PRECONDITION refusal for every rank in it."""
     refusal = Refusal(round=rnd.number, code=ErrorCode.FAILED_PRECONDITION, message=message)
-    was_open = state.open_round is not None
     state = _close(state, refusal)
     event = GroupEvent(
         state.name,
@@ -380,7 +474,7 @@ def _refuse(
         ranks=tuple(sorted({q.ep_rank for q in rnd.proposals} | {p.ep_rank})),
         latency=_latency(rnd, now),
     )
-    return _round_closed(state, rnd, refusal, event, disarm=was_open, effects=effects)
+    return _round_closed(state, state.lifetime_index, rnd, refusal, event, effects=effects)
 
 
 def _decide(
@@ -418,7 +512,6 @@ def _decide(
     action = decide_action(state.built, plan)
     layer = rnd.proposals[0].requirement.layer
     decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)
-    was_open = state.open_round is not None
     state = replace(
         _close(state, decision),
         plan=plan,
@@ -445,7 +538,7 @@ def _decide(
         grew=grew,
         latency=_latency(rnd, now),
     )
-    return _round_closed(state, rnd, decision, event, disarm=was_open, effects=effects)
+    return _round_closed(state, state.lifetime_index, rnd, decision, event, effects=effects)
 
 
 def _join_round(admitted: _Admitted, p: Proposal, now: float, round_timeout: float) -> Step:
@@ -481,7 +574,7 @@ def _join_round(admitted: _Admitted, p: Proposal, now: float, round_timeout: flo
         return Step(
             state,
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
-            effects=(*effects, *((Deadline(rnd.deadline),) if opens else ())),
+            effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
     return _decide(state, rnd, p, now, effects)
 
@@ -509,7 +602,7 @@ def propose(state: GroupState | None, p: Proposal, now: float, round_timeout: fl
     _check_layout(state, p)
     record = state.rank(p.ep_rank)
     if record is None or record.lifetime != p.lifetime:
-        admitted = _admit_new_lifetime(state, p, record, now)
+        admitted = _admit_new_lifetime(state, p, record, now, round_timeout)
     else:
         admitted = _admit_known(state, p, record)
     if isinstance(admitted, Step):
@@ -520,23 +613,20 @@ def propose(state: GroupState | None, p: Proposal, now: float, round_timeout: fl
         raise PreconditionFailed(f"group {p.group!r}: {error}") from error
 
 
-def expire(state: GroupState, now: float) -> Step | None:
-    """Fails the open round if its deadline has passed; None when nothing expired.
-
-    The refusal names every missing rank and the last layer each reported.
-    """
-    rnd = state.open_round
-    if rnd is None or now < rnd.deadline:
-        return None
-    present = {p.ep_rank for p in rnd.proposals}
-    missing = [r for r in state.current_ranks() if r.ep_rank not in present]
-    unseen = state.local_ranks - len(present) - len(missing)
-    parts = [
+def _missing_text(missing: list[RankRecord]) -> list[str]:
+    return [
         f"rank {r.ep_rank} (last reported round {r.last_round}, layer "
         + (repr(r.last_layer) if r.last_layer else "(unnamed)")
         + ")"
         for r in missing
     ]
+
+
+def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
+    present = {p.ep_rank for p in rnd.proposals}
+    missing = [r for r in state.current_ranks() if r.ep_rank not in present]
+    unseen = state.local_ranks - len(present) - len(missing)
+    parts = _missing_text(missing)
     if unseen > 0:
         parts.append(f"{unseen} rank(s) never seen in this lifetime")
     layer = rnd.proposals[0].requirement.layer if rnd.proposals else ""
@@ -563,7 +653,58 @@ def expire(state: GroupState, now: float) -> Step | None:
         ranks=tuple(sorted(present)),
         latency=_latency(rnd, now),
     )
-    return _round_closed(_close(state, refusal), rnd, refusal, event, disarm=True)
+    return _round_closed(_close(state, refusal), state.lifetime_index, rnd, refusal, event)
+
+
+def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
+    present = sorted(p.ep_rank for p in pending.proposals)
+    running = [r for r in state.current_ranks() if r.ep_rank not in present]
+    message = (
+        f"the restart of group {state.name!r} timed out after "
+        f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {state.local_ranks} "
+        f"local ranks began a new lifetime (ranks {present}); a new lifetime begins only "
+        "when every local rank of the group restarts, and the running lifetime's "
+        + ("; ".join(_missing_text(running)) or "ranks")
+        + " did not"
+    )
+    refusal = Refusal(
+        round=1,
+        code=ErrorCode.DEADLINE_EXCEEDED,
+        message=message,
+        missing_ranks=tuple(r.ep_rank for r in running),
+    )
+    state = replace(state, pending=None)
+    event = GroupEvent(
+        state.name,
+        EventKind.RANK_TIMEOUT,
+        now,
+        round=1,
+        message=message,
+        missing_ranks=refusal.missing_ranks,
+        ranks=tuple(present),
+        latency=_latency(pending, now),
+    )
+    return _round_closed(state, state.lifetime_index + 1, pending, refusal, event)
+
+
+def expire(state: GroupState, now: float) -> Step | None:
+    """Fails the open round, or the pending restart, whose deadline has
+    passed (the earlier one first); None when nothing is due.
+
+    A refusal names every missing rank and the last layer each reported.
+    """
+    rnd, pending = state.open_round, state.pending
+    open_due = rnd is not None and rnd.deadline <= now
+    pending_due = pending is not None and pending.deadline <= now
+    if (
+        open_due
+        and rnd is not None
+        and not (pending_due and pending and pending.deadline < rnd.deadline)
+    ):
+        return _expire_open(state, rnd, now)
+    if pending_due and pending is not None:
+        return _expire_restart(state, pending, now)
+    return None
 
 
 def _validate_commit(state: GroupState, c: CommitRecord) -> None:
@@ -583,13 +724,13 @@ def _committed_decision(state: GroupState, c: CommitRecord) -> Decision:
     record = state.rank(c.ep_rank)
     if record is None or record.lifetime != c.lifetime:
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime {c.lifetime!r}, "
-            "which never proposed to this sidecar"
+            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime "
+            f"{short_id(c.lifetime)}, which never proposed to this sidecar"
         )
     if record.lifetime_index != state.lifetime_index:
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime {c.lifetime!r}, "
-            "which ended when the group restarted"
+            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime "
+            f"{short_id(c.lifetime)}, which ended when the group restarted"
         )
     outcome = state.outcome_of(c.round)
     if not isinstance(outcome, Decision):

@@ -100,9 +100,20 @@ def _proposal(p: Proposal) -> dict[str, Any]:
     }
 
 
+def _round(rnd: OpenRound | None) -> dict[str, Any] | None:
+    if rnd is None:
+        return None
+    return {
+        "number": rnd.number,
+        "opened_at": rnd.opened_at,
+        "deadline": rnd.deadline,
+        "proposals": [_proposal(p) for p in rnd.proposals],
+        "need": None if rnd.need is None else _capacities(rnd.need),
+    }
+
+
 def encode_group(state: GroupState) -> str:
     """The JSON text stored for ``state`` (a version :data:`ROW_VERSION` row)."""
-    rnd = state.open_round
     document = {
         "version": ROW_VERSION,
         "name": state.name,
@@ -115,15 +126,8 @@ def encode_group(state: GroupState) -> str:
         "built": _plan(state.built),
         "last_closed_round": state.last_closed_round,
         "closed": [_outcome(o) for o in state.closed],
-        "open_round": None
-        if rnd is None
-        else {
-            "number": rnd.number,
-            "opened_at": rnd.opened_at,
-            "deadline": rnd.deadline,
-            "proposals": [_proposal(p) for p in rnd.proposals],
-            "need": None if rnd.need is None else _capacities(rnd.need),
-        },
+        "open_round": _round(state.open_round),
+        "pending": _round(state.pending),
         "ranks": [
             {
                 "ep_rank": r.ep_rank,
@@ -281,19 +285,22 @@ def _decode_rank(r: Any) -> RankRecord:
     )
 
 
+def _decode_round(d: Any, key: str, ep_size: int) -> OpenRound | None:
+    rnd = _get(d, key, (dict, type(None)))
+    if rnd is None:
+        return None
+    need = _get(rnd, "need", (dict, type(None)))
+    return OpenRound(
+        number=_int(rnd, "number", 1, limits.MAX_ROUND),
+        opened_at=_float(rnd, "opened_at"),
+        deadline=_float(rnd, "deadline"),
+        proposals=tuple(_decode_proposal(p, ep_size) for p in _list(rnd, "proposals")),
+        need=None if need is None else _decode_capacities(need, ep_size, f"{key}.need"),
+    )
+
+
 def _decode_v2(d: Any) -> GroupState:
     ep_size = _int(d, "ep_size", 1, limits.MAX_EP_SIZE)
-    rnd = _get(d, "open_round", (dict, type(None)))
-    open_round = None
-    if rnd is not None:
-        need = _get(rnd, "need", (dict, type(None)))
-        open_round = OpenRound(
-            number=_int(rnd, "number", 1, limits.MAX_ROUND),
-            opened_at=_float(rnd, "opened_at"),
-            deadline=_float(rnd, "deadline"),
-            proposals=tuple(_decode_proposal(p, ep_size) for p in _list(rnd, "proposals")),
-            need=None if need is None else _decode_capacities(need, ep_size, "open_round.need"),
-        )
     return GroupState(
         name=_str(d, "name"),
         ep_size=ep_size,
@@ -305,7 +312,9 @@ def _decode_v2(d: Any) -> GroupState:
         built=_decode_plan(d, "built", ep_size),
         last_closed_round=_int(d, "last_closed_round", 0, limits.MAX_ROUND),
         closed=tuple(_decode_outcome(o, ep_size) for o in _list(d, "closed")),
-        open_round=open_round,
+        open_round=_decode_round(d, "open_round", ep_size),
+        # Rows written before restarts were collected apart have no "pending".
+        pending=_decode_round(d, "pending", ep_size) if "pending" in d else None,
         ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
         history=tuple(
             Growth(

@@ -129,8 +129,7 @@ class Coordinator:
         """
         self._loop = asyncio.get_running_loop()
         for state in self._groups.values():
-            if state.open_round is not None:
-                self._set_deadline(state.name, state.open_round.deadline)
+            self._set_deadline(state.name, state.next_deadline())
 
     @property
     def serving(self) -> bool:
@@ -390,14 +389,19 @@ class Coordinator:
                 (its waiters keep waiting).
         """
         now = self._clock()
-        return sum(self._expire(state, now) for state in list(self._groups.values()))
+        expired = 0
+        for state in list(self._groups.values()):
+            deadline = state.next_deadline()
+            while deadline is not None and deadline <= now:
+                expired += self._expire(self._groups[state.name], now)
+                deadline = self._groups[state.name].next_deadline()
+        return expired
 
     def _expire(self, state: GroupState, now: float) -> int:
         step = policy.expire(state, now)
         if step is None:
-            if state.open_round is not None:
-                # The clock moved less than the timer thought: look again at the deadline.
-                self._set_deadline(state.name, state.open_round.deadline)
+            # The clock moved less than the timer thought: look again at the deadline.
+            self._set_deadline(state.name, state.next_deadline())
             return 0
         self._execute(step, state)
         return 1

@@ -31,6 +31,7 @@ GRPC_STATUS_FOR: Mapping[ErrorCode, grpc.StatusCode] = {
     ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

@@ -25,6 +25,7 @@ from moe_sidecar.group import (
     RankSummary,
     Requirement,
 )
+from moe_sidecar.identity import lifetime_id
 from moe_sidecar.plan import Action, Capacities, Plan
 from moe_workspace.v1 import coordinator_pb2 as pb
 
@@ -156,10 +157,12 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
 
 
 def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
-    """The domain proposal of a ``ProposeRequest``.
+    """The domain proposal of a ``ProposeRequest``; its lifetime token becomes
+    the lifetime's id (:func:`moe_sidecar.identity.lifetime_id`).
 
     Raises:
-        InvalidArgument: the requirement or its capacities are missing.
+        InvalidArgument: the requirement or its capacities are missing, or
+            the lifetime token is not a usable secret.
     """
     if not request.HasField("requirement"):
         raise InvalidArgument.of("requirement", None, "is missing; every proposal states its need")
@@ -173,7 +176,7 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
         ep_size=request.ep_size,
         ep_rank=request.ep_rank,
         local_ranks=request.local_ranks,
-        lifetime=request.lifetime,
+        lifetime=lifetime_id(request.lifetime),
         round=request.round,
         requirement=Requirement(capacities=capacities_from_proto(r.capacities), layer=r.layer),
     )
@@ -192,16 +195,18 @@ def commit_to_proto(group: str, record: CommitRecord) -> pb.CommitRequest:
 
 
 def commit_from_proto(request: pb.CommitRequest) -> tuple[str, CommitRecord]:
-    """The group name and domain record of a ``CommitRequest``.
+    """The group name and domain record of a ``CommitRequest`` (the lifetime
+    token becomes the lifetime's id).
 
     Raises:
-        InvalidArgument: the plan (or its capacities) is missing.
+        InvalidArgument: the plan (or its capacities) is missing, or the
+            lifetime token is not a usable secret.
     """
     if not request.HasField("plan"):
         raise InvalidArgument.of("plan", None, "is missing; commit the plan the rank holds")
     return request.group, CommitRecord(
         ep_rank=request.ep_rank,
-        lifetime=request.lifetime,
+        lifetime=lifetime_id(request.lifetime),
         round=request.round,
         plan=plan_from_proto(request.plan),
         build_seconds=request.build_seconds,
@@ -261,6 +266,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
         last_closed_round=s.last_closed_round,
         open_round=s.open_round,
         waiting_ranks=s.waiting_ranks,
+        restarting_ranks=s.restarting_ranks,
         ranks=[
             pb.RankState(
                 ep_rank=r.ep_rank,
@@ -297,6 +303,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
         last_closed_round=group.last_closed_round,
         open_round=group.open_round,
         waiting_ranks=group.waiting_ranks,
+        restarting_ranks=group.restarting_ranks,
         ranks=tuple(
             RankSummary(
                 ep_rank=r.ep_rank,

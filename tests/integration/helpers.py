@@ -20,6 +20,11 @@ GROUP = "deepseek-v3:fp4/tp1-ep8/pp0"
 EP_SIZE = 8
 
 
+def token(name: str) -> str:
+    """A lifetime token for ``name`` (ranks send a secret of at least 16 characters)."""
+    return name if len(name) >= 16 else f"{name}:lifetime-token"
+
+
 def capacities(
     tokens: int = 256,
     dispatch: int = 100,
@@ -77,7 +82,7 @@ def propose_request(
         ep_size=ep_size,
         ep_rank=rank,
         local_ranks=local_ranks,
-        lifetime=lifetime if lifetime is not None else f"life-{rank}",
+        lifetime=token(lifetime if lifetime is not None else f"life-{rank}"),
         round=rnd,
     )
     if requirement is not None:
@@ -128,7 +133,7 @@ async def run_round(
                         group=group,
                         ep_size=ep_size or local_ranks,
                         local_ranks=local_ranks,
-                        lifetime=f"{lifetime}-{rank}",
+                        lifetime=token(f"{lifetime}-{rank}"),
                     ),
                     timeout=10,
                 )
@@ -149,7 +154,7 @@ async def grow_and_commit(stub: Any, group: str, build_seconds: float) -> list[p
         pb.CommitRequest(
             group=group,
             ep_rank=0,
-            lifetime="life-0",
+            lifetime=token("life-0"),
             round=2,
             plan=second[0].plan,
             build_seconds=build_seconds,

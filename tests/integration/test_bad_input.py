@@ -20,6 +20,7 @@ from tests.integration.helpers import (
     make_config,
     propose_request,
     rpc_error,
+    token,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,7 +88,8 @@ BAD_PROPOSALS = [
         "requirement.capacities=None",
     ),
     ("round 0", _proposal(round=0), INVALID, "round=0"),
-    ("empty lifetime", _proposal(lifetime=""), INVALID, "lifetime=''"),
+    ("empty lifetime", _proposal(lifetime=""), INVALID, "a lifetime token of 0 characters"),
+    ("short lifetime", _proposal(lifetime="guessable"), INVALID, "a lifetime token of 9"),
     (
         "other ep_size than the group",
         _proposal(ep_size=4),
@@ -102,9 +104,9 @@ BAD_PROPOSALS = [
     ),
     (
         "unknown lifetime past round 1",
-        _proposal(lifetime="stranger", round=3),
+        _proposal(lifetime=token("stranger"), round=3),
         grpc.StatusCode.FAILED_PRECONDITION,
-        "'stranger'",
+        "does not know",
     ),
 ]
 
@@ -122,7 +124,9 @@ def _plan(**changes: Any) -> pb.Plan:
 
 
 def _commit(**changes: Any) -> pb.CommitRequest:
-    request = pb.CommitRequest(group=GROUP, ep_rank=0, lifetime="life-0", round=1, plan=_plan())
+    request = pb.CommitRequest(
+        group=GROUP, ep_rank=0, lifetime=token("life-0"), round=1, plan=_plan()
+    )
     for key, value in changes.items():
         if key == "no_plan":
             request.ClearField("plan")
@@ -156,9 +160,9 @@ BAD_COMMITS = [
     ("negative build time", _commit(build_seconds=-1.0), INVALID, "build_seconds=-1.0"),
     (
         "unknown lifetime",
-        _commit(lifetime="stranger"),
+        _commit(lifetime=token("stranger")),
         grpc.StatusCode.FAILED_PRECONDITION,
-        "'stranger'",
+        "never proposed",
     ),
     (
         "round not closed",

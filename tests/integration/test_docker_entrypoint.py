@@ -315,7 +315,7 @@ def _propose_one_rank(target: str, group: str) -> int:
                 ep_size=1,
                 ep_rank=0,
                 local_ranks=1,
-                lifetime="image-test",
+                lifetime="image-test-lifetime-token",
                 round=1,
                 requirement=pb.Requirement(
                     capacities=pb.Capacities(

@@ -51,6 +51,7 @@ from tests.integration.helpers import (
     coordinator_stub,
     make_config,
     run_round,
+    token,
     workspace_bytes,
 )
 
@@ -250,7 +251,7 @@ class _Commits:
         request = {
             "group": self._group,
             "epRank": rank,
-            "lifetime": f"life-{rank}",
+            "lifetime": token(f"life-{rank}"),
             "round": 1,
             "plan": json.loads(self._plan),
         }

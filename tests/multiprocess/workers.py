@@ -219,7 +219,11 @@ def run_layers(
             "initialized": manager.initialized,
             "new_object": manager.moe_alltoall is not before_handle,
             "old_released": bool(getattr(before_handle, "released", False)),
-            "delta": {k: v - asdict(before)[k] for k, v in asdict(after).items()},
+            "delta": {
+                k: v - asdict(before)[k]
+                for k, v in asdict(after).items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            },
             "dist_calls": counter.calls[calls_before:],
             "live_bytes": live_workspace_bytes(),
             "seconds": elapsed,

@@ -60,7 +60,7 @@ def _rpc_error(channel: grpc.Channel, code: str) -> grpc.RpcError:
         ("INTERNAL", errors.InternalError),
         ("CANCELLED", errors.CoordinatorUnavailable),
         ("UNIMPLEMENTED", errors.InternalError),
-        ("RESOURCE_EXHAUSTED", errors.InternalError),
+        ("RESOURCE_EXHAUSTED", errors.ResourceExhausted),
     ],
 )
 def test_status_maps_to_typed_error(

@@ -24,6 +24,7 @@ PURE_CORE = (
     "moe_sidecar.policy",
     "moe_sidecar.limits",
     "moe_sidecar.sizing",
+    "moe_sidecar.identity",
 )
 """The decision core: frozen values in, a step out; time is an argument."""
 IMPURE = ("grpc", "asyncio", "time", "torch", "flashinfer", "sqlite3", "socket", "threading")

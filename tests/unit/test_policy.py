@@ -12,7 +12,6 @@ from moe_sidecar.errors import (
     ErrorCode,
     InvalidArgument,
     PreconditionFailed,
-    RoundAborted,
 )
 from moe_sidecar.group import (
     CommitRecord,
@@ -219,10 +218,10 @@ def test_the_closing_proposal_persists_answers_publishes_and_disarms() -> None:
     assert closing.effects[-1] == Deadline(None)
 
 
-def test_a_one_rank_round_never_arms_a_timer() -> None:
+def test_a_one_rank_round_leaves_no_timer() -> None:
     step = policy.propose(None, prop(0, 1, NVFP4, local_ranks=1), 0.0, TIMEOUT)
     assert isinstance(step.reply, Decision)
-    assert not [e for e in step.effects if isinstance(e, Deadline)]
+    assert [e for e in step.effects if isinstance(e, Deadline)] == [Deadline(None)]
 
 
 # --- refusals -------------------------------------------------------------------
@@ -365,50 +364,116 @@ def test_second_lifetime_builds_once() -> None:
     assert state.lifetime_index == 2
 
 
+def _restart(state: GroupState, req: Requirement = NVFP4, now: float = 5.0) -> Step:
+    """Both ranks begin new lifetimes; returns the step of the second."""
+    state = policy.propose(state, prop(0, 1, req, lifetime="new-0"), now, TIMEOUT).state
+    return policy.propose(state, prop(1, 1, req, lifetime="new-1"), now, TIMEOUT)
+
+
 def test_rank_of_an_ended_lifetime_is_aborted() -> None:
     state, _ = run_sequence([NVFP4])
-    state = policy.propose(state, prop(0, 1, NVFP4, lifetime="new-0"), 5.0, TIMEOUT).state
-    with pytest.raises(RoundAborted, match="restart this rank"):
+    state = _restart(state).state
+    with pytest.raises(PreconditionFailed, match="restart this rank"):
         policy.propose(state, prop(1, 2, NVFP4), 5.0, TIMEOUT)
 
 
-def test_restart_mid_round_aborts_the_open_round() -> None:
+def test_one_restarted_rank_waits_for_the_rest_and_ends_nothing() -> None:
     state, _ = run_sequence([NVFP4])
     state = policy.propose(state, prop(0, 2, BF16), 5.0, TIMEOUT).state
     step = policy.propose(state, prop(1, 1, NVFP4, lifetime="new-1"), 6.0, TIMEOUT)
-    assert isinstance(step.reply, Wait) and step.persists
-    (aborted,) = [e for e in step.effects if isinstance(e, Answer)]
-    assert (aborted.lifetime_index, aborted.round) == (1, 2)
+    assert step.reply == Wait(lifetime_index=2, round=1, deadline=6.0 + TIMEOUT)
+    assert not step.persists and events(step) == []
+    assert step.state.lifetime_index == 1 and step.state.open_round is not None
+    assert step.state.pending is not None and step.state.open_round.deadline == 5.0 + TIMEOUT
+    # The running lifetime goes on: its rank 1 closes round 2.
+    closing = policy.propose(step.state, prop(1, 2, BF16), 7.0, TIMEOUT)
+    assert isinstance(closing.reply, Decision) and closing.reply.action is Action.REBUILD
+    # The timer now follows the restart's deadline.
+    assert closing.effects[-1] == Deadline(6.0 + TIMEOUT)
+
+
+def test_a_whole_restart_aborts_the_open_round_and_starts_from_the_stored_plan() -> None:
+    state, _ = run_sequence([NVFP4, BF16])
+    state = policy.propose(state, prop(0, 3, NVFP4), 5.0, TIMEOUT).state
+    step = _restart(state, now=6.0)
+    decision = step.reply
+    assert isinstance(decision, Decision) and decision.action is Action.BUILD
+    assert decision.plan.capacities == caps(dispatch=400) and not decision.grew
+    (aborted, answered) = [e for e in step.effects if isinstance(e, Answer)]
+    assert (aborted.lifetime_index, aborted.round) == (1, 3)
     assert isinstance(aborted.outcome, Refusal) and aborted.outcome.code is ErrorCode.ABORTED
-    assert "rank 1 restarted" in aborted.outcome.message
-    assert events(step) == [EventKind.ROUND_ABORTED, EventKind.LIFETIME_STARTED]
-    # The old round's timer goes; the new round's comes.
-    deadlines = [e for e in step.effects if isinstance(e, Deadline)]
-    assert deadlines == [Deadline(None), Deadline(6.0 + TIMEOUT)]
+    assert "the group restarted" in aborted.outcome.message
+    assert (answered.lifetime_index, answered.round, answered.outcome) == (2, 1, decision)
+    assert events(step) == [
+        EventKind.ROUND_ABORTED,
+        EventKind.LIFETIME_STARTED,
+        EventKind.ROUND_DECIDED,
+    ]
+    assert step.state.lifetime_index == 2 and step.state.pending is None
+    assert [(r.lifetime, r.lifetime_index) for r in step.state.ranks] == [
+        ("new-0", 2),
+        ("new-1", 2),
+    ]
 
 
-def test_restart_refused_in_round_one_is_one_lifetime() -> None:
+def test_a_single_stranger_cannot_end_the_running_lifetime() -> None:
+    state, _ = run_sequence([NVFP4])
+    plan = state.plan
+    stranger = prop(0, 1, Requirement(caps(dispatch=1 << 20), ""), lifetime="stranger")
+    waiting = policy.propose(state, stranger, 10.0, TIMEOUT)
+    assert isinstance(waiting.reply, Wait) and waiting.state.lifetime_index == 1
+    # The real ranks go on undisturbed.
+    state, outcome, _ = run_round(waiting.state, 2, [NVFP4, NVFP4], now=11.0)
+    assert isinstance(outcome, Decision) and outcome.action is Action.REUSE
+    # The stranger's restart times out; nothing it proposed was stored.
+    expired = policy.expire(state, 10.0 + TIMEOUT)
+    assert expired is not None and isinstance(expired.reply, Refusal)
+    assert expired.reply.code is ErrorCode.DEADLINE_EXCEEDED
+    assert "1 of 2 local ranks began a new lifetime (ranks [0])" in expired.reply.message
+    assert "rank 1 (last reported round 2" in expired.reply.message
+    answered = next(e for e in expired.effects if isinstance(e, Answer))
+    assert (answered.lifetime_index, answered.round) == (2, 1)
+    assert expired.state.plan == plan and expired.state.pending is None
+    assert expired.state.lifetime_index == 1
+
+
+def test_a_new_lifetime_of_another_layout_is_refused() -> None:
+    state, _ = run_sequence([NVFP4])
+    with pytest.raises(PreconditionFailed, match="local_ranks=1 is refused"):
+        policy.propose(state, prop(0, 1, NVFP4, lifetime="x", local_ranks=1), 5.0, TIMEOUT)
+
+
+def test_two_lifetimes_cannot_claim_one_rank_of_a_restart() -> None:
+    state, _ = run_sequence([NVFP4])
+    state = policy.propose(state, prop(0, 1, NVFP4, lifetime="first"), 5.0, TIMEOUT).state
+    with pytest.raises(PreconditionFailed, match="two processes claim one rank"):
+        policy.propose(state, prop(0, 1, NVFP4, lifetime="second"), 5.0, TIMEOUT)
+
+
+def test_a_restart_with_another_model_is_refused_and_the_lifetime_runs_on() -> None:
     state, _ = run_sequence([NVFP4])
     other_model = Requirement(replace(caps(), top_k=4), "l0")
     first = policy.propose(state, prop(0, 1, other_model, lifetime="b0"), 9.0, TIMEOUT)
     assert isinstance(first.reply, Refusal)
-    assert EventKind.LIFETIME_STARTED in events(first)
-    # The second rank of the same restart shares the refusal; no third lifetime.
+    assert "top_k=4" in first.reply.message and first.state.pending is None
+    answered = next(e for e in first.effects if isinstance(e, Answer))
+    assert (answered.lifetime_index, answered.round) == (2, 1)
     second = policy.propose(first.state, prop(1, 1, other_model, lifetime="b1"), 9.5, TIMEOUT)
-    assert second.reply == first.reply
-    assert second.state.lifetime_index == first.state.lifetime_index == 2
+    assert isinstance(second.reply, Refusal)
+    assert second.state.lifetime_index == 1
 
 
-def test_newcomer_after_a_decided_round_one_is_a_restart() -> None:
+def test_newcomers_join_the_first_lifetime_while_round_one_is_open() -> None:
     state, _, _ = run_round(None, 1, [NVFP4, NVFP4])
     step = policy.propose(state, prop(0, 1, NVFP4, lifetime="again"), 3.0, TIMEOUT)
-    assert isinstance(step.reply, Wait)
-    assert EventKind.LIFETIME_STARTED in events(step)
-    assert step.state.lifetime_index == 2
+    # Round 1 decided: a newcomer after it belongs to a restart.
+    assert step.reply == Wait(lifetime_index=2, round=1, deadline=3.0 + TIMEOUT)
+    assert EventKind.LIFETIME_STARTED not in events(step)
+    assert step.state.lifetime_index == 1
 
 
 def test_unknown_lifetime_must_start_at_round_one() -> None:
-    with pytest.raises(PreconditionFailed, match="never seen"):
+    with pytest.raises(PreconditionFailed, match="does not know"):
         policy.propose(None, prop(0, 3, NVFP4), 0.0, TIMEOUT)
 
 

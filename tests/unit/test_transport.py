@@ -32,7 +32,7 @@ def proposal(
     local_ranks: int = 1,
     ep_size: int = 1,
     round: int = 1,
-    lifetime: str = "life-1",
+    lifetime: str = "life-1-lifetime-token",
     num_experts: int = 8,
 ) -> Proposal:
     return Proposal(
@@ -59,7 +59,7 @@ def test_propose_and_commit(sidecar: Sidecar) -> None:
     assert decision.plan.capacities == Capacities(16, 64, 128, 2, 8)
     # Idempotent: a retried proposal of a closed round gets the same decision.
     assert transport.propose(proposal("t-basic")) == decision
-    transport.commit("t-basic", CommitRecord(0, "life-1", 1, decision.plan, 0.01))
+    transport.commit("t-basic", CommitRecord(0, "life-1-lifetime-token", 1, decision.plan, 0.01))
     assert transport.rpc_count == 3
     assert sidecar.get_group("t-basic").ranks[0].committed_generation == 1
     transport.close()
@@ -136,7 +136,7 @@ def test_channel_is_recreated_after_fork(sidecar: Sidecar) -> None:
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         code = 1
         try:
-            decision = transport.propose(proposal("t-fork", lifetime="child"))
+            decision = transport.propose(proposal("t-fork", lifetime="child-lifetime-token"))
             code = 0 if decision.action is Action.BUILD else 2
         finally:
             os.write(write_end, bytes([code]))
@@ -146,7 +146,7 @@ def test_channel_is_recreated_after_fork(sidecar: Sidecar) -> None:
     os.waitpid(pid, 0)
     assert status == b"\x00"
     # The parent, which never opened a channel before the fork, opens its own.
-    assert transport.propose(proposal("t-fork", lifetime="child")).round == 1
+    assert transport.propose(proposal("t-fork", lifetime="child-lifetime-token")).round == 1
 
 
 def test_transport_for_picks_by_target(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,7 +172,9 @@ def test_embedded_transport_decides_like_the_core() -> None:
         }
     )
     assert transport.propose(bigger).action is Action.REBUILD
-    transport.commit("e", CommitRecord(0, "life-1", 2, transport.propose(bigger).plan, 0.0))
+    transport.commit(
+        "e", CommitRecord(0, "life-1-lifetime-token", 2, transport.propose(bigger).plan, 0.0)
+    )
     state = transport.group_state("e")
     assert state is not None and state.plan is not None and state.plan.generation == 2
     assert transport.rpc_count == 0

@@ -569,6 +569,7 @@ class Group(_message.Message):
     WAITING_RANKS_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    RESTARTING_RANKS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -580,6 +581,10 @@ class Group(_message.Message):
     open_round: _builtins.int
     """Round now collecting proposals (0: none) and how many ranks wait in it."""
     waiting_ranks: _builtins.int
+    restarting_ranks: _builtins.int
+    """Ranks that began new lifetimes and wait until every local rank has
+    restarted; the running lifetime goes on meanwhile.
+    """
     @_builtins.property
     def plan(self) -> Global___Plan:
         """The stored plan (the union over every lifetime since the last reset);
@@ -604,10 +609,11 @@ class Group(_message.Message):
         waiting_ranks: _builtins.int = ...,
         ranks: _abc.Iterable[Global___RankState] | None = ...,
         history: _abc.Iterable[Global___Growth] | None = ...,
+        restarting_ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

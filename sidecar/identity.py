@@ -1,0 +1,66 @@
+"""A rank's lifetime: a secret the rank holds, an id the sidecar keeps.
+
+Each manager (one process lifetime of one rank) makes a random token and
+sends it with every proposal and commit. The sidecar never keeps or shows
+the token: at its boundary (the wire codec, or the embedded transport) the
+token becomes its SHA-256 digest, the lifetime's id, which is what the
+decision core compares and what is stored. Operators see :func:`short_id`,
+a prefix of the digest, which cannot be turned back into the token. So a
+process that can reach the coordinator cannot act as another rank's lifetime
+by reading ``GetGroup``, ``Watch``, logs or metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Final
+
+from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.limits import MAX_NAME_LENGTH
+
+__all__ = [
+    "MIN_SECRET_LENGTH",
+    "SHORT_ID_LENGTH",
+    "lifetime_id",
+    "new_lifetime_secret",
+    "short_id",
+]
+
+MIN_SECRET_LENGTH: Final = 16
+"""Shortest token accepted: guessing one must not be practical."""
+SHORT_ID_LENGTH: Final = 12
+"""Hex digits of the id operators are shown."""
+
+
+def new_lifetime_secret() -> str:
+    """A fresh lifetime token: 128 random bits as 32 hex digits."""
+    return secrets.token_hex(16)
+
+
+def lifetime_id(secret: str, field: str = "lifetime") -> str:
+    """The id (hex SHA-256) of a lifetime token.
+
+    Raises:
+        InvalidArgument: the token is shorter than :data:`MIN_SECRET_LENGTH`,
+            longer than the name limit, or not printable ASCII (naming
+            ``field``; the message never repeats the token).
+    """
+    if not isinstance(secret, str) or not MIN_SECRET_LENGTH <= len(secret) <= MAX_NAME_LENGTH:
+        length = len(secret) if isinstance(secret, str) else None
+        raise InvalidArgument(
+            f"{field}: a lifetime token of {length} characters; it must be a random secret of "
+            f"{MIN_SECRET_LENGTH} to {MAX_NAME_LENGTH} printable characters",
+            field=field,
+            value=length,
+        )
+    if not (secret.isascii() and secret.isprintable()):
+        raise InvalidArgument(
+            f"{field}: a lifetime token must be printable ASCII", field=field, value=None
+        )
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def short_id(lifetime: str) -> str:
+    """What operators are shown of a lifetime id."""
+    return lifetime[:SHORT_ID_LENGTH]
