@@ -13,7 +13,7 @@ import pytest
 
 from moe_sidecar import cli
 from moe_sidecar.display import format_bytes
-from moe_sidecar.server import RunningServer, running_server
+from moe_sidecar.server import RunningServer, StartupError, running_server, start_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     BF16,
@@ -168,3 +168,50 @@ def test_groups_command_reports_an_unreachable_sidecar(
     code = cli.main(["groups", "--target", f"unix://{tmp_path}/none.sock", "--timeout", "0.5"])
     assert code == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+async def _one_group(server: RunningServer, name: str) -> None:
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        await stub.Propose(propose_request(0, group=name, ep_size=1, local_ranks=1), timeout=5)
+
+
+async def _groups_listed(capsys: pytest.CaptureFixture[str], *flags: str) -> list[str]:
+    """The names ``moe-sidecar groups --json FLAGS`` prints."""
+    assert await asyncio.to_thread(cli.main, ["groups", "--json", *flags]) == 0
+    return [group["name"] for group in json.loads(capsys.readouterr().out)]
+
+
+async def test_groups_target_comes_from_the_flag_then_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env_config = make_config(tmp_path / "env", listen=(f"unix://{tmp_path}/env.sock",))
+    flag_config = make_config(tmp_path / "flag", listen=(f"unix://{tmp_path}/flag.sock",))
+    async with running_server(env_config) as by_env, running_server(flag_config) as by_flag:
+        await _one_group(by_env, "named-by/env")
+        await _one_group(by_flag, "named-by/flag")
+        monkeypatch.setenv("MOE_SIDECAR_TARGET", by_env.addresses.listen[0])
+        assert await _groups_listed(capsys) == ["named-by/env"]
+        target = by_flag.addresses.listen[0]
+        assert await _groups_listed(capsys, "--target", target) == ["named-by/flag"]
+
+
+@pytest.mark.parametrize("environment", ["unset", "empty"])
+async def test_groups_target_defaults_to_port_50051_on_loopback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    environment: str,
+) -> None:
+    try:
+        server = await start_server(make_config(tmp_path, listen=("127.0.0.1:50051",)))
+    except StartupError:
+        pytest.skip("127.0.0.1:50051, the default target, is taken on this machine")
+    try:
+        await _one_group(server, "named-by/default")
+        if environment == "unset":
+            monkeypatch.delenv("MOE_SIDECAR_TARGET", raising=False)
+        else:
+            monkeypatch.setenv("MOE_SIDECAR_TARGET", "")
+        assert await _groups_listed(capsys) == ["named-by/default"]
+    finally:
+        await server.stop()
