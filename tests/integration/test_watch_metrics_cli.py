@@ -19,6 +19,7 @@ from tests.integration.helpers import (
     BF16,
     NVFP4,
     coordinator_stub,
+    details,
     grow_and_commit,
     make_config,
     propose_request,
@@ -95,6 +96,60 @@ async def test_watch_streams_group_events(tmp_path: Path) -> None:
         assert event.group == GROUP and event.round == 4
         everything.cancel()
         only.cancel()
+
+
+async def test_watch_streams_refused_aborted_and_reset_events(tmp_path: Path) -> None:
+    config = make_config(tmp_path, enable_admin=True)
+    async with (
+        running_server(config) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        watch = stub.Watch(pb.WatchRequest())  # the group does not exist yet
+        await _until_watching(server, 1)
+        await asyncio.gather(*(stub.Propose(_request(r, 1, NVFP4), timeout=5) for r in range(2)))
+        # Round 2: a layer with another top_k is refused for both ranks.
+        odd = pb.Requirement(capacities=NVFP4.capacities, layer="odd")
+        odd.capacities.top_k = 4
+        refused = await asyncio.gather(
+            *(rpc_error(stub.Propose(_request(r, 2, odd), timeout=5)) for r in range(2))
+        )
+        assert {e.code() for e in refused} == {grpc.StatusCode.FAILED_PRECONDITION}
+        # Round 3: rank 0 waits; rank 1 restarts (a new lifetime) and abandons it.
+        waiting = asyncio.ensure_future(rpc_error(stub.Propose(_request(0, 3, BF16), timeout=5)))
+        await _until_waiting_calls(server, 1)
+        restarted = stub.Propose(_request(1, 1, NVFP4, lifetime="restarted-1"), timeout=5)
+        aborted = await asyncio.wait_for(waiting, 5)
+        assert aborted.code() == grpc.StatusCode.ABORTED
+        # Rank 0 restarts too, and round 1 of the new lifetime is decided.
+        await stub.Propose(_request(0, 1, NVFP4, lifetime="restarted-0"), timeout=5)
+        await restarted
+        await stub.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
+        events = [await asyncio.wait_for(watch.read(), 5) for _ in range(7)]
+        watch.cancel()
+    assert [e.kind for e in events] == [
+        pb.EVENT_KIND_LIFETIME_STARTED,
+        pb.EVENT_KIND_ROUND_DECIDED,
+        pb.EVENT_KIND_ROUND_REFUSED,
+        pb.EVENT_KIND_ROUND_ABORTED,
+        pb.EVENT_KIND_LIFETIME_STARTED,
+        pb.EVENT_KIND_ROUND_DECIDED,
+        pb.EVENT_KIND_RESET,
+    ]
+    refusal, abort, reset = events[2], events[3], events[6]
+    assert (refusal.round, refusal.layer) == (2, "odd")
+    assert "top_k=4" in refusal.message and "'l0'" in refusal.message
+    assert (abort.round, abort.ep_rank) == (3, 1)
+    assert "rank 1 restarted" in abort.message and abort.message in details(aborted)
+    assert "stored plan forgotten" in reset.message
+    assert all(e.group == GROUP and e.time.seconds > 0 for e in events)
+
+
+async def _until_waiting_calls(server: RunningServer, n: int) -> None:
+    for _ in range(250):
+        if server.coordinator.waiting_calls() == n:
+            return
+        await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
+    raise AssertionError(f"never {n} waiting Propose calls")
 
 
 async def test_metrics_endpoint(tmp_path: Path) -> None:
