@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from moe_sidecar import cli
 from moe_sidecar.display import format_bytes
@@ -183,6 +185,25 @@ async def test_metrics_endpoint_stops_with_the_server(tmp_path: Path) -> None:
         await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
     with pytest.raises(OSError):
         await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=2).read())
+
+
+async def test_metrics_endpoint_exports_only_the_sidecars_series(tmp_path: Path) -> None:
+    # This process's global registry has process_* and python_* series; the
+    # endpoint must not show them.
+    assert "python_info" in generate_latest(REGISTRY).decode()
+    async with running_server(make_config(tmp_path, round_timeout=0.3)) as server:
+        await _drive(server)
+        url = f"http://127.0.0.1:{server.addresses.metrics_port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+        )
+    names = {
+        line.split()[2] if line.startswith("#") else re.split(r"[{ ]", line, maxsplit=1)[0]
+        for line in text.splitlines()
+        if line
+    }
+    assert "moe_sidecar_rounds_total" in names
+    assert {name for name in names if not name.startswith("moe_sidecar_")} == set()
 
 
 async def test_groups_command_text_and_json(
