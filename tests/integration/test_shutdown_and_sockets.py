@@ -46,7 +46,7 @@ async def test_shutdown_wakes_a_waiting_propose_with_unavailable(tmp_path: Path)
         for _ in range(100):
             if server.coordinator.waiting_calls() == 1:
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
         assert server.coordinator.waiting_calls() == 1
         started = time.monotonic()
         await server.stop()

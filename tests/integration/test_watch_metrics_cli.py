@@ -44,7 +44,7 @@ async def _until_watching(server: RunningServer, n: int) -> None:
     for _ in range(250):
         if server.coordinator.watcher_count() == n:
             return
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
     raise AssertionError(f"{n} watch streams never subscribed")
 
 
