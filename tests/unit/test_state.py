@@ -151,7 +151,8 @@ async def test_a_slow_watcher_is_cut_off_without_blocking(coordinator: Coordinat
     for n, group in enumerate(("a/ep1", "b/ep1", "c/ep1"), start=1):
         await coordinator.propose(Proposal(group, 1, 0, 1, "x", 1, REQ))
         # The fast watcher reads each round's two events before the next round.
-        await _until(lambda n=n: len(received) == 2 * n, f"{2 * n} events read")
+        read = 2 * n
+        await _until(lambda: len(received) == read, f"{read} events read")  # noqa: B023
     # Six events; the slow watcher's limit is three.
     with pytest.raises(CoordinatorUnavailable, match="fell more than 3 events behind"):
         await slow.__anext__()
