@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.config import SidecarConfig
 from moe_sidecar.wire_codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GROUP = "deepseek-v3:fp4/tp1-ep8/pp0"
 
@@ -162,3 +170,56 @@ async def grow_and_commit(stub: Any, group: str, build_seconds: float) -> list[p
         timeout=5,
     )
     return second
+
+
+# --- the sidecar as its own process (``python -m moe_sidecar``) -----------------------
+
+
+def start_sidecar_process(log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``python -m moe_sidecar FLAGS``, its stderr (the log) appended to ``log``.
+
+    The test's own ``MOE_SIDECAR_*`` variables are not passed on, so only
+    ``flags`` configure it.
+    """
+    with log.open("ab") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "moe_sidecar", *flags],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+        )
+
+
+def wait_until_serving(
+    target: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 30.0
+) -> None:
+    """Returns once ``target`` answers health SERVING; fails if ``process`` exits first."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"the sidecar exited with {process.returncode}:\n{log.read_text()}"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)  # the poll interval of a wait with a deadline
+    raise AssertionError(f"{target} not SERVING after {timeout}s:\n{log.read_text()}")
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Kills ``process`` if it still runs and reaps it (a test's ``finally``)."""
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=10)
+
+
+def log_records(log: Path) -> list[dict[str, Any]]:
+    """The JSON log lines of a sidecar started with the default ``--log-format json``."""
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]

@@ -303,7 +303,7 @@ def _serving_line(log: Path, process: subprocess.Popen[bytes], timeout: float) -
             if record["message"] == "serving":
                 return dict(record)
         assert process.poll() is None, f"the entrypoint exited:\n{log.read_text()}"
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval of a wait with a deadline
     raise AssertionError(f"not serving after {timeout}s:\n{log.read_text()}")
 
 

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
+import sqlite3
+import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -14,12 +20,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from moe_sidecar.server import running_server
+from moe_sidecar.store import DATABASE_FILE
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     NVFP4,
     coordinator_stub,
     make_config,
     propose_request,
+    start_sidecar_process,
+    stop_process,
+    wait_until_serving,
     workspace_bytes,
 )
 
@@ -72,6 +82,76 @@ async def test_health_turns_not_serving_while_draining(tmp_path: Path) -> None:
             await asyncio.wait_for(stopping, timeout=10)
             hold.cancel()
             watch.cancel()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+def _until_file_open(process: subprocess.Popen[bytes], name: str, timeout: float = 30) -> None:
+    """Returns once ``process`` holds a file called ``name`` open."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the sidecar exited with {process.returncode}"
+        with contextlib.suppress(FileNotFoundError):  # a descriptor closed while listing
+            fds = os.listdir(f"/proc/{process.pid}/fd")
+            if any(os.readlink(f"/proc/{process.pid}/fd/{fd}").endswith(name) for fd in fds):
+                return
+        time.sleep(0.01)  # the poll interval of a wait with a deadline
+    raise AssertionError(f"the sidecar never opened {name}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs Linux's /proc")
+async def test_health_port_stays_closed_until_the_stored_state_is_loaded(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    async with (
+        running_server(config) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        await stub.Propose(
+            propose_request(0, group="stored/ep1", ep_size=1, local_ranks=1), timeout=5
+        )
+    # Another program holds the database with an exclusive lock (a rollback
+    # journal keeps readers out too): the next start cannot read its state
+    # until that program lets go.
+    database = sqlite3.connect(config.state_dir / DATABASE_FILE, isolation_level=None)
+    database.execute("PRAGMA journal_mode=DELETE")
+    database.execute("BEGIN EXCLUSIVE")
+    health_port = _free_port()
+    target = f"unix://{tmp_path}/later.sock"
+    log = tmp_path / "sidecar.log"
+    process = start_sidecar_process(
+        log,
+        "--listen",
+        target,
+        "--state-dir",
+        str(config.state_dir),
+        "--health-port",
+        str(health_port),
+        "--metrics-port",
+        "0",
+    )
+    try:
+        try:
+            # SQLite waits up to 5 s for the lock, so the state is still loading here.
+            await asyncio.to_thread(_until_file_open, process, DATABASE_FILE)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", health_port), timeout=2).close()
+            assert not await asyncio.to_thread((tmp_path / "later.sock").exists)
+            assert process.poll() is None
+        finally:
+            database.execute("ROLLBACK")
+            database.close()
+        await asyncio.to_thread(wait_until_serving, f"127.0.0.1:{health_port}", process, log)
+        assert await _check(f"127.0.0.1:{health_port}", SERVICE) == SERVING
+        # SERVING came with the stored state loaded.
+        async with coordinator_stub(target) as stub:
+            group = await stub.GetGroup(pb.GetGroupRequest(group="stored/ep1"), timeout=5)
+        assert group.plan.generation == 1
+    finally:
+        await asyncio.to_thread(stop_process, process)
 
 
 def _reflect(target: str) -> tuple[list[str], list[str], str]:

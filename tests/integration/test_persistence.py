@@ -7,13 +7,9 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.server import running_server
 from moe_sidecar.store import DATABASE_FILE, StoreError
@@ -26,13 +22,15 @@ from tests.integration.helpers import (
     make_config,
     propose_request,
     run_round,
+    start_sidecar_process,
+    stop_process,
+    wait_until_serving,
     workspace_bytes,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
 GROUP = "model/ep2"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def _grow_and_commit(target: str) -> tuple[pb.Group, list[pb.ProposeResponse]]:
@@ -81,44 +79,26 @@ def _start_sidecar_process(
     tmp_path: Path, socket_target: str, state_dir: Path
 ) -> subprocess.Popen[bytes]:
     """``python -m moe_sidecar`` in a subprocess, returned once it reports SERVING."""
-    with (tmp_path / "sidecar.stderr").open("wb") as stderr:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moe_sidecar",
-                "--listen",
-                socket_target,
-                "--state-dir",
-                str(state_dir),
-                "--health-port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--round-timeout",
-                "10",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
-        )
-    with grpc.insecure_channel(socket_target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise AssertionError((tmp_path / "sidecar.stderr").read_text())
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return process
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    process.kill()
-    process.wait()
-    raise AssertionError("the sidecar subprocess never became SERVING")
+    log = tmp_path / "sidecar.stderr"
+    process = start_sidecar_process(
+        log,
+        "--listen",
+        socket_target,
+        "--state-dir",
+        str(state_dir),
+        "--health-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--round-timeout",
+        "10",
+    )
+    try:
+        wait_until_serving(socket_target, process, log)
+    except BaseException:
+        stop_process(process)
+        raise
+    return process
 
 
 def _kill_9(process: subprocess.Popen[bytes]) -> int:

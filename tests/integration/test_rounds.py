@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_sidecar.server import running_server
+from moe_sidecar.server import RunningServer, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     BF16,
@@ -141,6 +141,12 @@ async def test_heterogeneous_layer_is_refused_naming_both_layers(tmp_path: Path)
         assert "'mtp'" in message and "'l0'" in message and "top_k=4" in message
 
 
+def _proposed(server: RunningServer, group: str) -> set[int]:
+    """The ranks that proposed ``group``'s open round."""
+    rnd = server.coordinator.group(group).open_round
+    return {p.ep_rank for p in rnd.proposals} if rnd is not None else set()
+
+
 async def test_a_caller_that_goes_away_leaves_nothing_waiting(tmp_path: Path) -> None:
     async with (
         running_server(make_config(tmp_path)) as server,
@@ -149,16 +155,20 @@ async def test_a_caller_that_goes_away_leaves_nothing_waiting(tmp_path: Path) ->
         # Rank 0's client gives up after 0.3 s: its deadline ends the call.
         error = await rpc_error(stub.Propose(propose_request(0), timeout=0.3))
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # Another one is cancelled by its caller.
+        # Another one is cancelled by its caller, once it waits in the round.
         call = stub.Propose(propose_request(1), timeout=10)
-        await asyncio.sleep(0.2)
+        for _ in range(250):
+            if _proposed(server, GROUP) == {0, 1}:
+                break
+            await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
+        assert _proposed(server, GROUP) == {0, 1}
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
         for _ in range(100):
             if server.coordinator.waiting_calls() == 0:
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
         assert server.coordinator.waiting_calls() == 0
         # Their proposals stay in the round: the others still close it, and
         # the retries of ranks 0 and 1 are answered with that decision.

@@ -14,10 +14,21 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.server import SOCKET_MODE, StartupError, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-from tests.integration.helpers import coordinator_stub, make_config, propose_request, rpc_error
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.integration.helpers import (
+    coordinator_stub,
+    log_records,
+    make_config,
+    propose_request,
+    rpc_error,
+    start_sidecar_process,
+    stop_process,
+    wait_until_serving,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,7 +46,7 @@ async def test_shutdown_wakes_a_waiting_propose_with_unavailable(tmp_path: Path)
         for _ in range(100):
             if server.coordinator.waiting_calls() == 1:
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
         assert server.coordinator.waiting_calls() == 1
         started = time.monotonic()
         await server.stop()
@@ -104,43 +115,95 @@ async def test_a_taken_tcp_port_is_refused(tmp_path: Path) -> None:
                 pass
 
 
-def test_sigterm_drains_the_cli_server(tmp_path: Path) -> None:
-    sock = tmp_path / "s.sock"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "moe_sidecar",
-            "--listen",
-            f"unix://{sock}",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--health-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+def _serve_in_a_process(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``python -m moe_sidecar`` on a socket in ``tmp_path``, once SERVING: (process, target, log)."""
+    target = f"unix://{tmp_path}/s.sock"
+    log = tmp_path / "sidecar.log"
+    process = start_sidecar_process(
+        log,
+        "--listen",
+        target,
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--health-port",
+        "0",
+        "--metrics-port",
+        "0",
+        *flags,
     )
     try:
-        deadline = time.monotonic() + 20
-        while not sock.exists() and time.monotonic() < deadline:
-            assert process.poll() is None
-            time.sleep(0.05)
-        time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=15)
+        wait_until_serving(target, process, log)
+    except BaseException:
+        stop_process(process)
+        raise
+    return process, target, log
+
+
+def _until_waiting_ranks(stub: pb_grpc.WorkspaceCoordinatorStub, group: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            reply = stub.GetGroup(pb.GetGroupRequest(group=group), timeout=5)
+            if reply.waiting_ranks == n:
+                return
+        except grpc.RpcError as error:
+            if not isinstance(error, grpc.Call) or error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        time.sleep(0.02)  # the poll interval of a wait with a deadline
+    raise AssertionError(f"group {group!r} never had {n} waiting ranks")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_drain_the_cli_server(tmp_path: Path, signum: signal.Signals) -> None:
+    process, target, log = _serve_in_a_process(tmp_path, "--round-timeout", "60")
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.WorkspaceCoordinatorStub(channel)
+            waiting = stub.Propose.future(propose_request(0), timeout=30)
+            _until_waiting_ranks(stub, propose_request(0).group, 1)
+            process.send_signal(signum)
+            # Answered at once, not after the round timeout.
+            error = waiting.exception(timeout=10)
+        process.wait(timeout=15)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 0, stderr.decode()
-    assert b'"message":"shutdown requested","signal":"SIGTERM"' in stderr
-    assert b'"message":"stopped"' in stderr
-    assert not sock.exists()
+        stop_process(process)
+    assert isinstance(error, grpc.Call)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in (error.details() or "")
+    assert process.returncode == 0, log.read_text()
+    messages = [(r["message"], r.get("signal")) for r in log_records(log)]
+    assert ("shutdown requested", signum.name) in messages
+    assert messages[-1] == ("stopped", None)
+    assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_stops_at_once(tmp_path: Path, signum: signal.Signals) -> None:
+    # A grace period far beyond the test's timeout: only the second signal can end it in time.
+    process, target, log = _serve_in_a_process(tmp_path, "--grace-period", "600")
+    try:
+        with grpc.insecure_channel(target) as channel:
+            # A stream open on the listener keeps the drain waiting for the grace period.
+            hold = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=""), timeout=60
+            )
+            assert next(hold).status == health_pb2.HealthCheckResponse.SERVING
+            process.send_signal(signum)
+            # NOT_SERVING: the first signal was handled and the drain began.
+            assert next(hold).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert process.poll() is None
+            started = time.monotonic()
+            process.send_signal(signum)
+            process.wait(timeout=10)
+            elapsed = time.monotonic() - started
+    finally:
+        stop_process(process)
+    # Ended by the signal's default action (for SIGINT, KeyboardInterrupt),
+    # long before the grace period.
+    assert process.returncode == -signum, log.read_text()
+    assert elapsed < 5.0
+    messages = [r["message"] for r in log_records(log)]
+    assert messages.count("shutdown requested") == 1 and "draining" in messages
 
 
 def test_cli_refuses_a_bad_config(tmp_path: Path) -> None:

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from moe_sidecar import cli
 from moe_sidecar.display import format_bytes
-from moe_sidecar.server import RunningServer, running_server
+from moe_sidecar.server import RunningServer, StartupError, running_server, start_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     BF16,
     NVFP4,
     coordinator_stub,
+    details,
     grow_and_commit,
     make_config,
     propose_request,
@@ -41,7 +44,7 @@ async def _until_watching(server: RunningServer, n: int) -> None:
     for _ in range(250):
         if server.coordinator.watcher_count() == n:
             return
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
     raise AssertionError(f"{n} watch streams never subscribed")
 
 
@@ -97,6 +100,60 @@ async def test_watch_streams_group_events(tmp_path: Path) -> None:
         only.cancel()
 
 
+async def test_watch_streams_refused_aborted_and_reset_events(tmp_path: Path) -> None:
+    config = make_config(tmp_path, enable_admin=True)
+    async with (
+        running_server(config) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        watch = stub.Watch(pb.WatchRequest())  # the group does not exist yet
+        await _until_watching(server, 1)
+        await asyncio.gather(*(stub.Propose(_request(r, 1, NVFP4), timeout=5) for r in range(2)))
+        # Round 2: a layer with another top_k is refused for both ranks.
+        odd = pb.Requirement(capacities=NVFP4.capacities, layer="odd")
+        odd.capacities.top_k = 4
+        refused = await asyncio.gather(
+            *(rpc_error(stub.Propose(_request(r, 2, odd), timeout=5)) for r in range(2))
+        )
+        assert {e.code() for e in refused} == {grpc.StatusCode.FAILED_PRECONDITION}
+        # Round 3: rank 0 waits; rank 1 restarts (a new lifetime) and abandons it.
+        waiting = asyncio.ensure_future(rpc_error(stub.Propose(_request(0, 3, BF16), timeout=5)))
+        await _until_waiting_calls(server, 1)
+        restarted = stub.Propose(_request(1, 1, NVFP4, lifetime="restarted-1"), timeout=5)
+        aborted = await asyncio.wait_for(waiting, 5)
+        assert aborted.code() == grpc.StatusCode.ABORTED
+        # Rank 0 restarts too, and round 1 of the new lifetime is decided.
+        await stub.Propose(_request(0, 1, NVFP4, lifetime="restarted-0"), timeout=5)
+        await restarted
+        await stub.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
+        events = [await asyncio.wait_for(watch.read(), 5) for _ in range(7)]
+        watch.cancel()
+    assert [e.kind for e in events] == [
+        pb.EVENT_KIND_LIFETIME_STARTED,
+        pb.EVENT_KIND_ROUND_DECIDED,
+        pb.EVENT_KIND_ROUND_REFUSED,
+        pb.EVENT_KIND_ROUND_ABORTED,
+        pb.EVENT_KIND_LIFETIME_STARTED,
+        pb.EVENT_KIND_ROUND_DECIDED,
+        pb.EVENT_KIND_RESET,
+    ]
+    refusal, abort, reset = events[2], events[3], events[6]
+    assert (refusal.round, refusal.layer) == (2, "odd")
+    assert "top_k=4" in refusal.message and "'l0'" in refusal.message
+    assert (abort.round, abort.ep_rank) == (3, 1)
+    assert "rank 1 restarted" in abort.message and abort.message in details(aborted)
+    assert "stored plan forgotten" in reset.message
+    assert all(e.group == GROUP and e.time.seconds > 0 for e in events)
+
+
+async def _until_waiting_calls(server: RunningServer, n: int) -> None:
+    for _ in range(250):
+        if server.coordinator.waiting_calls() == n:
+            return
+        await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
+    raise AssertionError(f"never {n} waiting Propose calls")
+
+
 async def test_metrics_endpoint(tmp_path: Path) -> None:
     async with running_server(make_config(tmp_path, round_timeout=0.3)) as server:
         await _drive(server)
@@ -128,6 +185,25 @@ async def test_metrics_endpoint_stops_with_the_server(tmp_path: Path) -> None:
         await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
     with pytest.raises(OSError):
         await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=2).read())
+
+
+async def test_metrics_endpoint_exports_only_the_sidecars_series(tmp_path: Path) -> None:
+    # This process's global registry has process_* and python_* series; the
+    # endpoint must not show them.
+    assert "python_info" in generate_latest(REGISTRY).decode()
+    async with running_server(make_config(tmp_path, round_timeout=0.3)) as server:
+        await _drive(server)
+        url = f"http://127.0.0.1:{server.addresses.metrics_port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+        )
+    names = {
+        line.split()[2] if line.startswith("#") else re.split(r"[{ ]", line, maxsplit=1)[0]
+        for line in text.splitlines()
+        if line
+    }
+    assert "moe_sidecar_rounds_total" in names
+    assert {name for name in names if not name.startswith("moe_sidecar_")} == set()
 
 
 async def test_groups_command_text_and_json(
@@ -168,3 +244,50 @@ def test_groups_command_reports_an_unreachable_sidecar(
     code = cli.main(["groups", "--target", f"unix://{tmp_path}/none.sock", "--timeout", "0.5"])
     assert code == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+async def _one_group(server: RunningServer, name: str) -> None:
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        await stub.Propose(propose_request(0, group=name, ep_size=1, local_ranks=1), timeout=5)
+
+
+async def _groups_listed(capsys: pytest.CaptureFixture[str], *flags: str) -> list[str]:
+    """The names ``moe-sidecar groups --json FLAGS`` prints."""
+    assert await asyncio.to_thread(cli.main, ["groups", "--json", *flags]) == 0
+    return [group["name"] for group in json.loads(capsys.readouterr().out)]
+
+
+async def test_groups_target_comes_from_the_flag_then_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env_config = make_config(tmp_path / "env", listen=(f"unix://{tmp_path}/env.sock",))
+    flag_config = make_config(tmp_path / "flag", listen=(f"unix://{tmp_path}/flag.sock",))
+    async with running_server(env_config) as by_env, running_server(flag_config) as by_flag:
+        await _one_group(by_env, "named-by/env")
+        await _one_group(by_flag, "named-by/flag")
+        monkeypatch.setenv("MOE_SIDECAR_TARGET", by_env.addresses.listen[0])
+        assert await _groups_listed(capsys) == ["named-by/env"]
+        target = by_flag.addresses.listen[0]
+        assert await _groups_listed(capsys, "--target", target) == ["named-by/flag"]
+
+
+@pytest.mark.parametrize("environment", ["unset", "empty"])
+async def test_groups_target_defaults_to_port_50051_on_loopback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    environment: str,
+) -> None:
+    try:
+        server = await start_server(make_config(tmp_path, listen=("127.0.0.1:50051",)))
+    except StartupError:
+        pytest.skip("127.0.0.1:50051, the default target, is taken on this machine")
+    try:
+        await _one_group(server, "named-by/default")
+        if environment == "unset":
+            monkeypatch.delenv("MOE_SIDECAR_TARGET", raising=False)
+        else:
+            monkeypatch.setenv("MOE_SIDECAR_TARGET", "")
+        assert await _groups_listed(capsys) == ["named-by/default"]
+    finally:
+        await server.stop()

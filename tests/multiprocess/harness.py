@@ -205,7 +205,7 @@ class Sidecar:
                         return
                     except grpc.FutureTimeoutError:
                         pass
-            time.sleep(0.05)
+            time.sleep(0.05)  # the poll interval of a wait with a deadline
         raise AssertionError(f"sidecar not ready after {timeout}s:\n{self.log.read_text()}")
 
     def get_group(self, name: str) -> pb.Group:

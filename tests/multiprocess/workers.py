@@ -507,3 +507,43 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
         backend.release(tight)
     dist.barrier()
     return out
+
+
+def client_surface_worker(rank: int, world: int) -> dict[str, Any]:
+    """``backend="flashinfer"`` where FlashInfer is not installed, then ``get_handle()``.
+
+    Embedded mode, so no sidecar is needed.
+    """
+    from moe_sidecar.client import BackendError, WorkspaceManager
+
+    cpu_group = dist.new_group(backend="gloo")
+    layer = nvfp4_layer("model.layers.0.mlp")
+
+    def initialize(manager: Any) -> None:
+        manager.initialize(
+            MAX_TOKENS,
+            TOP_K,
+            NUM_EXPERTS,
+            HIDDEN,
+            layer.x_bytes,
+            layer.x_sf_bytes,
+            layer=layer.name,
+        )
+
+    # FlashInfer is imported on the first build, not at construction.
+    missing = WorkspaceManager(cpu_group, target="embedded", backend="flashinfer")
+    out: dict[str, Any] = {"error": None}
+    try:
+        initialize(missing)
+    except BackendError as error:
+        out["error"] = (str(error), type(error.__cause__).__name__)
+    out["after_failure"] = (missing.initialized, missing.moe_alltoall, missing.workspace_size)
+
+    manager = _manager(cpu_group, "get-handle/ep1", "embedded")
+    out["handle_before_build"] = manager.get_handle({}) is manager
+    initialize(manager)
+    handle = manager.get_handle({})
+    out["handle_is_manager"] = handle is manager
+    out["handle_serves_the_layer"] = exchange(handle.moe_alltoall, layer, rank, world, seed=5)
+    manager.cleanup()
+    return out

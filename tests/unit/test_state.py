@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -48,12 +49,17 @@ async def coordinator(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Coord
     holder.close()
 
 
+async def _until(condition: Callable[[], bool], what: str, limit: float = 5.0) -> None:
+    """Returns once ``condition()`` holds; fails after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {limit}s: {what}")
+        await asyncio.sleep(0.005)  # the poll interval of a wait with a deadline
+
+
 async def _until_waiting(coordinator: Coordinator, n: int) -> None:
-    for _ in range(200):
-        if coordinator.waiting_calls() == n:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"expected {n} waiting calls, have {coordinator.waiting_calls()}")
+    await _until(lambda: coordinator.waiting_calls() == n, f"{n} waiting calls")
 
 
 async def test_round_closes_for_every_waiter(coordinator: Coordinator) -> None:
@@ -126,11 +132,7 @@ async def test_a_stored_open_round_expires_after_a_restart(
     again = Coordinator(StateStore(tmp_path), round_timeout=0.2, clock=clock)
     again.start()  # arms the stored deadline, already past: fires at once
     try:
-        for _ in range(100):
-            if again.group("g/ep2").open_round is None:
-                break
-            await asyncio.sleep(0.01)
-        assert again.group("g/ep2").open_round is None
+        await _until(lambda: again.group("g/ep2").open_round is None, "the round expired")
         assert again.group("g/ep2").closed[-1].round == 1
     finally:
         again.close()
@@ -146,14 +148,15 @@ async def test_a_slow_watcher_is_cut_off_without_blocking(coordinator: Coordinat
             received.append(event.kind)
 
     reader = asyncio.ensure_future(read_fast())
-    for group in ("a/ep1", "b/ep1", "c/ep1"):
+    for n, group in enumerate(("a/ep1", "b/ep1", "c/ep1"), start=1):
         await coordinator.propose(Proposal(group, 1, 0, 1, "x", 1, REQ))
-        await asyncio.sleep(0)
+        # The fast watcher reads each round's two events before the next round.
+        read = 2 * n
+        await _until(lambda: len(received) == read, f"{read} events read")  # noqa: B023
     # Six events; the slow watcher's limit is three.
     with pytest.raises(CoordinatorUnavailable, match="fell more than 3 events behind"):
         await slow.__anext__()
     assert coordinator.watcher_count() == 1
-    await asyncio.sleep(0.01)
     assert received == [EventKind.LIFETIME_STARTED, EventKind.ROUND_DECIDED] * 3
     coordinator.unwatch(fast)
     fast.end()
@@ -171,6 +174,8 @@ async def test_a_round_is_answered_only_once_its_decision_is_stored(
     with pytest.raises(CoordinatorUnavailable, match="nothing was decided"):
         await coordinator.propose(proposal(1))
     # Nobody was told a decision that is not on disk; the round stays open.
+    # (Not a wait for something to happen: one turn of the loop, the turn a
+    # waiter answered by mistake would need to finish, before checking it did not.)
     await asyncio.sleep(0)
     assert not waiting.done()
     assert coordinator.group("g/ep2").open_round is not None

@@ -45,7 +45,7 @@ class Probe:
     async def hang(self, request: bytes, context: Any) -> bytes:
         async def work() -> bytes:
             try:
-                await asyncio.sleep(60)
+                await asyncio.sleep(60)  # the thing under test: a call that never ends by itself
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
