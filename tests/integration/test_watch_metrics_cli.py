@@ -116,14 +116,20 @@ async def test_watch_streams_refused_aborted_and_reset_events(tmp_path: Path) ->
             *(rpc_error(stub.Propose(_request(r, 2, odd), timeout=5)) for r in range(2))
         )
         assert {e.code() for e in refused} == {grpc.StatusCode.FAILED_PRECONDITION}
-        # Round 3: rank 0 waits; rank 1 restarts (a new lifetime) and abandons it.
+        # Round 3: rank 0 waits; rank 1 restarts (a new lifetime), which waits
+        # for the rest of the restart and abandons nothing yet.
         waiting = asyncio.ensure_future(rpc_error(stub.Propose(_request(0, 3, BF16), timeout=5)))
         await _until_waiting_calls(server, 1)
-        restarted = stub.Propose(_request(1, 1, NVFP4, lifetime="restarted-1"), timeout=5)
+        restarted = asyncio.ensure_future(
+            stub.Propose(_request(1, 1, NVFP4, lifetime="restarted-1"), timeout=5)
+        )
+        await _until_waiting_calls(server, 2)
+        assert not waiting.done()
+        # Rank 0 restarts too: the old lifetime ends (round 3 ABORTED) and
+        # round 1 of the new lifetime is decided.
+        await stub.Propose(_request(0, 1, NVFP4, lifetime="restarted-0"), timeout=5)
         aborted = await asyncio.wait_for(waiting, 5)
         assert aborted.code() == grpc.StatusCode.ABORTED
-        # Rank 0 restarts too, and round 1 of the new lifetime is decided.
-        await stub.Propose(_request(0, 1, NVFP4, lifetime="restarted-0"), timeout=5)
         await restarted
         await stub.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
         events = [await asyncio.wait_for(watch.read(), 5) for _ in range(7)]
@@ -140,8 +146,8 @@ async def test_watch_streams_refused_aborted_and_reset_events(tmp_path: Path) ->
     refusal, abort, reset = events[2], events[3], events[6]
     assert (refusal.round, refusal.layer) == (2, "odd")
     assert "top_k=4" in refusal.message and "'l0'" in refusal.message
-    assert (abort.round, abort.ep_rank) == (3, 1)
-    assert "rank 1 restarted" in abort.message and abort.message in details(aborted)
+    assert (abort.round, abort.ep_rank) == (3, -1)
+    assert "the group restarted" in abort.message and abort.message in details(aborted)
     assert "stored plan forgotten" in reset.message
     assert all(e.group == GROUP and e.time.seconds > 0 for e in events)
 
