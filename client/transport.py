@@ -34,8 +34,10 @@ from moe_sidecar import policy
 from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InternalError,
+    InvalidArgument,
     error_from_rpc,
 )
+from moe_sidecar.config import ConfigError, parse_listen_address
 from moe_sidecar.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
 from moe_sidecar.effects import Wait
 from moe_sidecar.group import CommitRecord, Decision, GroupState, Proposal, Refusal
@@ -358,12 +360,21 @@ def transport_for(
 
     ``None`` reads ``MOE_SIDECAR_TARGET``; unset, empty, or :data:`EMBEDDED`
     gives the embedded transport, anything else a gRPC client of that address.
+
+    Raises:
+        InvalidArgument: the address is not ``unix:///abs``, ``unix:rel`` or
+            ``host:port`` (naming where it came from).
     """
+    source = "target"
     if target is None:
-        target = os.environ.get(ENV_TARGET, "")
+        source, target = ENV_TARGET, os.environ.get(ENV_TARGET, "")
     target = target.strip()
     if not target or target == EMBEDDED:
         return EmbeddedTransport()
+    try:
+        parse_listen_address(target, source)
+    except ConfigError as error:
+        raise InvalidArgument(str(error), field=source, value=target) from None
     return GrpcTransport(
         target, propose_timeout=propose_timeout, unavailable_retry=unavailable_retry
     )

@@ -11,20 +11,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
+from moe_sidecar.config import (
+    ADDRESS_FORMS,
+    ConfigError,
+    SidecarConfig,
+    add_serve_arguments,
+    config_from_flags,
+    parse_listen_address,
+)
 from moe_sidecar.defaults import DEFAULT_TARGET, ENV_TARGET
 from moe_sidecar.display import format_groups, groups_as_json
 from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.group import GroupSummary
 from moe_sidecar.logs import configure_logging
 from moe_sidecar.server import StartupError, serve
 from moe_sidecar.store import StoreError
@@ -97,40 +107,139 @@ SERVE = Command(
 )
 
 
-# --- groups --------------------------------------------------------------------------
+# --- talking to a running sidecar: groups, reset, remove ------------------------------
 
 
-def _add_groups_arguments(parser: argparse.ArgumentParser) -> None:
+class _CliError(Exception):
+    """A failure a command reports as one line and exit status 1 (2 for bad flags)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help=f"sidecar address (default ${ENV_TARGET}, else {DEFAULT_TARGET})",
+        help=f"sidecar address: {ADDRESS_FORMS} (default ${ENV_TARGET}, else {DEFAULT_TARGET})",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the sidecar (default 5)"
     )
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a sidecar serving TLS: the CA bundle that signed its certificate",
+    )
+    parser.add_argument(
+        "--tls-cert", type=Path, default=None, metavar="FILE", help="client certificate (mTLS)"
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, default=None, metavar="FILE", help="client key (mTLS)"
+    )
 
 
-def _run_groups(args: argparse.Namespace) -> int:
-    target = args.target or os.environ.get(ENV_TARGET) or DEFAULT_TARGET
+def _target(args: argparse.Namespace) -> str:
+    """The address to dial: --target, else $MOE_SIDECAR_TARGET, else the default.
+
+    Raises:
+        _CliError: the address is malformed (status 2).
+    """
+    if args.target:
+        source, value = "--target", args.target
+    elif os.environ.get(ENV_TARGET, "").strip():
+        source, value = ENV_TARGET, os.environ[ENV_TARGET].strip()
+    else:
+        source, value = "default target", DEFAULT_TARGET
     try:
-        with grpc.insecure_channel(target) as channel:
-            stub = pb_grpc.WorkspaceCoordinatorStub(channel)
-            response = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout)
+        return parse_listen_address(value, source).target
+    except ConfigError as error:
+        raise _CliError(str(error), status=2) from None
+
+
+@contextlib.contextmanager
+def _stub(args: argparse.Namespace) -> Iterator[tuple[str, pb_grpc.WorkspaceCoordinatorStub]]:
+    """A stub of the sidecar the flags name; RPC failures become one-line errors.
+
+    Raises:
+        _CliError: a malformed address, unreadable TLS files, or a failed call.
+    """
+    target = _target(args)
+    credentials = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        try:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=args.tls_ca.read_bytes() if args.tls_ca else None,
+                private_key=args.tls_key.read_bytes() if args.tls_key else None,
+                certificate_chain=args.tls_cert.read_bytes() if args.tls_cert else None,
+            )
+        except OSError as error:
+            raise _CliError(f"cannot read the TLS files: {error}", status=2) from None
+    channel = (
+        grpc.secure_channel(target, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(target)
+    )
+    try:
+        yield target, pb_grpc.WorkspaceCoordinatorStub(channel)
     except grpc.RpcError as error:
         code = error.code() if isinstance(error, grpc.Call) else None
         details = error.details() if isinstance(error, grpc.Call) else str(error)
-        print(
-            f"moe-sidecar groups: {target}: {code.name if code else 'error'}: {details}",
-            file=sys.stderr,
+        raise _CliError(f"{target}: {code.name if code else 'error'}: {details}") from None
+    finally:
+        channel.close()
+
+
+def _list_all(
+    stub: pb_grpc.WorkspaceCoordinatorStub, timeout: float, idle_for: float = 0.0
+) -> list[GroupSummary]:
+    """Every group (or every idle one), page by page."""
+    groups: list[GroupSummary] = []
+    token = ""
+    while True:
+        response = stub.ListGroups(
+            pb.ListGroupsRequest(page_token=token, idle_for_seconds=idle_for), timeout=timeout
         )
-        return 1
-    try:
-        groups = [summary_from_proto(g) for g in response.groups]
-    except InvalidArgument as error:
-        print(f"moe-sidecar groups: {target}: malformed answer: {error}", file=sys.stderr)
-        return 1
+        try:
+            groups.extend(summary_from_proto(g) for g in response.groups)
+        except InvalidArgument as error:
+            raise _CliError(f"malformed answer: {error}") from None
+        token = response.next_page_token
+        if not token:
+            return groups
+
+
+def _run_client_command(
+    name: str, body: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except _CliError as error:
+            print(f"moe-sidecar {name}: {error}", file=sys.stderr)
+            return error.status
+
+    return run
+
+
+def _add_groups_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--idle-for",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="only groups with no open round and no activity for this long (candidates for remove)",
+    )
+
+
+def _groups(args: argparse.Namespace) -> int:
+    with _stub(args) as (_, stub):
+        groups = _list_all(stub, args.timeout, args.idle_for)
     if args.json:
         print(json.dumps(groups_as_json(groups), indent=2))
     else:
@@ -142,7 +251,65 @@ GROUPS = Command(
     name="groups",
     help="print every group of a running sidecar: plan, generation, ranks, growth history",
     add_arguments=_add_groups_arguments,
-    run=_run_groups,
+    run=_run_client_command("groups", _groups),
+)
+
+
+def _add_reset_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("group", help="the group whose stored plan to forget")
+    _add_target_arguments(parser)
+
+
+def _reset(args: argparse.Namespace) -> int:
+    with _stub(args) as (target, stub):
+        group = summary_from_proto(
+            stub.ResetGroup(pb.ResetGroupRequest(group=args.group), timeout=args.timeout)
+        )
+    print(
+        f"group {group.name} at {target}: stored plan forgotten, epoch {group.epoch} begins; "
+        "the group's next lifetime starts from its first layer"
+    )
+    return 0
+
+
+RESET = Command(
+    name="reset",
+    help="forget a group's stored plan (admin: the sidecar needs --enable-admin)",
+    add_arguments=_add_reset_arguments,
+    run=_run_client_command("reset", _reset),
+)
+
+
+def _add_remove_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("groups", nargs="*", metavar="GROUP", help="groups to remove")
+    _add_target_arguments(parser)
+    parser.add_argument(
+        "--idle-for",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="remove every group idle this long (no open round, no activity)",
+    )
+
+
+def _remove(args: argparse.Namespace) -> int:
+    if bool(args.groups) == (args.idle_for is not None):
+        raise _CliError("name the groups to remove, or give --idle-for SECONDS (not both)", 2)
+    with _stub(args) as (target, stub):
+        names = args.groups or [g.name for g in _list_all(stub, args.timeout, args.idle_for)]
+        for name in names:
+            stub.RemoveGroup(pb.RemoveGroupRequest(group=name), timeout=args.timeout)
+            print(f"removed group {name} from {target}")
+    if not names:
+        print(f"no group of {target} has been idle for {args.idle_for:g} s")
+    return 0
+
+
+REMOVE = Command(
+    name="remove",
+    help="remove groups entirely, e.g. idle ones (admin: the sidecar needs --enable-admin)",
+    add_arguments=_add_remove_arguments,
+    run=_run_client_command("remove", _remove),
 )
 
 
@@ -318,7 +485,7 @@ PREWARM = Command(
     run=_run_prewarm,
 )
 
-COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, SIMULATE, PREWARM)
+COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, RESET, REMOVE, SIMULATE, PREWARM)
 
 
 def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:

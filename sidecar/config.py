@@ -10,6 +10,7 @@ must not silently run with a default), except the keys of the client library
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ __all__ = [
     "SidecarConfig",
     "add_serve_arguments",
     "config_from_flags",
+    "is_loopback",
     "parse_listen_address",
 ]
 
@@ -33,6 +35,18 @@ DEFAULT_LISTEN = (DEFAULT_TARGET,)
 MAX_UNIX_PATH_BYTES = 107
 """Linux's ``sun_path`` holds 108 bytes including the terminating NUL."""
 LOG_FORMATS = ("json", "text")
+MAX_LIMIT = 1 << 20
+LIMIT_FIELDS = (
+    "max_groups",
+    "max_watchers",
+    "max_concurrent_rpcs",
+    "max_streams_per_connection",
+    "max_health_rpcs",
+    "max_metrics_connections",
+    "max_group_series",
+    "max_page_size",
+)
+"""Every bounded resource's limit (all flags; the metrics export them too)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_SECONDS = 86400.0
 
@@ -56,38 +70,60 @@ class ListenAddress:
         return self.unix_path is not None
 
 
-def parse_listen_address(value: str) -> ListenAddress:
+ADDRESS_FORMS = "'unix:///absolute/path.sock', 'unix:relative/path.sock' or 'host:port'"
+
+
+def parse_listen_address(value: str, field: str = "listen") -> ListenAddress:
     """Parses ``unix:///abs/path``, ``unix:rel/path`` or ``host:port``.
+
+    The same forms serve ``--listen`` and every client target
+    (``--target``, ``MOE_SIDECAR_TARGET``); ``field`` names the source in errors.
 
     Raises:
         ConfigError: the address is malformed, the socket path too long, or
-            the port out of range.
+            the port out of range (the message names ``field`` and the
+            forms expected).
     """
     if value.startswith("unix:"):
         raw = value[len("unix://") :] if value.startswith("unix://") else value[len("unix:") :]
+        if value.startswith("unix://") and raw and not raw.startswith("/"):
+            raise ConfigError(
+                f"{field}={value!r}: 'unix://' takes an absolute path ('unix:///run/x.sock'); "
+                f"a relative one is 'unix:{raw}'"
+            )
         if not raw:
-            raise ConfigError(f"listen={value!r}: a Unix socket address needs a path")
+            raise ConfigError(f"{field}={value!r}: a Unix socket address needs a path")
         if len(raw.encode()) > MAX_UNIX_PATH_BYTES:
             raise ConfigError(
-                f"listen={value!r}: the socket path is {len(raw.encode())} bytes; "
+                f"{field}={value!r}: the socket path is {len(raw.encode())} bytes; "
                 f"Linux allows at most {MAX_UNIX_PATH_BYTES}"
             )
         return ListenAddress(target=value, unix_path=Path(raw))
     host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(
-            f"listen={value!r}: expected 'unix:///path/to/socket' or 'host:port' "
-            "(e.g. 127.0.0.1:50051)"
-        )
+    if not sep or not host or "/" in value:
+        raise ConfigError(f"{field}={value!r}: expected {ADDRESS_FORMS} (e.g. 127.0.0.1:50051)")
     if host.startswith("[") != host.endswith("]"):
-        raise ConfigError(f"listen={value!r}: unbalanced brackets around an IPv6 host")
+        raise ConfigError(f"{field}={value!r}: unbalanced brackets around an IPv6 host")
     try:
         port = int(port_text)
     except ValueError:
-        raise ConfigError(f"listen={value!r}: port {port_text!r} is not a number") from None
+        raise ConfigError(
+            f"{field}={value!r}: port {port_text!r} is not a number; expected {ADDRESS_FORMS}"
+        ) from None
     if not 0 <= port <= 65535:
-        raise ConfigError(f"listen={value!r}: port {port} is not in [0, 65535]")
+        raise ConfigError(f"{field}={value!r}: port {port} is not in [0, 65535]")
     return ListenAddress(target=value, host=host, port=port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (of a ``host:port``) is a loopback address."""
+    bare = host[1:-1] if host.startswith("[") else host
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_port(name: str, value: int | None) -> None:
@@ -123,6 +159,30 @@ class SidecarConfig:
     log_level: str = "INFO"
     grace_period: float = 5.0
     enable_admin: bool = False
+    max_groups: int = 1024
+    """Groups the sidecar keeps; a proposal for one more is RESOURCE_EXHAUSTED."""
+    max_watchers: int = 64
+    """Watch streams open at once."""
+    max_concurrent_rpcs: int = 4096
+    """RPCs in flight at once on the coordinator's listeners (each waiting
+    Propose and each Watch is one)."""
+    max_streams_per_connection: int = 256
+    """HTTP/2 streams one client connection may open at once."""
+    max_health_rpcs: int = 64
+    """RPCs in flight at once on the health port (kubelet probes, Health.Watch)."""
+    max_metrics_connections: int = 16
+    """Connections the metrics endpoint serves at once."""
+    max_group_series: int = 256
+    """Groups with metric series of their own; the rest are summed under group="_other"."""
+    max_page_size: int = 500
+    """Most groups one ListGroups page holds."""
+    metrics_host: str = "0.0.0.0"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    """With it, TCP listeners require client certificates signed by this CA (mTLS)."""
+    insecure: bool = False
+    """Allow plaintext TCP beyond loopback (the operator knows the network is private)."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +206,43 @@ class SidecarConfig:
             raise ConfigError(f"log_format={self.log_format!r}: must be one of {LOG_FORMATS}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
+        for name in LIMIT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+                raise ConfigError(f"{name}={value!r}: must be an integer in [1, {MAX_LIMIT}]")
+        if not self.metrics_host:
+            raise ConfigError("metrics_host='': must name an address to bind")
+        self._check_tls()
+
+    @property
+    def tls(self) -> bool:
+        """Whether TCP listeners serve TLS."""
+        return self.tls_cert is not None
+
+    def _check_tls(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r}: give both or neither"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError(
+                f"tls_client_ca={str(self.tls_client_ca)!r}: client certificates need "
+                "--tls-cert and --tls-key too"
+            )
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name}={str(path)!r}: no such file")
+        if self.tls or self.insecure:
+            return
+        for address in self.listen_addresses:
+            if not address.is_unix and not is_loopback(address.host):
+                raise ConfigError(
+                    f"listen={address.target!r}: TCP beyond loopback needs TLS (--tls-cert and "
+                    "--tls-key, optionally --tls-client-ca for client certificates), or "
+                    "--insecure if this network is private and every peer on it may act as "
+                    "any rank"
+                )
 
 
 # --- flags and environment -------------------------------------------------------
@@ -249,6 +346,78 @@ _OPTIONS = (
         _bool,
         "allow admin calls (ResetGroup); off by default",
     ),
+    _Option(
+        "--max-groups",
+        "max_groups",
+        int,
+        "groups kept at most; a new one beyond is refused RESOURCE_EXHAUSTED (default 1024)",
+        "N",
+    ),
+    _Option("--max-watchers", "max_watchers", int, "Watch streams at once (default 64)", "N"),
+    _Option(
+        "--max-concurrent-rpcs",
+        "max_concurrent_rpcs",
+        int,
+        "RPCs in flight at once on the coordinator listeners (default 4096)",
+        "N",
+    ),
+    _Option(
+        "--max-streams-per-connection",
+        "max_streams_per_connection",
+        int,
+        "HTTP/2 streams per client connection (default 256)",
+        "N",
+    ),
+    _Option(
+        "--max-health-rpcs",
+        "max_health_rpcs",
+        int,
+        "RPCs in flight at once on the health port (default 64)",
+        "N",
+    ),
+    _Option(
+        "--max-metrics-connections",
+        "max_metrics_connections",
+        int,
+        "connections the metrics endpoint serves at once (default 16)",
+        "N",
+    ),
+    _Option(
+        "--max-group-series",
+        "max_group_series",
+        int,
+        'groups with metric series of their own; the rest sum into group="_other" (default 256)',
+        "N",
+    ),
+    _Option(
+        "--max-page-size",
+        "max_page_size",
+        int,
+        "groups per ListGroups page at most (default 500)",
+        "N",
+    ),
+    _Option(
+        "--metrics-host",
+        "metrics_host",
+        str,
+        "address the metrics endpoint binds (default 0.0.0.0; 127.0.0.1 keeps it on loopback)",
+        "HOST",
+    ),
+    _Option("--tls-cert", "tls_cert", Path, "PEM certificate for TCP listeners", "FILE"),
+    _Option("--tls-key", "tls_key", Path, "PEM private key for TCP listeners", "FILE"),
+    _Option(
+        "--tls-client-ca",
+        "tls_client_ca",
+        Path,
+        "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
+        "FILE",
+    ),
+    _Option(
+        "--insecure",
+        "insecure",
+        _bool,
+        "allow plaintext TCP listeners beyond loopback (off by default)",
+    ),
 )
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
 
@@ -269,7 +438,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 metavar=option.metavar,
                 help=option.help + env_help,
             )
-        elif option.dest == "enable_admin":
+        elif option.convert is _bool:
             parser.add_argument(
                 option.flag,
                 dest=option.dest,

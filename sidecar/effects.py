@@ -48,6 +48,7 @@ class EventKind(enum.Enum):
     RESET = "reset"
     LIFETIME_STARTED = "lifetime_started"
     ROUND_ABORTED = "round_aborted"
+    GROUP_REMOVED = "group_removed"
 
 
 @dataclass(frozen=True)

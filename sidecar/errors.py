@@ -24,6 +24,7 @@ __all__ = [
     "ResourceExhausted",
     "RoundAborted",
     "RoundTimedOut",
+    "UndecodableRequest",
     "error_for_code",
 ]
 
@@ -70,6 +71,11 @@ class InvalidArgument(CoordinatorError):
     def of(cls, field: str, value: object, reason: str) -> InvalidArgument:
         """The error for ``field`` holding ``value``, with a message naming both."""
         return cls(f"{field}={value!r}: {reason}", field=field, value=value)
+
+
+class UndecodableRequest(InvalidArgument):
+    """A request's bytes are not the method's message (INVALID_ARGUMENT, and
+    counted and logged apart: it is a broken or hostile peer, not a rank)."""
 
 
 class GroupNotFound(CoordinatorError):

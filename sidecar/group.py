@@ -157,6 +157,14 @@ class GroupState:
     ranks: tuple[RankRecord, ...] = ()
     history: tuple[Growth, ...] = ()
 
+    def last_activity(self) -> float:
+        """When a rank last proposed or committed, or the plan last grew (0: never)."""
+        return max([r.last_seen for r in self.ranks] + [g.at for g in self.history], default=0.0)
+
+    def busy(self) -> bool:
+        """Whether a round or a restart is collecting proposals."""
+        return self.open_round is not None or self.pending is not None
+
     def next_deadline(self) -> float | None:
         """The earliest deadline of the open and the pending round (None: neither)."""
         deadlines = [r.deadline for r in (self.open_round, self.pending) if r is not None]
@@ -218,6 +226,8 @@ class GroupSummary:
     waiting_ranks: int
     restarting_ranks: int
     """Ranks that began new lifetimes and wait for the rest of the restart."""
+    last_activity: float
+    """When a rank last proposed or committed, or the plan last grew (0: never)."""
     ranks: tuple[RankSummary, ...]
     history: tuple[Growth, ...]
 
@@ -240,6 +250,7 @@ def summarize(state: GroupState) -> GroupSummary:
         open_round=rnd.number if rnd is not None else 0,
         waiting_ranks=len(rnd.proposals) if rnd is not None else 0,
         restarting_ranks=len(state.pending.proposals) if state.pending is not None else 0,
+        last_activity=state.last_activity(),
         ranks=tuple(
             RankSummary(
                 ep_rank=r.ep_rank,

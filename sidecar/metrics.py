@@ -1,19 +1,30 @@
-"""Prometheus metrics of one sidecar, in a registry of its own.
+"""Prometheus metrics of one sidecar, in a registry of its own, and their endpoint.
 
 A registry per :class:`SidecarMetrics` (not prometheus_client's global one)
 lets several servers run in one process, as the tests do, without their
-series colliding.
+series colliding, and keeps the endpoint to the project's own series.
+
+Everything is bounded: at most ``max_group_series`` groups get series of
+their own (later ones are summed under ``group="_other"``, and a removed
+group's series go with it), and the endpoint (:class:`MetricsEndpoint`, an
+asyncio server on the sidecar's loop) serves at most ``max_connections``
+connections at once, each with a deadline, so idle connections cost no
+threads and cannot pile up.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = [
+    "OTHER_GROUPS",
     "ROUND_LATENCY_BUCKETS",
     "GroupSeries",
     "MetricsEndpoint",
@@ -43,6 +54,13 @@ ROUND_LATENCY_BUCKETS = (
     120.0,
 )
 """Rounds normally close in well under a millisecond; a slow rank makes it seconds."""
+OTHER_GROUPS = "_other"
+"""The ``group`` label of every group beyond ``max_group_series``."""
+REQUEST_TIMEOUT_S = 5.0
+"""A metrics connection must send its request within this long."""
+MAX_REQUEST_BYTES = 8192
+
+_log = logging.getLogger("moe_sidecar.metrics")
 
 
 @dataclass
@@ -54,8 +72,9 @@ class GroupSeries:
     rounds: Counter
     """The unlabelled family; children per action are cached below."""
     rebuilds: Counter
-    workspace_bytes: Gauge
-    waiting_ranks: Gauge
+    workspace_bytes: Gauge | None
+    """None for the summed ``_other`` series: a size is not a sum."""
+    waiting_ranks: Gauge | None
     rounds_by_action: dict[str, Counter] = field(default_factory=dict)
 
     def round_closed(self, action: str) -> None:
@@ -66,15 +85,30 @@ class GroupSeries:
             self.rounds_by_action[action] = child
         child.inc()
 
+    def set_sizes(self, workspace_bytes: int, waiting_ranks: int) -> None:
+        """The group's current plan size and waiting ranks (not for ``_other``)."""
+        if self.workspace_bytes is not None and self.waiting_ranks is not None:
+            self.workspace_bytes.set(workspace_bytes)
+            self.waiting_ranks.set(waiting_ranks)
+
 
 class SidecarMetrics:
-    """Every series the sidecar exports; the state holder and the error mapper update it."""
+    """Every series the sidecar exports; the state holder and the servers update it.
 
-    def __init__(self) -> None:
+    Args:
+        max_group_series: groups with series of their own.
+        limits: each bounded resource's limit, exported as ``moe_sidecar_limit``.
+    """
+
+    def __init__(
+        self, max_group_series: int = 256, limits: Mapping[str, int] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
+        self._max_group_series = max_group_series
         self.rounds = Counter(
             "moe_sidecar_rounds",
-            "Closed rounds by group and outcome (build, reuse, rebuild, refused, timed_out).",
+            "Closed rounds by group and outcome (build, reuse, rebuild, refused, timed_out, "
+            "aborted).",
             ["group", "action"],
             registry=self.registry,
         )
@@ -102,6 +136,12 @@ class SidecarMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.undecodable = Counter(
+            "moe_sidecar_undecodable_requests",
+            "Requests whose bytes are not the method's message (answered INVALID_ARGUMENT).",
+            ["method"],
+            registry=self.registry,
+        )
         self.waiting_ranks = Gauge(
             "moe_sidecar_waiting_ranks",
             "Local ranks that proposed the group's open round and wait for the rest.",
@@ -113,45 +153,143 @@ class SidecarMetrics:
             "Groups this sidecar knows.",
             registry=self.registry,
         )
+        self.limit = Gauge(
+            "moe_sidecar_limit",
+            "The configured limit of each bounded resource (the --max-* flags).",
+            ["resource"],
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "moe_sidecar_limit_refusals",
+            "Requests refused because a bounded resource was full, by resource.",
+            ["resource"],
+            registry=self.registry,
+        )
+        for resource, value in (limits or {}).items():
+            self.limit.labels(resource=resource).set(value)
         self._groups: dict[str, GroupSeries] = {}
+        self._other: GroupSeries | None = None
 
     def group(self, name: str) -> GroupSeries:
-        """The series of group ``name``."""
+        """The series of group ``name`` (the summed ``_other`` series beyond the limit)."""
         series = self._groups.get(name)
-        if series is None:
-            series = self._groups[name] = GroupSeries(
-                name=name,
-                rounds=self.rounds,
-                rebuilds=self.rebuilds.labels(group=name),
-                workspace_bytes=self.workspace_bytes.labels(group=name),
-                waiting_ranks=self.waiting_ranks.labels(group=name),
-            )
+        if series is not None:
+            return series
+        if len(self._groups) >= self._max_group_series:
+            if self._other is None:
+                self._other = GroupSeries(
+                    name=OTHER_GROUPS,
+                    rounds=self.rounds,
+                    rebuilds=self.rebuilds.labels(group=OTHER_GROUPS),
+                    workspace_bytes=None,
+                    waiting_ranks=None,
+                )
+            return self._other
+        series = self._groups[name] = GroupSeries(
+            name=name,
+            rounds=self.rounds,
+            rebuilds=self.rebuilds.labels(group=name),
+            workspace_bytes=self.workspace_bytes.labels(group=name),
+            waiting_ranks=self.waiting_ranks.labels(group=name),
+        )
         return series
+
+    def forget(self, name: str) -> None:
+        """Drops a removed group's series. Idempotent."""
+        series = self._groups.pop(name, None)
+        if series is None:
+            return
+        for family in (self.rebuilds, self.workspace_bytes, self.waiting_ranks):
+            with contextlib.suppress(KeyError):
+                family.remove(name)
+        for action in series.rounds_by_action:
+            with contextlib.suppress(KeyError):
+                self.rounds.remove(name, action)
+
+    def refused(self, resource: str) -> None:
+        """Counts one request refused because ``resource`` was full."""
+        self.refusals.labels(resource=resource).inc()
 
 
 @dataclass
 class MetricsEndpoint:
-    """The HTTP server exposing a registry; ``port`` is the bound port."""
+    """The HTTP endpoint exposing a registry; ``port`` is the bound port."""
 
     port: int
-    _server: WSGIServer
-    _thread: threading.Thread
+    _server: asyncio.Server
+    _connections: set[asyncio.Task[None]]
 
-    def stop(self) -> None:
-        """Stops serving and frees the port. Idempotent."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join(timeout=5.0)
-        self._server.server_close()
+    async def stop(self) -> None:
+        """Stops serving, ends open connections and frees the port. Idempotent."""
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._server.wait_closed()
 
 
-def start_metrics_endpoint(
-    metrics: SidecarMetrics, port: int, host: str = "0.0.0.0"
+async def _serve_one(
+    metrics: SidecarMetrics, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+    except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        return
+    method, _, rest = head.partition(b" ")
+    path = rest.partition(b" ")[0].partition(b"?")[0]
+    if method not in (b"GET", b"HEAD"):
+        status, body, kind = b"405 Method Not Allowed", b"only GET\n", b"text/plain"
+    elif path not in (b"/", b"/metrics"):
+        status, body, kind = b"404 Not Found", b"see /metrics\n", b"text/plain"
+    else:
+        status, body, kind = (
+            b"200 OK",
+            generate_latest(metrics.registry),
+            CONTENT_TYPE_LATEST.encode(),
+        )
+    writer.write(
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: "
+        + kind
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+        + (body if method != b"HEAD" else b"")
+    )
+    with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+        await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+
+
+async def start_metrics_endpoint(
+    metrics: SidecarMetrics, port: int, host: str = "0.0.0.0", *, max_connections: int = 16
 ) -> MetricsEndpoint:
     """Serves ``metrics`` over HTTP on ``host:port`` (port 0: any free port).
+
+    At most ``max_connections`` connections are served at once; one more is
+    closed at once (and counted as a refusal of ``metrics_connections``).
 
     Raises:
         OSError: the port cannot be bound.
     """
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return MetricsEndpoint(port=int(server.server_address[1]), _server=server, _thread=thread)
+    connections: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(connections) >= max_connections:
+            metrics.refused("metrics_connections")
+            writer.close()
+            return
+        connections.add(task)
+        try:
+            await _serve_one(metrics, reader, writer)
+        finally:
+            connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_BYTES)
+    bound = int(server.sockets[0].getsockname()[1])
+    return MetricsEndpoint(port=bound, _server=server, _connections=connections)

@@ -65,6 +65,7 @@ from moe_sidecar.plan import (
 __all__ = [
     "MAX_HISTORY",
     "RETAINED_ROUNDS",
+    "check_removable",
     "commit",
     "expire",
     "new_group",
@@ -820,6 +821,22 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
             ),
         ),
     )
+
+
+def check_removable(state: GroupState) -> None:
+    """Whether an admin may remove the group now.
+
+    Raises:
+        PreconditionFailed: a round or a restart of the group is collecting
+            proposals (its ranks are waiting for an answer).
+    """
+    if state.busy():
+        waiting = len(state.open_round.proposals) if state.open_round else 0
+        restarting = len(state.pending.proposals) if state.pending else 0
+        raise PreconditionFailed(
+            f"group {state.name!r} is in use: {waiting} rank(s) wait in an open round and "
+            f"{restarting} in a restart; remove it once its ranks are gone"
+        )
 
 
 def reset(state: GroupState, now: float) -> Step:

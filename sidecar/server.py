@@ -29,13 +29,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from moe_sidecar.config import ListenAddress, SidecarConfig
+from moe_sidecar.config import LIMIT_FIELDS, ListenAddress, SidecarConfig
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
-from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer
+from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_handler
 from moe_sidecar.state import Clock, Coordinator
 from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.store import StateStore
-from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "HEALTH_HOST",
@@ -107,11 +106,38 @@ def _prepare_socket_path(path: Path) -> None:
         probe.close()
 
 
-def _bind(server: grpc.aio.Server, address: ListenAddress) -> str:
+def _server_credentials(config: SidecarConfig) -> grpc.ServerCredentials | None:
+    """TLS for the TCP listeners, when configured (mTLS with a client CA).
+
+    Raises:
+        StartupError: a certificate, key or CA file cannot be read.
+    """
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    try:
+        chain = config.tls_cert.read_bytes()
+        key = config.tls_key.read_bytes()
+        ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
+    except OSError as error:
+        raise StartupError(f"cannot read the TLS files: {error}") from None
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def _bind(
+    server: grpc.aio.Server,
+    address: ListenAddress,
+    credentials: grpc.ServerCredentials | None = None,
+) -> str:
     if address.unix_path is not None:
         _prepare_socket_path(address.unix_path)
     try:
-        port = server.add_insecure_port(address.target)
+        # Unix sockets are guarded by their file mode; TCP by TLS when configured.
+        if credentials is not None and address.unix_path is None:
+            port = server.add_secure_port(address.target, credentials)
+        else:
+            port = server.add_insecure_port(address.target)
     except RuntimeError as error:
         raise StartupError(f"cannot listen on {address.target!r}: {error}") from None
     if address.unix_path is not None:
@@ -155,7 +181,7 @@ class RunningServer:
             if self._health_server is not None:
                 await self._health_server.stop(None)
             if self._metrics_endpoint is not None:
-                self._metrics_endpoint.stop()
+                await self._metrics_endpoint.stop()
             for address in self.config.listen_addresses:
                 if address.unix_path is not None:
                     with contextlib.suppress(OSError):
@@ -181,17 +207,25 @@ async def _start_coordinator_server(
     """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
 
     Raises:
-        StartupError: an address cannot be bound.
+        StartupError: an address cannot be bound or the TLS files read.
     """
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
-    pb_grpc.add_WorkspaceCoordinatorServicer_to_server(
-        CoordinatorServicer(coordinator, ErrorTranslator(metrics)), server
+    server = grpc.aio.server(
+        options=(
+            *_SERVER_OPTIONS,
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+        ),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
+    servicer = CoordinatorServicer(
+        coordinator, ErrorTranslator(metrics), max_page_size=config.max_page_size
+    )
+    server.add_generic_rpc_handlers((coordinator_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = tuple(_bind(server, a) for a in config.listen_addresses)
+    credentials = _server_credentials(config)
+    bound = tuple(_bind(server, a, credentials) for a in config.listen_addresses)
     await server.start()
     for address in config.listen_addresses:
         if address.unix_path is not None:
@@ -200,14 +234,15 @@ async def _start_coordinator_server(
 
 
 async def _start_health_server(
-    port: int, health_servicer: health.aio.HealthServicer
+    port: int, health_servicer: health.aio.HealthServicer, max_rpcs: int
 ) -> tuple[grpc.aio.Server, int]:
-    """The plain-TCP health port for kubelet probes: Health and reflection only.
+    """The plain-TCP health port for kubelet probes: Health and reflection only,
+    at most ``max_rpcs`` calls (probes, Health.Watch streams) at once.
 
     Raises:
         StartupError: the port cannot be bound.
     """
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    server = grpc.aio.server(options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_rpcs)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # grpcurl (and anything else without the .proto) finds Health/Check
     # through reflection; only the health service is listed here.
@@ -218,16 +253,22 @@ async def _start_health_server(
     return server, bound
 
 
-def _start_metrics(metrics: SidecarMetrics, port: int) -> MetricsEndpoint:
-    """The Prometheus endpoint on ``port``.
+async def _start_metrics(
+    config: SidecarConfig, metrics: SidecarMetrics, port: int
+) -> MetricsEndpoint:
+    """The Prometheus endpoint on ``--metrics-host:port``.
 
     Raises:
         StartupError: the port cannot be bound.
     """
     try:
-        return start_metrics_endpoint(metrics, port, HEALTH_HOST)
+        return await start_metrics_endpoint(
+            metrics, port, config.metrics_host, max_connections=config.max_metrics_connections
+        )
     except OSError as error:
-        raise StartupError(f"cannot serve metrics on {HEALTH_HOST}:{port}: {error}") from None
+        raise StartupError(
+            f"cannot serve metrics on {config.metrics_host}:{port}: {error}"
+        ) from None
 
 
 async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> RunningServer:
@@ -240,7 +281,10 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         StoreError: the state directory is unusable (locked, corrupt, unknown schema).
         StartupError: an address cannot be bound.
     """
-    metrics = SidecarMetrics()
+    metrics = SidecarMetrics(
+        config.max_group_series,
+        limits={name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS},
+    )
     store = StateStore(config.state_dir)
     started: list[grpc.aio.Server] = []
     endpoint: MetricsEndpoint | None = None
@@ -251,6 +295,8 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             admin_enabled=config.enable_admin,
             metrics=metrics,
             clock=clock,
+            max_groups=config.max_groups,
+            max_watchers=config.max_watchers,
         )
         coordinator.start()
         health_servicer = await _health_servicer()
@@ -262,18 +308,18 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         health_port: int | None = None
         if config.health_port is not None:
             health_server, health_port = await _start_health_server(
-                config.health_port, health_servicer
+                config.health_port, health_servicer, config.max_health_rpcs
             )
             started.append(health_server)
         if config.metrics_port is not None:
-            endpoint = _start_metrics(metrics, config.metrics_port)
+            endpoint = await _start_metrics(config, metrics, config.metrics_port)
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
         for running in started:
             await running.stop(None)
         if endpoint is not None:
-            endpoint.stop()
+            await endpoint.stop()
         store.close()
         raise
     addresses = BoundAddresses(

@@ -22,6 +22,7 @@ was told, and the rank's retry rebuilds it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
 import logging
 import sqlite3
@@ -44,6 +45,7 @@ from moe_sidecar.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
     GroupNotFound,
+    ResourceExhausted,
 )
 from moe_sidecar.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.metrics import SidecarMetrics
@@ -101,8 +103,12 @@ class Coordinator:
         metrics: SidecarMetrics | None = None,
         clock: Clock = time.time,
         watch_queue_limit: int = WATCH_QUEUE_LIMIT,
+        max_groups: int = 1024,
+        max_watchers: int = 64,
     ) -> None:
         self._store = store
+        self._max_groups = max_groups
+        self._max_watchers = max_watchers
         self._round_timeout = round_timeout
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
@@ -219,6 +225,9 @@ class Coordinator:
                 self._subscribers.remove(subscription)
 
     def _observe(self, event: GroupEvent) -> None:
+        if event.kind is EventKind.GROUP_REMOVED:
+            _log.warning("group removed", extra={"group": event.group, "detail": event.message})
+            return
         series = self.metrics.group(event.group)
         if event.latency is not None:
             self.metrics.round_latency.observe(event.latency)
@@ -300,12 +309,21 @@ class Coordinator:
                 round was refused (heterogeneous layers, disagreeing ranks).
             RoundTimedOut: the round missed ranks past its deadline.
             RoundAborted: a rank restarted mid-round, or this rank's lifetime ended.
+            ResourceExhausted: a new group beyond ``--max-groups``.
             CoordinatorUnavailable: the sidecar is shutting down or cannot
                 persist the decision.
         """
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         before = self._groups.get(proposal.group)
+        if before is None and len(self._groups) >= self._max_groups:
+            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
+            self.metrics.refused("groups")
+            raise ResourceExhausted(
+                f"group={proposal.group!r} would be group {len(self._groups) + 1} of this "
+                f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
+                "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
+            )
         step = policy.propose(before, proposal, self._clock(), self._round_timeout)
         self._execute(step, before)
         reply = step.reply
@@ -447,6 +465,63 @@ class Coordinator:
         """Every group, by name."""
         return [self._groups[name] for name in sorted(self._groups)]
 
+    def groups_page(
+        self, after: str | None, size: int, idle_for: float = 0.0
+    ) -> tuple[list[GroupState], str | None]:
+        """Up to ``size`` groups named after ``after`` (in name order), and the
+        name to continue after (None: this was the last page).
+
+        ``idle_for`` > 0 keeps only groups with no open round or restart and
+        no activity for at least that many seconds.
+        """
+        now = self._clock()
+        names = sorted(self._groups)
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        page: list[GroupState] = []
+        for index in range(start, len(names)):
+            state = self._groups[names[index]]
+            if idle_for > 0 and (state.busy() or now - state.last_activity() < idle_for):
+                continue
+            if len(page) == size:
+                return page, page[-1].name
+            page.append(state)
+        return page, None
+
+    def remove(self, name: str) -> None:
+        """Forgets a group entirely (an admin call), freeing one of ``--max-groups``.
+
+        Raises:
+            AdminDisabled: the sidecar runs without ``--enable-admin``.
+            InvalidArgument: the name is malformed.
+            GroupNotFound: no such group.
+            PreconditionFailed: a round or a restart of the group is open.
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        self._check_admin("RemoveGroup", name)
+        state = self.group(name)
+        policy.check_removable(state)
+        try:
+            self._store.delete(name)
+        except sqlite3.Error as error:
+            raise CoordinatorUnavailable(f"cannot remove group {name!r}: {error}") from error
+        del self._groups[name]
+        self._dirty.discard(name)
+        self._set_deadline(name, None)
+        self.metrics.groups.set(len(self._groups))
+        self._publish(
+            GroupEvent(name, EventKind.GROUP_REMOVED, self._clock(), message="removed by an admin")
+        )
+        self.metrics.forget(name)
+
+    def _check_admin(self, call: str, name: str) -> None:
+        if not self._admin_enabled:
+            raise AdminDisabled(
+                f"{call}(group={name!r}) is an admin call; start the sidecar with "
+                "--enable-admin (env MOE_SIDECAR_ENABLE_ADMIN=true) to allow it"
+            )
+        if self._phase is _Phase.CLOSED:
+            raise CoordinatorUnavailable("the sidecar has stopped")
+
     def reset(self, name: str) -> GroupState:
         """Forgets a group's stored plan and history (an admin call).
 
@@ -456,13 +531,7 @@ class Coordinator:
             GroupNotFound: no such group.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        if not self._admin_enabled:
-            raise AdminDisabled(
-                f"ResetGroup(group={name!r}) is an admin call; start the sidecar with "
-                "--enable-admin (env MOE_SIDECAR_ENABLE_ADMIN=true) to allow it"
-            )
-        if self._phase is _Phase.CLOSED:
-            raise CoordinatorUnavailable("the sidecar has stopped")
+        self._check_admin("ResetGroup", name)
         state = self.group(name)
         step = policy.reset(state, self._clock())
         self._execute(step, state)
@@ -476,12 +545,19 @@ class Coordinator:
         Raises:
             InvalidArgument: the name is malformed.
             GroupNotFound: no such group.
+            ResourceExhausted: ``--max-watchers`` streams are open.
             CoordinatorUnavailable: the sidecar is shutting down.
         """
         if group:
             self.group(group)
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down")
+        if len(self._subscribers) >= self._max_watchers:
+            self.metrics.refused("watchers")
+            raise ResourceExhausted(
+                f"{len(self._subscribers)} Watch streams are open; --max-watchers is "
+                f"{self._max_watchers}"
+            )
         subscription = Subscription(group, self._watch_queue_limit)
         self._subscribers.append(subscription)
         return subscription
@@ -496,10 +572,7 @@ class Coordinator:
             self._subscribers.remove(subscription)
 
     def _update_gauges(self, state: GroupState) -> None:
-        series = self.metrics.group(state.name)
-        series.workspace_bytes.set(
-            state.plan.capacities.workspace_bytes(state.ep_size) if state.plan is not None else 0
-        )
-        series.waiting_ranks.set(
-            len(state.open_round.proposals) if state.open_round is not None else 0
+        self.metrics.group(state.name).set_sizes(
+            state.plan.capacities.workspace_bytes(state.ep_size) if state.plan is not None else 0,
+            len(state.open_round.proposals) if state.open_round is not None else 0,
         )

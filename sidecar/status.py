@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
 
-from moe_sidecar.errors import CoordinatorError, ErrorCode
+from moe_sidecar.errors import CoordinatorError, ErrorCode, UndecodableRequest
 from moe_sidecar.metrics import SidecarMetrics
 
-__all__ = ["GRPC_STATUS_FOR", "ErrorTranslator", "grpc_status_for"]
+__all__ = ["GRPC_STATUS_FOR", "ErrorTranslator", "OncePerPeer", "grpc_status_for"]
 
 T = TypeVar("T")
 
@@ -43,16 +45,61 @@ def grpc_status_for(code: ErrorCode) -> grpc.StatusCode:
     return GRPC_STATUS_FOR[code]
 
 
+class OncePerPeer:
+    """Says whether to log about a peer: at most once per ``interval`` seconds
+    per peer, remembering at most ``max_peers`` peers (the oldest forgotten)."""
+
+    def __init__(
+        self,
+        interval: float = 60.0,
+        max_peers: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._interval = interval
+        self._max_peers = max_peers
+        self._clock = clock
+        self._last: OrderedDict[str, float] = OrderedDict()
+
+    def __call__(self, peer: str) -> bool:
+        now = self._clock()
+        last = self._last.get(peer)
+        if last is not None and now - last < self._interval:
+            return False
+        self._last[peer] = now
+        self._last.move_to_end(peer)
+        while len(self._last) > self._max_peers:
+            self._last.popitem(last=False)
+        return True
+
+
 class ErrorTranslator:
     """Runs servicer work and turns its errors into gRPC aborts.
 
-    ``metrics`` counts every error answered, by status code.
+    ``metrics`` counts every error answered, by status code; undecodable
+    requests are counted by method too and logged at most once per peer per
+    minute (a flood of garbage must not flood the log).
     """
 
-    def __init__(self, metrics: SidecarMetrics) -> None:
+    def __init__(self, metrics: SidecarMetrics, log_peer: OncePerPeer | None = None) -> None:
         self._metrics = metrics
+        self._log_peer = log_peer if log_peer is not None else OncePerPeer()
 
-    def _status_of(self, error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    def _undecodable(
+        self, error: UndecodableRequest, method: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        self._metrics.undecodable.labels(method=method).inc()
+        peer = context.peer() or "unknown"
+        if self._log_peer(peer):
+            _log.warning(
+                "undecodable request",
+                extra={"method": method, "peer": peer, "detail": error.message},
+            )
+
+    def _status_of(
+        self, error: Exception, method: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> tuple[grpc.StatusCode, str]:
+        if isinstance(error, UndecodableRequest):
+            self._undecodable(error, method, context)
         if isinstance(error, CoordinatorError):
             return grpc_status_for(error.code), error.message
         _log.error(
@@ -87,7 +134,7 @@ class ErrorTranslator:
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as error:
-            code, message = self._status_of(error, method)
+            code, message = self._status_of(error, method, context)
         await self._abort(context, code, message)
         raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
 
@@ -110,7 +157,7 @@ class ErrorTranslator:
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as error:
-            code, message = self._status_of(error, method)
+            code, message = self._status_of(error, method, context)
         finally:
             # Runs the source's own cleanup now, not whenever it is collected.
             await items.aclose()

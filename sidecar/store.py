@@ -125,6 +125,7 @@ class StateStore:
                     f"{sorted(tables)}); this sidecar reads version {SCHEMA_VERSION}. "
                     "Move the file away to start from empty state."
                 )
+            self._probe_write(db)
         except sqlite3.DatabaseError as error:
             db.close()
             raise StoreError(
@@ -134,6 +135,25 @@ class StateStore:
             db.close()
             raise
         return db
+
+    def _probe_write(self, db: sqlite3.Connection) -> None:
+        """One committed write, so a database the sidecar cannot write stops the
+        start instead of failing every round after it reported SERVING.
+
+        Raises:
+            StoreError: the write failed (read-only file, WAL file not creatable).
+        """
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except sqlite3.OperationalError as error:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise StoreError(
+                f"{str(self.path)!r} cannot be written: {error}; the sidecar must store every "
+                "decision before it answers (check the file's and the state dir's permissions)"
+            ) from None
 
     def load(self) -> dict[str, GroupState]:
         """Every stored group, by name.
@@ -169,6 +189,14 @@ class StateStore:
             _UPSERT,
             (state.name, encode_group(state)),
         )
+
+    def delete(self, name: str) -> None:
+        """Removes one group's row in one committed transaction.
+
+        Raises:
+            sqlite3.Error: the write failed; nothing changed.
+        """
+        self._db.execute("DELETE FROM groups WHERE name = ?", (name,))
 
     def save_many(self, states: Iterable[GroupState]) -> None:
         """Writes several groups in one committed transaction.

@@ -12,10 +12,16 @@ input. Decoding a response the client received checks what it acts on.
 
 from __future__ import annotations
 
+import base64
+import math
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from moe_sidecar import limits
 from moe_sidecar.effects import EventKind, GroupEvent
-from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.errors import InvalidArgument, UndecodableRequest
 from moe_sidecar.group import (
     CommitRecord,
     Decision,
@@ -38,7 +44,10 @@ __all__ = [
     "commit_to_proto",
     "decision_from_proto",
     "decision_to_proto",
+    "decode_request",
     "event_to_proto",
+    "page_token_from_proto",
+    "page_token_to_proto",
     "plan_from_proto",
     "plan_to_proto",
     "proposal_from_proto",
@@ -62,6 +71,7 @@ _EVENT_TO_PROTO = {
     EventKind.RESET: pb.EVENT_KIND_RESET,
     EventKind.LIFETIME_STARTED: pb.EVENT_KIND_LIFETIME_STARTED,
     EventKind.ROUND_ABORTED: pb.EVENT_KIND_ROUND_ABORTED,
+    EventKind.GROUP_REMOVED: pb.EVENT_KIND_GROUP_REMOVED,
 }
 
 
@@ -138,6 +148,67 @@ def plan_from_proto(plan: pb.Plan, field: str = "plan") -> Plan:
 
 
 # --- requests ------------------------------------------------------------------------
+
+_Message = TypeVar("_Message", bound=Message)
+
+
+def decode_request(message_class: type[_Message], data: bytes) -> _Message:
+    """Parses a request's raw bytes as ``message_class``.
+
+    Raises:
+        UndecodableRequest: the bytes are not that message (INVALID_ARGUMENT).
+    """
+    try:
+        return message_class.FromString(data)
+    except (DecodeError, RecursionError, ValueError) as error:
+        name = message_class.DESCRIPTOR.full_name
+        raise UndecodableRequest(
+            f"request: {len(data)} bytes that are not a {name}: {error}",
+            field="request",
+            value=len(data),
+        ) from None
+
+
+_PAGE_TOKEN_PREFIX = "g1."
+
+
+def page_token_to_proto(after: str | None) -> str:
+    """The opaque token of the page that starts after group ``after`` ("" for none)."""
+    if after is None:
+        return ""
+    return _PAGE_TOKEN_PREFIX + base64.urlsafe_b64encode(after.encode()).decode().rstrip("=")
+
+
+def page_token_from_proto(
+    request: pb.ListGroupsRequest, default_size: int, max_size: int
+) -> tuple[int, str | None, float]:
+    """Page size (0: ``default_size``; above ``max_size``: ``max_size``), the
+    group name the page starts after, and the idle filter of a ``ListGroupsRequest``.
+
+    Raises:
+        InvalidArgument: a negative page size or idle time, or a token this
+            sidecar did not make.
+    """
+    if request.page_size < 0:
+        raise InvalidArgument.of("page_size", request.page_size, "must be >= 0")
+    idle = request.idle_for_seconds
+    if not math.isfinite(idle) or idle < 0:
+        raise InvalidArgument.of("idle_for_seconds", idle, "must be a finite number >= 0")
+    size = min(request.page_size or default_size, max_size)
+    token = request.page_token
+    if not token:
+        return size, None, idle
+    try:
+        if not token.startswith(_PAGE_TOKEN_PREFIX):
+            raise ValueError("unknown prefix")
+        encoded = token[len(_PAGE_TOKEN_PREFIX) :]
+        after = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+        limits.check_name("page_token", after, allow_empty=False)
+    except (ValueError, InvalidArgument):
+        raise InvalidArgument.of(
+            "page_token", token[:40], "is not a next_page_token of this sidecar"
+        ) from None
+    return size, after, idle
 
 
 def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
@@ -267,6 +338,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
         open_round=s.open_round,
         waiting_ranks=s.waiting_ranks,
         restarting_ranks=s.restarting_ranks,
+        last_activity=_timestamp(s.last_activity),
         ranks=[
             pb.RankState(
                 ep_rank=r.ep_rank,
@@ -304,6 +376,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
         open_round=group.open_round,
         waiting_ranks=group.waiting_ranks,
         restarting_ranks=group.restarting_ranks,
+        last_activity=_seconds(group.last_activity),
         ranks=tuple(
             RankSummary(
                 ep_rank=r.ep_rank,

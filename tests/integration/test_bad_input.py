@@ -261,18 +261,27 @@ async def test_reset_with_admin_enabled(tmp_path: Path) -> None:
         assert again == group
 
 
-async def test_garbage_bytes_do_not_hurt_the_server(server: RunningServer) -> None:
-    async with grpc.aio.insecure_channel(server.addresses.listen[0]) as channel:
-        raw = channel.unary_unary(
-            "/moe_workspace.v1.WorkspaceCoordinator/Propose",
-            request_serializer=lambda b: b,
-            response_deserializer=lambda b: b,
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await raw(b"\xff\xff\xff\xff not a protobuf", timeout=5)
-        # grpc.aio decodes before any servicer code runs and answers UNKNOWN itself.
-        assert info.value.code() == grpc.StatusCode.UNKNOWN
-        assert "ProposeRequest" in (info.value.details() or "")
+async def test_undecodable_bytes_are_invalid_argument_counted_and_change_nothing(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
     async with coordinator_stub(server.addresses.listen[0]) as stub:
-        group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
-        assert group.last_closed_round == 1
+        before = await _snapshot(stub)
+    async with grpc.aio.insecure_channel(server.addresses.listen[0]) as channel:
+        for method in ("Propose", "Commit", "GetGroup", "ListGroups", "ResetGroup"):
+            raw = channel.unary_unary(
+                f"/moe_workspace.v1.WorkspaceCoordinator/{method}",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await raw(b"\xff\xff\xff\xff not a protobuf", timeout=5)
+                assert info.value.code() == INVALID, method
+                assert "bytes that are not a moe_workspace.v1." in (info.value.details() or "")
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        assert await _snapshot(stub) == before
+    counted = server.metrics.undecodable.labels(method="Propose")._value.get()
+    assert counted == 3
+    # Logged once for the one peer (the same connection), not fifteen times.
+    logged = [r for r in caplog.records if r.getMessage() == "undecodable request"]
+    assert len(logged) == 1 and logged[0].__dict__["method"] == "Propose"

@@ -198,5 +198,13 @@ async def test_reflection_lists_every_service_and_serves_calls(
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }
-    assert methods == ["Commit", "GetGroup", "ListGroups", "Propose", "ResetGroup", "Watch"]
+    assert methods == [
+        "Commit",
+        "GetGroup",
+        "ListGroups",
+        "Propose",
+        "RemoveGroup",
+        "ResetGroup",
+        "Watch",
+    ]
     assert described == f"solo/ep1:{workspace_bytes(NVFP4.capacities, 1)}"

@@ -51,6 +51,25 @@ def test_every_flag() -> None:
             "--grace-period",
             "0",
             "--enable-admin",
+            "--insecure",
+            "--max-groups",
+            "10",
+            "--max-watchers",
+            "2",
+            "--max-concurrent-rpcs",
+            "300",
+            "--max-streams-per-connection",
+            "30",
+            "--max-health-rpcs",
+            "4",
+            "--max-metrics-connections",
+            "3",
+            "--max-group-series",
+            "5",
+            "--max-page-size",
+            "7",
+            "--metrics-host",
+            "127.0.0.1",
         ]
     )
     assert config.listen == ("unix:///run/moe/s.sock", "0.0.0.0:7000")
@@ -61,7 +80,11 @@ def test_every_flag() -> None:
     assert config.state_dir == Path("/tmp/state")
     assert config.round_timeout == 2.5 and config.grace_period == 0.0
     assert config.log_format == "text" and config.log_level == "DEBUG"
-    assert config.enable_admin is True
+    assert config.enable_admin is True and config.insecure is True
+    assert (config.max_groups, config.max_watchers, config.max_concurrent_rpcs) == (10, 2, 300)
+    assert (config.max_streams_per_connection, config.max_health_rpcs) == (30, 4)
+    assert (config.max_metrics_connections, config.max_group_series) == (3, 5)
+    assert config.max_page_size == 7 and config.metrics_host == "127.0.0.1"
 
 
 def test_every_env_key() -> None:
@@ -148,3 +171,41 @@ def test_construction_validates() -> None:
 def test_log_format_flag_choices() -> None:
     with pytest.raises(SystemExit):
         parse(["--log-format", "xml"])
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [("0.0.0.0:50051",), ("10.1.2.3:50051",), ("[::]:50051",), ("node-7.cluster:50051",)],
+)
+def test_tcp_beyond_loopback_needs_tls_or_insecure(listen: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError, match="TCP beyond loopback needs TLS"):
+        SidecarConfig(listen=listen)
+    assert SidecarConfig(listen=listen, insecure=True).listen == listen
+
+
+@pytest.mark.parametrize(
+    "listen", [("127.0.0.1:50051",), ("[::1]:50051",), ("localhost:1",), ("unix:///tmp/x.sock",)]
+)
+def test_loopback_and_sockets_need_no_tls(listen: tuple[str, ...]) -> None:
+    assert SidecarConfig(listen=listen).listen == listen
+
+
+def test_tls_files(tmp_path: Path) -> None:
+    cert, key, ca = (tmp_path / name for name in ("c.pem", "k.pem", "ca.pem"))
+    for path in (cert, key, ca):
+        path.write_text("x")
+    config = SidecarConfig(listen=("0.0.0.0:50051",), tls_cert=cert, tls_key=key, tls_client_ca=ca)
+    assert config.tls
+    with pytest.raises(ConfigError, match="give both or neither"):
+        SidecarConfig(tls_cert=cert)
+    with pytest.raises(ConfigError, match="client certificates need"):
+        SidecarConfig(tls_client_ca=ca)
+    with pytest.raises(ConfigError, match=r"tls_key='.*missing\.pem': no such file"):
+        SidecarConfig(tls_cert=cert, tls_key=tmp_path / "missing.pem")
+
+
+@pytest.mark.parametrize("field", ["max_groups", "max_watchers", "max_page_size"])
+@pytest.mark.parametrize("value", [0, -1, 1 << 21])
+def test_limits_have_ranges(field: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=f"{field}={value}"):
+        SidecarConfig(**{field: value})  # type: ignore[arg-type]

@@ -21,14 +21,15 @@ def _documented() -> dict[str, tuple[str, set[str]]]:
 
 
 def _exported() -> dict[str, tuple[str, set[str]]]:
-    metrics = SidecarMetrics()
+    metrics = SidecarMetrics(limits={"groups": 1024})
     # One sample in every labelled family, so each shows its label names.
     series = metrics.group("g")
     series.round_closed("build")
     series.rebuilds.inc()
-    series.workspace_bytes.set(1)
-    series.waiting_ranks.set(0)
+    series.set_sizes(1, 0)
     metrics.errors.labels("NOT_FOUND").inc()
+    metrics.undecodable.labels(method="Propose").inc()
+    metrics.refused("groups")
     metrics.round_latency.observe(0.001)
     metrics.groups.set(1)
     exported = {}

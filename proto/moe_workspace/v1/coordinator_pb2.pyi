@@ -70,7 +70,9 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_LIFETIME_STARTED: _EventKind.ValueType  # 6
     """A new lifetime of the group began (its ranks restarted)."""
     EVENT_KIND_ROUND_ABORTED: _EventKind.ValueType  # 7
-    """A round was abandoned because a rank restarted or the sidecar stopped."""
+    """A round was abandoned because the group restarted."""
+    EVENT_KIND_GROUP_REMOVED: _EventKind.ValueType  # 8
+    """An admin removed the group."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -86,7 +88,9 @@ EVENT_KIND_RESET: EventKind.ValueType  # 5
 EVENT_KIND_LIFETIME_STARTED: EventKind.ValueType  # 6
 """A new lifetime of the group began (its ranks restarted)."""
 EVENT_KIND_ROUND_ABORTED: EventKind.ValueType  # 7
-"""A round was abandoned because a rank restarted or the sidecar stopped."""
+"""A round was abandoned because the group restarted."""
+EVENT_KIND_GROUP_REMOVED: EventKind.ValueType  # 8
+"""An admin removed the group."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
@@ -404,12 +408,29 @@ Global___GroupEvent: _TypeAlias = GroupEvent  # noqa: Y015
 class ListGroupsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    IDLE_FOR_SECONDS_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Most groups to return; 0 means the default (100); above the sidecar's
+    --max-page-size it is reduced to that.
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous page; empty for the first page."""
+    idle_for_seconds: _builtins.float
+    """Only groups with no open round or restart and no activity for at least
+    this many seconds (0: every group).
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        idle_for_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_for_seconds", b"idle_for_seconds", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -420,16 +441,20 @@ class ListGroupsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GROUPS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token of the next page; empty on the last page."""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___Group]: ...
     def __init__(
         self,
         *,
         groups: _abc.Iterable[Global___Group] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -472,6 +497,40 @@ class ResetGroupRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResetGroupRequest: _TypeAlias = ResetGroupRequest  # noqa: Y015
+
+@_typing.final
+class RemoveGroupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveGroupRequest: _TypeAlias = RemoveGroupRequest  # noqa: Y015
+
+@_typing.final
+class RemoveGroupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveGroupResponse: _TypeAlias = RemoveGroupResponse  # noqa: Y015
 
 @_typing.final
 class RankState(_message.Message):
@@ -570,6 +629,7 @@ class Group(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     RESTARTING_RANKS_FIELD_NUMBER: _builtins.int
+    LAST_ACTIVITY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -595,6 +655,10 @@ class Group(_message.Message):
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankState]: ...
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___Growth]: ...
+    @_builtins.property
+    def last_activity(self) -> _timestamp_pb2.Timestamp:
+        """When a rank last proposed or committed, or the plan last grew."""
+
     def __init__(
         self,
         *,
@@ -610,10 +674,11 @@ class Group(_message.Message):
         ranks: _abc.Iterable[Global___RankState] | None = ...,
         history: _abc.Iterable[Global___Growth] | None = ...,
         restarting_ranks: _builtins.int = ...,
+        last_activity: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

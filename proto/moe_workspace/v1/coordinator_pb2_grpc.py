@@ -64,6 +64,11 @@ class WorkspaceCoordinatorStub:
                 request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ResetGroupRequest.SerializeToString,
                 response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.Group.FromString,
                 _registered_method=True)
+        self.RemoveGroup = channel.unary_unary(
+                '/moe_workspace.v1.WorkspaceCoordinator/RemoveGroup',
+                request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupRequest.SerializeToString,
+                response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupResponse.FromString,
+                _registered_method=True)
 
 
 class WorkspaceCoordinatorServicer:
@@ -94,7 +99,8 @@ class WorkspaceCoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListGroups(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Groups in name order, a page at a time (page_size, page_token).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -108,6 +114,14 @@ class WorkspaceCoordinatorServicer:
     def ResetGroup(self, request, context):
         """Forgets a group's stored plan so that its next lifetime may start smaller.
         Refused with PERMISSION_DENIED unless the sidecar runs with --enable-admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveGroup(self, request, context):
+        """Forgets a group entirely (to free one of --max-groups). Refused while a
+        round or a restart of the group is open; admin only, as ResetGroup.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +159,11 @@ def add_WorkspaceCoordinatorServicer_to_server(servicer, server):
                     servicer.ResetGroup,
                     request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ResetGroupRequest.FromString,
                     response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.Group.SerializeToString,
+            ),
+            'RemoveGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveGroup,
+                    request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupRequest.FromString,
+                    response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class WorkspaceCoordinator:
             '/moe_workspace.v1.WorkspaceCoordinator/ResetGroup',
             moe__workspace_dot_v1_dot_coordinator__pb2.ResetGroupRequest.SerializeToString,
             moe__workspace_dot_v1_dot_coordinator__pb2.Group.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_workspace.v1.WorkspaceCoordinator/RemoveGroup',
+            moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupRequest.SerializeToString,
+            moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

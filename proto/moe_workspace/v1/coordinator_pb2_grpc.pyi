@@ -50,10 +50,15 @@ class WorkspaceCoordinatorStub:
     Watch: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.WatchRequest, _coordinator_pb2.GroupEvent]
     """Streams group events (rounds decided, rebuilds, commits, resets, timeouts)."""
     ListGroups: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListGroupsRequest, _coordinator_pb2.ListGroupsResponse]
+    """Groups in name order, a page at a time (page_size, page_token)."""
     GetGroup: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetGroupRequest, _coordinator_pb2.Group]
     ResetGroup: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResetGroupRequest, _coordinator_pb2.Group]
     """Forgets a group's stored plan so that its next lifetime may start smaller.
     Refused with PERMISSION_DENIED unless the sidecar runs with --enable-admin.
+    """
+    RemoveGroup: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RemoveGroupRequest, _coordinator_pb2.RemoveGroupResponse]
+    """Forgets a group entirely (to free one of --max-groups). Refused while a
+    round or a restart of the group is open; admin only, as ResetGroup.
     """
 
 @_typing.type_check_only
@@ -71,10 +76,15 @@ class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
     Watch: _aio.UnaryStreamMultiCallable[_coordinator_pb2.WatchRequest, _coordinator_pb2.GroupEvent]  # type: ignore[assignment]
     """Streams group events (rounds decided, rebuilds, commits, resets, timeouts)."""
     ListGroups: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListGroupsRequest, _coordinator_pb2.ListGroupsResponse]  # type: ignore[assignment]
+    """Groups in name order, a page at a time (page_size, page_token)."""
     GetGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetGroupRequest, _coordinator_pb2.Group]  # type: ignore[assignment]
     ResetGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResetGroupRequest, _coordinator_pb2.Group]  # type: ignore[assignment]
     """Forgets a group's stored plan so that its next lifetime may start smaller.
     Refused with PERMISSION_DENIED unless the sidecar runs with --enable-admin.
+    """
+    RemoveGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RemoveGroupRequest, _coordinator_pb2.RemoveGroupResponse]  # type: ignore[assignment]
+    """Forgets a group entirely (to free one of --max-groups). Refused while a
+    round or a restart of the group is open; admin only, as ResetGroup.
     """
 
 class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -112,7 +122,8 @@ class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _coordinator_pb2.ListGroupsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.ListGroupsResponse, _abc.Awaitable[_coordinator_pb2.ListGroupsResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.ListGroupsResponse, _abc.Awaitable[_coordinator_pb2.ListGroupsResponse]]:
+        """Groups in name order, a page at a time (page_size, page_token)."""
 
     @_abc_1.abstractmethod
     def GetGroup(
@@ -129,6 +140,16 @@ class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.Group, _abc.Awaitable[_coordinator_pb2.Group]]:
         """Forgets a group's stored plan so that its next lifetime may start smaller.
         Refused with PERMISSION_DENIED unless the sidecar runs with --enable-admin.
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveGroup(
+        self,
+        request: _coordinator_pb2.RemoveGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RemoveGroupResponse, _abc.Awaitable[_coordinator_pb2.RemoveGroupResponse]]:
+        """Forgets a group entirely (to free one of --max-groups). Refused while a
+        round or a restart of the group is open; admin only, as ResetGroup.
         """
 
 def add_WorkspaceCoordinatorServicer_to_server(servicer: WorkspaceCoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
