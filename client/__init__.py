@@ -17,6 +17,8 @@ from moe_sidecar.client.errors import (
     InternalError,
     InvalidArgument,
     PreconditionFailed,
+    RankLost,
+    ResourceExhausted,
     RoundAborted,
     RoundTimedOut,
 )
@@ -36,6 +38,8 @@ __all__ = [
     "InvalidArgument",
     "ManagerCounters",
     "PreconditionFailed",
+    "RankLost",
+    "ResourceExhausted",
     "RoundAborted",
     "RoundTimedOut",
     "WorkspaceManager",

@@ -43,10 +43,12 @@ __all__ = [
     "InvalidArgument",
     "PreconditionFailed",
     "RankFailure",
+    "RankLost",
     "ResourceExhausted",
     "RoundAborted",
     "RoundTimedOut",
     "RpcStatus",
+    "SessionStatus",
     "error_from_rpc",
     "rpc_status",
 ]
@@ -74,6 +76,21 @@ class AgreementError(PreconditionFailed):
     def __init__(self, message: str, failures: tuple[RankFailure, ...] = ()) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class RankLost(RoundAborted):
+    """A rank of the EP group died while the others waited in a collective
+    (the agreement or the post-build barrier).
+
+    gloo only says that a connection closed; the sidecar knows which rank's
+    session ended, so the message names it and its last layer when it can
+    (in embedded mode nobody knows, and the message says so).
+    ``ranks`` holds the ranks known to be gone.
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class BackendError(RuntimeError):
@@ -127,10 +144,29 @@ def _status_of(error: grpc.RpcError) -> RpcStatus:
     )
 
 
+class SessionStatus(Exception):
+    """The status a session message was answered with (a typed error's cause
+    in session mode, as the ``grpc.RpcError`` is for a unary call)."""
+
+    def __init__(self, status: RpcStatus) -> None:
+        super().__init__(f"{status.code.name}: {status.details}")
+        self.status = status
+
+    @classmethod
+    def named(cls, code_name: str, details: str) -> SessionStatus:
+        """The status of a session's error reply (an unknown code name is UNKNOWN)."""
+        code = grpc.StatusCode.__members__.get(code_name, grpc.StatusCode.UNKNOWN)
+        return cls(RpcStatus(code=code, details=details))
+
+
 def error_from_rpc(
-    error: grpc.RpcError, *, method: str, target: str, timeout: float | None = None
+    error: grpc.RpcError | SessionStatus,
+    *,
+    method: str,
+    target: str,
+    timeout: float | None = None,
 ) -> CoordinatorError:
-    """The typed error for a failed RPC; raise it ``from error``.
+    """The typed error for a failed RPC or session message; raise it ``from error``.
 
     The sidecar's own messages (a refused round, a timed-out round naming the
     missing ranks) pass through unchanged, so they read the same as in
@@ -138,12 +174,12 @@ def error_from_rpc(
     client's deadline, an unexpected status) get the method and target added.
 
     Args:
-        error: what the gRPC call raised.
+        error: what the gRPC call raised, or the status of a session's error reply.
         method: the RPC's name, e.g. ``"Propose"``.
         target: the sidecar address the channel was opened to.
         timeout: the deadline the call ran under, for the message.
     """
-    status = _status_of(error)
+    status = error.status if isinstance(error, SessionStatus) else _status_of(error)
     code = _CODE_BY_STATUS.get(status.code, ErrorCode.INTERNAL)
     where = f"{method} to sidecar {target}"
     if status.code is grpc.StatusCode.DEADLINE_EXCEEDED and (
@@ -171,4 +207,6 @@ def rpc_status(error: BaseException) -> RpcStatus | None:
     cause = error.__cause__
     if isinstance(cause, grpc.RpcError):
         return _status_of(cause)
+    if isinstance(cause, SessionStatus):
+        return cause.status
     return None

@@ -34,16 +34,26 @@ import torch.distributed as dist
 
 from moe_sidecar.client.agreement import LocalOutcome, agree
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
-from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument
+from moe_sidecar.client.errors import (
+    BackendError,
+    CoordinatorError,
+    InternalError,
+    InvalidArgument,
+    RankLost,
+)
 from moe_sidecar.client.sizing import layer_capacities
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.defaults import ENV_LOCAL_RANKS, ENV_TARGET
-from moe_sidecar.group import CommitRecord, Decision, Proposal, Requirement
+from moe_sidecar.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
 from moe_sidecar.identity import new_lifetime_secret
 from moe_sidecar.plan import Action, Plan, decide_action
 from moe_sidecar.policy import validate_group_name
 
 __all__ = ["ManagerCounters", "WorkspaceManager"]
+
+_GONE_WAIT_S = 2.0
+"""How long a rank whose collective failed asks the sidecar who left (its
+session's end reaches the sidecar within milliseconds of the process's death)."""
 
 _log = logging.getLogger(__name__)
 
@@ -256,6 +266,36 @@ class WorkspaceManager:
             )
         )
 
+    def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
+        """The typed error for a collective that failed because a peer died,
+        naming the rank the sidecar saw leave (it may take a moment to see it)."""
+        gone: list[RankSummary] = []
+        deadline = time.monotonic() + _GONE_WAIT_S
+        while not self.embedded:
+            try:
+                gone = self._transport.gone_ranks(self.group)
+            except CoordinatorError:
+                break
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if gone:
+            who = "; ".join(
+                f"rank {r.ep_rank} (last layer {r.last_layer or '(unnamed)'!r}) is gone: {r.left}"
+                for r in gone
+            )
+        else:
+            who = (
+                "a rank left (in embedded mode no sidecar sees which)"
+                if self.embedded
+                else "a rank left (the sidecar saw no session end)"
+            )
+        return RankLost(
+            f"EP group {self.group!r}: {who}; {where} failed on rank {self.ep_rank} (gloo: "
+            f"{error}); restart every rank",
+            tuple(r.ep_rank for r in gone),
+        )
+
     def _agree(self, layer: str, decision: Decision | None, failure: BaseException | None) -> Plan:
         self._collectives += 1
         try:
@@ -269,6 +309,10 @@ class WorkspaceManager:
                 ),
                 group_name=self.group,
             )
+        except RuntimeError as error:
+            if isinstance(error, BackendError):
+                raise
+            raise self._rank_lost("the agreement", error) from error
         except BaseException:
             self._collectives += 1  # the all_gather_object naming who failed
             raise
@@ -381,8 +425,12 @@ class WorkspaceManager:
             self._first_build_seconds = build_seconds
         # Every rank must hold the new workspace before any frees the old one:
         # peers may still read it. The EP group only; never the world.
-        dist.barrier(group=self.cpu_group)
         self._collectives += 1
+        try:
+            dist.barrier(group=self.cpu_group)
+        except RuntimeError as error:
+            self.backend.release(handle)
+            raise self._rank_lost("the post-build barrier", error) from error
         superseded = self.moe_alltoall
         self._set_built(handle, plan)
         if superseded is not None:

@@ -20,6 +20,7 @@ target) means gRPC; neither means embedded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -35,14 +36,30 @@ from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InternalError,
     InvalidArgument,
+    SessionStatus,
     error_from_rpc,
 )
+from moe_sidecar.client.session import SessionStream
 from moe_sidecar.config import ConfigError, parse_listen_address
 from moe_sidecar.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
 from moe_sidecar.effects import Wait
-from moe_sidecar.group import CommitRecord, Decision, GroupState, Proposal, Refusal
+from moe_sidecar.group import (
+    CommitRecord,
+    Decision,
+    GroupState,
+    Proposal,
+    RankSummary,
+    Refusal,
+)
 from moe_sidecar.identity import lifetime_id
-from moe_sidecar.wire_codec import commit_to_proto, decision_from_proto, proposal_to_proto
+from moe_sidecar.wire_codec import (
+    commit_to_proto,
+    decision_from_proto,
+    proposal_to_proto,
+    session_commit_to_proto,
+    session_propose_to_proto,
+    summary_from_proto,
+)
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -66,8 +83,6 @@ DEFAULT_CALL_TIMEOUT_S = 10.0
 DEFAULT_UNAVAILABLE_RETRY_S = 30.0
 """How long UNAVAILABLE is retried before the rank gives up: covers a sidecar
 that starts a little after the ranks, or restarts."""
-_INITIAL_BACKOFF_S = 0.05
-_MAX_BACKOFF_S = 2.0
 
 
 class Transport(Protocol):
@@ -99,6 +114,15 @@ class Transport(Protocol):
         """
         ...
 
+    def gone_ranks(self, group: str) -> list[RankSummary]:
+        """The ranks of ``group``'s current lifetime known to be gone (empty when
+        the transport cannot know, as in embedded mode).
+
+        Raises:
+            CoordinatorError: the decider could not be asked.
+        """
+        ...
+
     def close(self) -> None:
         """Releases what the transport holds; it may be used again afterwards."""
         ...
@@ -127,8 +151,27 @@ def _decision_from_proto(p: Proposal, response: pb.ProposeResponse, target: str)
 _Reply = TypeVar("_Reply")
 
 
+_CHANNEL_OPTIONS = (
+    # Reconnect within a second of the sidecar coming back: gRPC's default
+    # backoff grows to two minutes and would eat the retry window.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 class GrpcTransport:
     """A synchronous gRPC client of one sidecar.
+
+    Proposals and commits travel on one ``Session`` stream per process
+    (:class:`~moe_sidecar.client.session.SessionStream`): the sidecar knows at
+    once when this rank is gone. With ``session=False`` (or against a
+    sidecar without sessions) they are unary ``Propose``/``Commit`` calls.
+
+    UNAVAILABLE (the sidecar starting, restarting or draining) is retried for
+    ``unavailable_retry`` seconds: between attempts the transport waits for
+    the channel to be ready again (reconnecting within a second of the
+    sidecar's return), never longer than what is left of the window.
 
     Safe to create before a fork or to pickle into a spawned process: no gRPC
     object exists until the first call, and a call from another process than
@@ -142,10 +185,10 @@ class GrpcTransport:
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else :data:`DEFAULT_PROPOSE_TIMEOUT_S`.
         call_timeout: deadline of every other call.
         unavailable_retry: seconds during which UNAVAILABLE is retried.
+        session: use a session stream (default) or unary calls.
 
     Raises:
-        InvalidArgument: never; a bad target surfaces as CoordinatorUnavailable
-            on the first call.
+        ValueError: a timeout is not positive.
     """
 
     def __init__(
@@ -155,6 +198,7 @@ class GrpcTransport:
         propose_timeout: float | None = None,
         call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
         unavailable_retry: float = DEFAULT_UNAVAILABLE_RETRY_S,
+        session: bool = True,
     ) -> None:
         if propose_timeout is None:
             env = os.environ.get(ENV_PROPOSE_TIMEOUT, "")
@@ -168,10 +212,13 @@ class GrpcTransport:
         self.propose_timeout = propose_timeout
         self.call_timeout = call_timeout
         self.unavailable_retry = unavailable_retry
+        self.session = session
         self._rpc_count = 0
+        self._message_id = 0
         self._pid: int | None = None
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.WorkspaceCoordinatorStub | None = None
+        self._stream: SessionStream | None = None
         self._lock = threading.Lock()
 
     @property
@@ -185,7 +232,7 @@ class GrpcTransport:
     def __getstate__(self) -> dict[str, Any]:
         # A channel cannot be pickled; the receiving process opens its own.
         state = dict(self.__dict__)
-        state.update(_pid=None, _channel=None, _stub=None, _lock=None)
+        state.update(_pid=None, _channel=None, _stub=None, _stream=None, _lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -199,36 +246,60 @@ class GrpcTransport:
                 # After a fork the inherited channel belongs to the parent:
                 # drop it without closing (closing would touch the parent's
                 # gRPC state) and open one owned by this process.
-                self._channel = grpc.insecure_channel(self.target)
+                self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
                 self._stub = pb_grpc.WorkspaceCoordinatorStub(self._channel)
+                self._stream = None
                 self._pid = pid
             return self._stub
 
+    def _stream_here(self) -> SessionStream:
+        stub = self._stub_here()
+        if self._stream is None or not self._stream.alive:
+            self._stream = SessionStream(stub)
+        return self._stream
+
+    def _wait_ready(self, deadline: float) -> None:
+        """Waits until the channel is connected again, or ``deadline``."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or self._channel is None:
+            return
+        with contextlib.suppress(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(self._channel).result(timeout=remaining)
+
     def _call(self, method: str, timeout: float, send: Callable[[float], _Reply]) -> _Reply:
         deadline = time.monotonic() + self.unavailable_retry
-        backoff = _INITIAL_BACKOFF_S
         attempts = 0
         while True:
             attempts += 1
             self._rpc_count += 1
             try:
                 return send(timeout)
-            except grpc.RpcError as rpc_error:
-                error = error_from_rpc(
-                    rpc_error, method=method, target=self.target, timeout=timeout
-                )
+            except (grpc.RpcError, SessionStatus) as failure:
+                error = error_from_rpc(failure, method=method, target=self.target, timeout=timeout)
+                if self.session and _unimplemented(failure):
+                    self.session = False  # a sidecar older than sessions: unary calls
+                    continue
                 retriable = isinstance(error, CoordinatorUnavailable)
-                remaining = deadline - time.monotonic()
-                if not retriable or remaining <= 0:
+                if not retriable or time.monotonic() >= deadline:
                     if retriable and attempts > 1:
                         error = CoordinatorUnavailable(
                             f"{error.message} (gave up after {attempts} attempts over "
                             f"{self.unavailable_retry:g}s)"
                         )
-                    raise error from rpc_error
+                    raise error from failure
             # Jitter keeps the ranks of a node from retrying in lockstep.
-            time.sleep(min(backoff * random.uniform(0.5, 1.0), max(remaining, 0.0)))
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            time.sleep(min(random.uniform(0.01, 0.05), max(deadline - time.monotonic(), 0.0)))
+            self._wait_ready(deadline)
+
+    def _session_call(self, request: pb.SessionRequest, timeout: float) -> pb.SessionResponse:
+        response = self._stream_here().call(request, timeout)
+        if response.WhichOneof("result") == "error":
+            raise SessionStatus.named(response.error.code, response.error.message)
+        return response
+
+    def _next_id(self) -> int:
+        self._message_id += 1
+        return self._message_id
 
     def propose(self, proposal: Proposal) -> Decision:
         """See :meth:`Transport.propose`.
@@ -238,13 +309,14 @@ class GrpcTransport:
                 once UNAVAILABLE has been retried for ``unavailable_retry``
                 seconds; RoundTimedOut when the call's own deadline fires.
         """
-        request = proposal_to_proto(proposal)
-        stub = self._stub_here()
-        response = self._call(
-            "Propose",
-            self.propose_timeout,
-            lambda timeout: stub.Propose(request, timeout=timeout),
-        )
+
+        def send(timeout: float) -> pb.ProposeResponse:
+            if self.session:
+                request = session_propose_to_proto(self._next_id(), proposal)
+                return self._session_call(request, timeout).decision
+            return self._stub_here().Propose(proposal_to_proto(proposal), timeout=timeout)
+
+        response = self._call("Propose", self.propose_timeout, send)
         return _decision_from_proto(proposal, response, self.target)
 
     def commit(self, group: str, record: CommitRecord) -> None:
@@ -253,19 +325,49 @@ class GrpcTransport:
         Raises:
             CoordinatorError: the sidecar's typed error, or CoordinatorUnavailable.
         """
-        request = commit_to_proto(group, record)
+
+        def send(timeout: float) -> object:
+            if self.session:
+                request = session_commit_to_proto(self._next_id(), group, record)
+                return self._session_call(request, timeout)
+            return self._stub_here().Commit(commit_to_proto(group, record), timeout=timeout)
+
+        self._call("Commit", self.call_timeout, send)
+
+    def gone_ranks(self, group: str) -> list[RankSummary]:
+        """The ranks of ``group``'s current lifetime the sidecar knows are gone.
+
+        Raises:
+            CoordinatorError: the sidecar could not be asked.
+        """
         stub = self._stub_here()
-        self._call(
-            "Commit", self.call_timeout, lambda timeout: stub.Commit(request, timeout=timeout)
+        request = pb.GetGroupRequest(group=group)
+        reply = self._call(
+            "GetGroup", self.call_timeout, lambda timeout: stub.GetGroup(request, timeout=timeout)
         )
+        return [r for r in summary_from_proto(reply).ranks if r.current and r.left]
 
     def close(self) -> None:
+        """Ends the session (the sidecar sees this rank leave) and closes the channel."""
         with self._lock:
-            if self._channel is not None and self._pid == os.getpid():
+            mine = self._pid == os.getpid()
+            if self._stream is not None and mine:
+                self._stream.close()
+            if self._channel is not None and mine:
                 self._channel.close()
+            self._stream = None
             self._channel = None
             self._stub = None
             self._pid = None
+
+
+def _unimplemented(failure: grpc.RpcError | SessionStatus) -> bool:
+    code = (
+        failure.status.code
+        if isinstance(failure, SessionStatus)
+        else getattr(failure, "code", lambda: None)()
+    )
+    return bool(code is grpc.StatusCode.UNIMPLEMENTED)
 
 
 # --- embedded --------------------------------------------------------------
@@ -345,6 +447,10 @@ class EmbeddedTransport:
             raise InternalError(f"embedded commit for group {group!r}, which never proposed")
         record = replace(record, lifetime=lifetime_id(record.lifetime))
         self._groups[group] = policy.commit(state, record, self._clock()).state
+
+    def gone_ranks(self, group: str) -> list[RankSummary]:
+        """Always empty: in-process, no rank's departure is seen."""
+        return []
 
     def close(self) -> None:
         """Nothing to release."""

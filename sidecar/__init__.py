@@ -15,6 +15,7 @@ from moe_sidecar.errors import (
     InternalError,
     InvalidArgument,
     PreconditionFailed,
+    ResourceExhausted,
     RoundAborted,
     RoundTimedOut,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Plan",
     "PreconditionFailed",
     "Requirement",
+    "ResourceExhausted",
     "RoundAborted",
     "RoundTimedOut",
 ]

@@ -49,6 +49,7 @@ class EventKind(enum.Enum):
     LIFETIME_STARTED = "lifetime_started"
     ROUND_ABORTED = "round_aborted"
     GROUP_REMOVED = "group_removed"
+    RANK_LEFT = "rank_left"
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,8 @@ class RankRecord:
     last_seen: float = 0.0
     committed_generation: int = 0
     build_seconds: float = 0.0
+    left: str = ""
+    """Why the rank is gone (its session stream closed), or empty while it is here."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,8 @@ class RankSummary:
     last_seen: float
     current: bool
     """False when the rank belongs to an earlier lifetime of the group."""
+    left: str = ""
+    """Why the rank is gone, or empty."""
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,7 @@ def summarize(state: GroupState) -> GroupSummary:
                 build_seconds=r.build_seconds,
                 last_seen=r.last_seen,
                 current=r.lifetime_index == state.lifetime_index,
+                left=r.left,
             )
             for r in state.ranks
         ),

@@ -67,10 +67,12 @@ __all__ = [
     "RETAINED_ROUNDS",
     "check_removable",
     "commit",
+    "depart",
     "expire",
     "new_group",
     "propose",
     "reset",
+    "resume",
     "validate_group_name",
     "validate_proposal",
 ]
@@ -460,13 +462,17 @@ def _refuse(
     message: str,
     now: float,
     effects: tuple[Effect, ...],
+    *,
+    code: ErrorCode = ErrorCode.FAILED_PRECONDITION,
 ) -> Step:
-    """Closes ``rnd`` with a FAILED_PRECONDITION refusal for every rank in it."""
-    refusal = Refusal(round=rnd.number, code=ErrorCode.FAILED_PRECONDITION, message=message)
+    """Closes ``rnd`` with a refusal (FAILED_PRECONDITION, or ``code``) for
+    every rank in it."""
+    refusal = Refusal(round=rnd.number, code=code, message=message)
     state = _close(state, refusal)
+    kind = EventKind.ROUND_ABORTED if code is ErrorCode.ABORTED else EventKind.ROUND_REFUSED
     event = GroupEvent(
         state.name,
-        EventKind.ROUND_REFUSED,
+        kind,
         now,
         round=rnd.number,
         ep_rank=p.ep_rank,
@@ -476,6 +482,14 @@ def _refuse(
         latency=_latency(rnd, now),
     )
     return _round_closed(state, state.lifetime_index, rnd, refusal, event, effects=effects)
+
+
+def _gone_text(record: RankRecord) -> str:
+    layer = repr(record.last_layer) if record.last_layer else "(unnamed)"
+    return (
+        f"rank {record.ep_rank} (last reported round {record.last_round}, layer {layer}) is "
+        f"gone: {record.left}"
+    )
 
 
 def _decide(
@@ -556,9 +570,17 @@ def _join_round(admitted: _Admitted, p: Proposal, now: float, round_timeout: flo
         return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
 
     record = replace(
-        admitted.record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now
+        admitted.record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now, left=""
     )
     state = _with_rank(state, record)
+    gone = [r for r in state.current_ranks() if r.left]
+    if gone:
+        message = (
+            f"round {p.round} of group {p.group!r} cannot close: "
+            + "; ".join(_gone_text(r) for r in gone)
+            + "; restart every rank"
+        )
+        return _refuse(state, rnd, p, message, now, effects, code=ErrorCode.ABORTED)
     conflict = _conflict(state, rnd, p)
     if conflict is not None:
         return _refuse(state, rnd, p, conflict, now, effects)
@@ -821,6 +843,80 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
             ),
         ),
     )
+
+
+def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float) -> Step | None:
+    """A rank's session ended: the rank (of lifetime ``lifetime``) is gone.
+
+    A rank of the running lifetime is marked gone and the group's open
+    round, if any, fails at once for everyone in it (ABORTED, naming the rank,
+    its last layer and ``why``); later rounds fail the same way until it
+    comes back (proposes again with the same lifetime) or the group restarts.
+    A rank waiting in a restart leaves it, so its next lifetime may take its
+    place. None when the lifetime is not (or no longer) the group's.
+    """
+    pending = state.pending
+    waiting = pending.proposal_of(ep_rank) if pending is not None else None
+    if pending is not None and waiting is not None and waiting.lifetime == lifetime:
+        rest = tuple(q for q in pending.proposals if q.ep_rank != ep_rank)
+        need = None
+        for q in rest:
+            capacities = q.requirement.capacities
+            need = capacities if need is None else join_capacities(need, capacities)
+        state = replace(
+            state, pending=replace(pending, proposals=rest, need=need) if rest else None
+        )
+        return Step(state, effects=(Deadline(state.next_deadline()),))
+    record = state.rank(ep_rank)
+    if (
+        record is None
+        or record.lifetime != lifetime
+        or record.lifetime_index != state.lifetime_index
+        or record.left
+    ):
+        return None
+    record = replace(record, left=why, last_seen=now)
+    state = _with_rank(state, record)
+    left = Publish(
+        GroupEvent(
+            state.name,
+            EventKind.RANK_LEFT,
+            now,
+            round=record.last_round,
+            ep_rank=ep_rank,
+            layer=record.last_layer,
+            message=_gone_text(record),
+        )
+    )
+    rnd = state.open_round
+    if rnd is None:
+        return Step(state, effects=(Persist(), left))
+    message = f"round {rnd.number} of group {state.name!r} abandoned: {_gone_text(record)}"
+    refusal = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
+    closed = _close(state, refusal)
+    event = GroupEvent(
+        state.name,
+        EventKind.ROUND_ABORTED,
+        now,
+        round=rnd.number,
+        ep_rank=ep_rank,
+        layer=record.last_layer,
+        message=message,
+        ranks=tuple(q.ep_rank for q in rnd.proposals),
+        latency=_latency(rnd, now),
+    )
+    return _round_closed(closed, closed.lifetime_index, rnd, refusal, event, effects=(left,))
+
+
+def resume(state: GroupState, now: float, round_timeout: float) -> GroupState:
+    """The group as a restarted sidecar takes it up: the time the sidecar was
+    down does not count against the ranks, so an open round and an open
+    restart get a full ``round_timeout`` from ``now``."""
+    if state.open_round is not None:
+        state = replace(state, open_round=replace(state.open_round, deadline=now + round_timeout))
+    if state.pending is not None:
+        state = replace(state, pending=replace(state.pending, deadline=now + round_timeout))
+    return state
 
 
 def check_removable(state: GroupState) -> None:

@@ -138,6 +138,7 @@ def encode_group(state: GroupState) -> str:
                 "last_seen": r.last_seen,
                 "committed_generation": r.committed_generation,
                 "build_seconds": r.build_seconds,
+                "left": r.left,
             }
             for r in state.ranks
         ],
@@ -282,6 +283,8 @@ def _decode_rank(r: Any) -> RankRecord:
         last_seen=_float(r, "last_seen"),
         committed_generation=_int(r, "committed_generation"),
         build_seconds=_float(r, "build_seconds"),
+        # Rows written before sessions have no "left".
+        left=_str(r, "left") if isinstance(r, dict) and "left" in r else "",
     )
 
 

@@ -19,7 +19,9 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 
+from moe_sidecar.errors import InvalidArgument
 from moe_sidecar.group import summarize
+from moe_sidecar.identity import lifetime_id
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.wire_codec import (
@@ -30,6 +32,9 @@ from moe_sidecar.wire_codec import (
     page_token_from_proto,
     page_token_to_proto,
     proposal_from_proto,
+    session_committed_to_proto,
+    session_decision_to_proto,
+    session_error_to_proto,
     summary_to_proto,
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
@@ -68,11 +73,67 @@ class CoordinatorServicer:
         decision = await self._coordinator.propose(proposal_from_proto(request))
         return decision_to_proto(decision, request.ep_size)
 
-    async def Commit(self, data: bytes, context: _Context) -> pb.CommitResponse:
-        return await self._errors.unary(context, "Commit", self._commit(data))
+    async def Session(
+        self, requests: AsyncIterator[bytes], context: _Context
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """One rank's session: each message answered in turn; the stream's end
+        is the rank's departure."""
+        binding: tuple[str, int, str] | None = None
+        try:
+            async for data in requests:
+                request = await self._errors.answer(context, "Session", _decode_session(data))
+                if isinstance(request, tuple):
+                    yield session_error_to_proto(0, request[0].name, request[1])
+                    continue
+                identity = _identity(request)
+                if binding is None:
+                    binding = identity
+                method = request.WhichOneof("message")
+                if identity != binding:
+                    yield session_error_to_proto(
+                        request.id,
+                        grpc.StatusCode.INVALID_ARGUMENT.name,
+                        f"session: one session carries one rank's lifetime; this one is rank "
+                        f"{binding[1]} of group {binding[0]!r}",
+                    )
+                elif method == "propose":
+                    answer = await self._errors.answer(
+                        context, "Session", self._propose_message(request)
+                    )
+                    yield (
+                        session_error_to_proto(request.id, answer[0].name, answer[1])
+                        if isinstance(answer, tuple)
+                        else answer
+                    )
+                else:
+                    committed = await self._errors.answer(
+                        context, "Session", self._commit(request.commit)
+                    )
+                    yield (
+                        session_error_to_proto(request.id, committed[0].name, committed[1])
+                        if isinstance(committed, tuple)
+                        else session_committed_to_proto(request.id)
+                    )
+        finally:
+            if binding is not None:
+                self._coordinator.depart(
+                    *binding,
+                    why="its session stream closed (the process exited, was killed, or lost "
+                    "its connection)",
+                )
 
-    async def _commit(self, data: bytes) -> pb.CommitResponse:
-        self._coordinator.commit(*commit_from_proto(decode_request(pb.CommitRequest, data)))
+    async def _propose_message(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        decision = await self._coordinator.propose(proposal_from_proto(request.propose))
+        return session_decision_to_proto(request.id, decision, request.propose.ep_size)
+
+    async def Commit(self, data: bytes, context: _Context) -> pb.CommitResponse:
+        return await self._errors.unary(context, "Commit", self._commit_bytes(data))
+
+    async def _commit_bytes(self, data: bytes) -> pb.CommitResponse:
+        return await self._commit(decode_request(pb.CommitRequest, data))
+
+    async def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        self._coordinator.commit(*commit_from_proto(request))
         return pb.CommitResponse()
 
     async def Watch(self, data: bytes, context: _Context) -> AsyncIterator[pb.GroupEvent]:
@@ -122,6 +183,27 @@ class CoordinatorServicer:
     async def _remove_group(self, data: bytes) -> pb.RemoveGroupResponse:
         self._coordinator.remove(decode_request(pb.RemoveGroupRequest, data).group)
         return pb.RemoveGroupResponse()
+
+
+async def _decode_session(data: bytes) -> pb.SessionRequest:
+    """A session message with a proposal or a commit whose lifetime is a usable token.
+
+    Raises:
+        InvalidArgument: undecodable bytes, no message, or a bad lifetime token.
+    """
+    request = decode_request(pb.SessionRequest, data)
+    method = request.WhichOneof("message")
+    if method is None:
+        raise InvalidArgument.of("message", None, "a session message holds a propose or a commit")
+    inner = request.propose if method == "propose" else request.commit
+    lifetime_id(inner.lifetime)  # the token must be usable before it binds a session
+    return request
+
+
+def _identity(request: pb.SessionRequest) -> tuple[str, int, str]:
+    """(group, ep_rank, lifetime id) a session message speaks for."""
+    inner = request.propose if request.WhichOneof("message") == "propose" else request.commit
+    return inner.group, inner.ep_rank, lifetime_id(inner.lifetime)
 
 
 def coordinator_handler(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:

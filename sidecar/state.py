@@ -134,8 +134,13 @@ class Coordinator:
             RuntimeError: no event loop is running.
         """
         self._loop = asyncio.get_running_loop()
-        for state in self._groups.values():
-            self._set_deadline(state.name, state.next_deadline())
+        now = self._clock()
+        for name, state in list(self._groups.items()):
+            # The time this sidecar was down does not count against the ranks.
+            if state.busy():
+                state = self._groups[name] = policy.resume(state, now, self._round_timeout)
+                self._dirty.add(name)
+            self._set_deadline(name, state.next_deadline())
 
     @property
     def serving(self) -> bool:
@@ -279,6 +284,10 @@ class Coordinator:
                     "workspace_bytes": self._workspace_bytes(event),
                     "detail": event.message,
                 },
+            )
+        elif event.kind is EventKind.RANK_LEFT:
+            _log.warning(
+                "rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message}
             )
         elif event.kind is EventKind.RESET:
             _log.warning("group reset", extra={**fields, "detail": event.message})
@@ -425,6 +434,26 @@ class Coordinator:
         return 1
 
     # --- commits, reads, admin ------------------------------------------------------
+
+    def depart(self, group: str, ep_rank: int, lifetime: str, why: str) -> None:
+        """A rank's session ended: it is gone (see :func:`moe_sidecar.policy.depart`).
+
+        Ignored while the sidecar drains (its own shutdown ends the sessions)
+        and for groups or lifetimes it does not know. Never raises: a session's
+        end has no caller to tell; a failure to persist is logged.
+        """
+        if self._phase is not _Phase.OPEN:
+            return
+        state = self._groups.get(group)
+        if state is None:
+            return
+        step = policy.depart(state, ep_rank, lifetime, why, self._clock())
+        if step is None:
+            return
+        try:
+            self._execute(step, state)
+        except CoordinatorUnavailable:
+            _log.exception("could not record a rank's departure", extra={"group": group})
 
     def commit(self, group: str, record: CommitRecord) -> GroupState:
         """Records the plan a rank holds after building and the barrier.

@@ -119,6 +119,25 @@ class ErrorTranslator:
         self._metrics.errors.labels(code.name).inc()
         await context.abort(code, message)
 
+    async def answer(
+        self, context: grpc.aio.ServicerContext[Any, Any], method: str, work: Awaitable[T]
+    ) -> T | tuple[grpc.StatusCode, str]:
+        """Awaits ``work``; its error becomes the (counted) status and message
+        instead of ending the call: one message of a session fails, the
+        session goes on.
+
+        Raises:
+            asyncio.CancelledError: the call was cancelled (passed through).
+        """
+        try:
+            return await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            code, message = self._status_of(error, method, context)
+        self._metrics.errors.labels(code.name).inc()
+        return code, message
+
     async def unary(
         self, context: grpc.aio.ServicerContext[Any, Any], method: str, work: Awaitable[T]
     ) -> T:

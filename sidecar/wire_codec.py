@@ -52,6 +52,11 @@ __all__ = [
     "plan_to_proto",
     "proposal_from_proto",
     "proposal_to_proto",
+    "session_commit_to_proto",
+    "session_committed_to_proto",
+    "session_decision_to_proto",
+    "session_error_to_proto",
+    "session_propose_to_proto",
     "summary_from_proto",
     "summary_to_proto",
 ]
@@ -72,6 +77,7 @@ _EVENT_TO_PROTO = {
     EventKind.LIFETIME_STARTED: pb.EVENT_KIND_LIFETIME_STARTED,
     EventKind.ROUND_ABORTED: pb.EVENT_KIND_ROUND_ABORTED,
     EventKind.GROUP_REMOVED: pb.EVENT_KIND_GROUP_REMOVED,
+    EventKind.RANK_LEFT: pb.EVENT_KIND_RANK_LEFT,
 }
 
 
@@ -349,6 +355,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
                 last_build_seconds=r.build_seconds,
                 last_seen=_timestamp(r.last_seen),
                 current=r.current,
+                left=r.left,
             )
             for r in s.ranks
         ],
@@ -387,6 +394,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
                 build_seconds=r.last_build_seconds,
                 last_seen=_seconds(r.last_seen),
                 current=r.current,
+                left=r.left,
             )
             for r in group.ranks
         ),
@@ -419,3 +427,33 @@ def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
     if event.plan is not None:
         message.plan.CopyFrom(plan_to_proto(event.plan, ep_size))
     return message
+
+
+# --- sessions ------------------------------------------------------------------------
+
+
+def session_propose_to_proto(message_id: int, p: Proposal) -> pb.SessionRequest:
+    """A session message carrying a proposal."""
+    return pb.SessionRequest(id=message_id, propose=proposal_to_proto(p))
+
+
+def session_commit_to_proto(message_id: int, group: str, record: CommitRecord) -> pb.SessionRequest:
+    """A session message carrying a commit."""
+    return pb.SessionRequest(id=message_id, commit=commit_to_proto(group, record))
+
+
+def session_decision_to_proto(
+    message_id: int, decision: Decision, ep_size: int
+) -> pb.SessionResponse:
+    """The answer to a session's proposal."""
+    return pb.SessionResponse(id=message_id, decision=decision_to_proto(decision, ep_size))
+
+
+def session_committed_to_proto(message_id: int) -> pb.SessionResponse:
+    """The answer to a session's commit."""
+    return pb.SessionResponse(id=message_id, committed=pb.CommitResponse())
+
+
+def session_error_to_proto(message_id: int, code: str, message: str) -> pb.SessionResponse:
+    """A session message's error: the status code's name and the message."""
+    return pb.SessionResponse(id=message_id, error=pb.SessionError(code=code, message=message))

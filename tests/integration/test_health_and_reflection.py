@@ -205,6 +205,7 @@ async def test_reflection_lists_every_service_and_serves_calls(
         "Propose",
         "RemoveGroup",
         "ResetGroup",
+        "Session",
         "Watch",
     ]
     assert described == f"solo/ep1:{workspace_bytes(NVFP4.capacities, 1)}"

@@ -118,24 +118,49 @@ async def test_close_wakes_waiters_and_refuses_new_proposals(
         again.close()
 
 
-async def test_a_stored_open_round_expires_after_a_restart(
+async def test_time_the_sidecar_was_down_does_not_count_against_a_kept_round(
     tmp_path: Path, clock: ManualClock
 ) -> None:
-    holder = Coordinator(StateStore(tmp_path), round_timeout=0.2, clock=clock)
+    holder = Coordinator(StateStore(tmp_path), round_timeout=30.0, clock=clock)
     holder.start()
     waiting = asyncio.ensure_future(holder.propose(proposal(0)))
     await _until_waiting(holder, 1)
     holder.close()
     with pytest.raises(CoordinatorUnavailable):
         await waiting
-    clock.now += 1.0
-    again = Coordinator(StateStore(tmp_path), round_timeout=0.2, clock=clock)
-    again.start()  # arms the stored deadline, already past: fires at once
+    # Down for longer than the round timeout: the kept round is not failed.
+    clock.now += 100.0
+    again = Coordinator(StateStore(tmp_path), round_timeout=30.0, clock=clock)
+    again.start()
     try:
-        await _until(lambda: again.group("g/ep2").open_round is None, "the round expired")
-        assert again.group("g/ep2").closed[-1].round == 1
+        assert again.expire_due() == 0
+        rnd = again.group("g/ep2").open_round
+        assert rnd is not None and rnd.deadline == clock.now + 30.0
+        # Rank 0's retry rejoins; rank 1 closes the round.
+        retried = asyncio.ensure_future(again.propose(proposal(0)))
+        await _until_waiting(again, 1)
+        decision = await again.propose(proposal(1))
+        assert await retried == decision and decision.action is Action.BUILD
+        # A round kept across a restart still times out a full timeout later.
+        kept = asyncio.ensure_future(again.propose(proposal(0, rnd=2)))
+        await _until_waiting(again, 1)
+        again.close()
+        with pytest.raises(CoordinatorUnavailable):
+            await kept
     finally:
         again.close()
+    clock.now += 10.0
+    third = Coordinator(StateStore(tmp_path), round_timeout=30.0, clock=clock)
+    third.start()
+    try:
+        clock.now += 30.0
+        assert third.expire_due() == 1
+        outcome = third.group("g/ep2").outcome_of(2)
+        assert outcome is not None and "rank 1 (last reported round 1" in getattr(
+            outcome, "message", ""
+        )
+    finally:
+        third.close()
 
 
 async def test_a_slow_watcher_is_cut_off_without_blocking(coordinator: Coordinator) -> None:

@@ -16,6 +16,7 @@ from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InvalidArgument,
     RoundTimedOut,
+    SessionStatus,
     rpc_status,
 )
 from moe_sidecar.client.transport import EmbeddedTransport, GrpcTransport, transport_for
@@ -65,14 +66,17 @@ def test_propose_and_commit(sidecar: Sidecar) -> None:
     transport.close()
 
 
-def test_typed_error_keeps_status(sidecar: Sidecar) -> None:
-    transport = GrpcTransport(sidecar.target)
+@pytest.mark.parametrize("session", [True, False], ids=["session", "unary"])
+def test_typed_error_keeps_status(sidecar: Sidecar, session: bool) -> None:
+    transport = GrpcTransport(sidecar.target, session=session)
     with pytest.raises(InvalidArgument, match="num_experts") as caught:
         transport.propose(proposal("t-bad", ep_size=2, local_ranks=1, num_experts=1))
     status = rpc_status(caught.value)
     assert status is not None and status.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert isinstance(caught.value.__cause__, grpc.RpcError)
+    cause = SessionStatus if session else grpc.RpcError
+    assert isinstance(caught.value.__cause__, cause)
     assert transport.rpc_count == 1  # not retried
+    transport.close()
 
 
 def test_unavailable_is_retried_until_the_sidecar_starts(tmp_path: Path) -> None:

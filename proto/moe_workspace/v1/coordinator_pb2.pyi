@@ -73,6 +73,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """A round was abandoned because the group restarted."""
     EVENT_KIND_GROUP_REMOVED: _EventKind.ValueType  # 8
     """An admin removed the group."""
+    EVENT_KIND_RANK_LEFT: _EventKind.ValueType  # 9
+    """A rank's session stream closed: the rank is gone."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -91,6 +93,8 @@ EVENT_KIND_ROUND_ABORTED: EventKind.ValueType  # 7
 """A round was abandoned because the group restarted."""
 EVENT_KIND_GROUP_REMOVED: EventKind.ValueType  # 8
 """An admin removed the group."""
+EVENT_KIND_RANK_LEFT: EventKind.ValueType  # 9
+"""A rank's session stream closed: the rank is gone."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
@@ -332,6 +336,100 @@ class CommitResponse(_message.Message):
 Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
 
 @_typing.final
+class SessionRequest(_message.Message):
+    """One message of a rank's session: a proposal or a commit. Every message of
+    one session carries the same group, ep_rank and lifetime.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    PROPOSE_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Echoed in the answer."""
+    @_builtins.property
+    def propose(self) -> Global___ProposeRequest: ...
+    @_builtins.property
+    def commit(self) -> Global___CommitRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        propose: Global___ProposeRequest | None = ...,
+        commit: Global___CommitRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "id", b"id", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit"]  # noqa: Y015
+    _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """The answer to one SessionRequest: the decision, the commit's receipt, or
+    the error the unary call would have returned.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DECISION_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def decision(self) -> Global___ProposeResponse: ...
+    @_builtins.property
+    def committed(self) -> Global___CommitResponse: ...
+    @_builtins.property
+    def error(self) -> Global___SessionError: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        decision: Global___ProposeResponse | None = ...,
+        committed: Global___CommitResponse | None = ...,
+        error: Global___SessionError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class SessionError(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """The gRPC status code's name, e.g. "FAILED_PRECONDITION"."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionError: _TypeAlias = SessionError  # noqa: Y015
+
+@_typing.final
 class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -544,6 +642,7 @@ class RankState(_message.Message):
     LAST_BUILD_SECONDS_FIELD_NUMBER: _builtins.int
     LAST_SEEN_FIELD_NUMBER: _builtins.int
     CURRENT_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
     ep_rank: _builtins.int
     lifetime: _builtins.str
     last_round: _builtins.int
@@ -554,6 +653,8 @@ class RankState(_message.Message):
     last_build_seconds: _builtins.float
     current: _builtins.bool
     """False when the rank belongs to an earlier lifetime of the group."""
+    left: _builtins.str
+    """Why the rank is gone (its session stream closed), or empty."""
     @_builtins.property
     def last_seen(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -567,10 +668,11 @@ class RankState(_message.Message):
         last_build_seconds: _builtins.float = ...,
         last_seen: _timestamp_pb2.Timestamp | None = ...,
         current: _builtins.bool = ...,
+        left: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_seen", b"last_seen"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_generation", b"committed_generation", "current", b"current", "ep_rank", b"ep_rank", "last_build_seconds", b"last_build_seconds", "last_layer", b"last_layer", "last_round", b"last_round", "last_seen", b"last_seen", "lifetime", b"lifetime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_generation", b"committed_generation", "current", b"current", "ep_rank", b"ep_rank", "last_build_seconds", b"last_build_seconds", "last_layer", b"last_layer", "last_round", b"last_round", "last_seen", b"last_seen", "left", b"left", "lifetime", b"lifetime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,6 +34,11 @@ class WorkspaceCoordinatorStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Session = channel.stream_stream(
+                '/moe_workspace.v1.WorkspaceCoordinator/Session',
+                request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Propose = channel.unary_unary(
                 '/moe_workspace.v1.WorkspaceCoordinator/Propose',
                 request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ProposeRequest.SerializeToString,
@@ -73,6 +78,17 @@ class WorkspaceCoordinatorStub:
 
 class WorkspaceCoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Session(self, request_iterator, context):
+        """One stream per rank lifetime: the rank sends its proposals and commits as
+        messages and gets each answer on the stream. The stream is the rank's
+        liveness: when it breaks (process exit, kill -9, container restart), the
+        rank is gone, and the group's open round fails at once for the others
+        (ABORTED, naming the rank, its last layer and why).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
         """Proposes one layer's requirement for round `round` and waits until every
@@ -130,6 +146,11 @@ class WorkspaceCoordinatorServicer:
 
 def add_WorkspaceCoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.SessionResponse.SerializeToString,
+            ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
                     request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ProposeRequest.FromString,
@@ -175,6 +196,33 @@ def add_WorkspaceCoordinatorServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkspaceCoordinator:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/moe_workspace.v1.WorkspaceCoordinator/Session',
+            moe__workspace_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            moe__workspace_dot_v1_dot_coordinator__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Propose(request,

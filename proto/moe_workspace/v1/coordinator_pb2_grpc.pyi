@@ -38,6 +38,13 @@ class WorkspaceCoordinatorStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkspaceCoordinatorAsyncStub: ...
+    Session: _grpc.StreamStreamMultiCallable[_coordinator_pb2.SessionRequest, _coordinator_pb2.SessionResponse]
+    """One stream per rank lifetime: the rank sends its proposals and commits as
+    messages and gets each answer on the stream. The stream is the rank's
+    liveness: when it breaks (process exit, kill -9, container restart), the
+    rank is gone, and the group's open round fails at once for the others
+    (ABORTED, naming the rank, its last layer and why).
+    """
     Propose: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ProposeRequest, _coordinator_pb2.ProposeResponse]
     """Proposes one layer's requirement for round `round` and waits until every
     local rank of the group has proposed that round (or the round fails).
@@ -64,6 +71,13 @@ class WorkspaceCoordinatorStub:
 @_typing.type_check_only
 class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
+    Session: _aio.StreamStreamMultiCallable[_coordinator_pb2.SessionRequest, _coordinator_pb2.SessionResponse]  # type: ignore[assignment]
+    """One stream per rank lifetime: the rank sends its proposals and commits as
+    messages and gets each answer on the stream. The stream is the rank's
+    liveness: when it breaks (process exit, kill -9, container restart), the
+    rank is gone, and the group's open round fails at once for the others
+    (ABORTED, naming the rank, its last layer and why).
+    """
     Propose: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ProposeRequest, _coordinator_pb2.ProposeResponse]  # type: ignore[assignment]
     """Proposes one layer's requirement for round `round` and waits until every
     local rank of the group has proposed that round (or the round fails).
@@ -88,6 +102,19 @@ class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
     """
 
 class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_coordinator_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.SessionResponse], _abc.AsyncIterator[_coordinator_pb2.SessionResponse]]:
+        """One stream per rank lifetime: the rank sends its proposals and commits as
+        messages and gets each answer on the stream. The stream is the rank's
+        liveness: when it breaks (process exit, kill -9, container restart), the
+        rank is gone, and the group's open round fails at once for the others
+        (ABORTED, naming the rank, its last layer and why).
+        """
+
     @_abc_1.abstractmethod
     def Propose(
         self,
