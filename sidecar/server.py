@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import inspect
 import logging
 import os
@@ -30,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from moe_sidecar.config import LIMIT_FIELDS, ListenAddress, SidecarConfig
+from moe_sidecar.health import HealthServicer
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_handler
 from moe_sidecar.state import Clock, Coordinator
@@ -156,15 +158,21 @@ class RunningServer:
     coordinator: Coordinator
     metrics: SidecarMetrics
     _server: grpc.aio.Server
-    _health: health.aio.HealthServicer
+    _health: HealthServicer
     _health_server: grpc.aio.Server | None
     _metrics_endpoint: MetricsEndpoint | None
+    _socket_locks: list[int] = field(default_factory=list)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
 
     async def stop(self) -> None:
-        """Drains and stops: NOT_SERVING, waiting Proposes woken with UNAVAILABLE,
-        in-flight calls given the grace period, then everything closed. Idempotent.
+        """Drains and stops: waiting Proposes woken with UNAVAILABLE and Watch
+        streams ended, NOT_SERVING, in-flight calls given the grace period,
+        then everything closed. Idempotent.
+
+        Nothing here waits on a peer: a client that never reads (a zero
+        flow-control window) is cancelled with the server at the end of the
+        grace period, so the stop takes at most about that long.
         """
         if self._stopping:
             await self._stopped.wait()
@@ -172,36 +180,67 @@ class RunningServer:
         self._stopping = True
         started = time.monotonic()
         try:
-            await self._health.enter_graceful_shutdown()
+            # The ranks first: they are told to retry before anything else happens.
             self.coordinator.drain()
+            self._health.enter_graceful_shutdown()
             _log.info("draining", extra={"grace_period": self.config.grace_period})
             await self._server.stop(self.config.grace_period)
         finally:
             self.coordinator.close()
             if self._health_server is not None:
-                await self._health_server.stop(None)
+                await self._health_server.stop(0)
             if self._metrics_endpoint is not None:
                 await self._metrics_endpoint.stop()
             for address in self.config.listen_addresses:
                 if address.unix_path is not None:
                     with contextlib.suppress(OSError):
                         address.unix_path.unlink()
+            # Released only after the socket files are gone.
+            for fd in self._socket_locks:
+                os.close(fd)
+            self._socket_locks.clear()
             self._stopped.set()
             _log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
 
 
-async def _health_servicer() -> health.aio.HealthServicer:
+def _health_servicer() -> HealthServicer:
     """Health for ``""`` and the coordinator service, NOT_SERVING until ready."""
-    servicer = health.aio.HealthServicer()
+    servicer = HealthServicer()
     for service in ("", SERVICE_NAME):
-        await servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
+
+
+def _lock_socket_path(path: Path) -> int:
+    """Holds ``<socket>.lock`` for the server's life, so that no second sidecar
+    probes, replaces or removes this socket while this one starts or serves
+    (two sidecars started at once on one path otherwise both ran, one
+    unreachable). Returns the lock's file descriptor.
+
+    Raises:
+        StartupError: another sidecar holds the lock, or the directory is unusable.
+    """
+    lock = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, SOCKET_MODE)
+    except OSError as error:
+        raise StartupError(f"cannot use socket path {str(path)!r}: {error}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StartupError(
+            f"another moe-sidecar serves (or is starting) on {str(path)!r} (lock {str(lock)!r} "
+            "held)"
+        ) from None
+    return fd
 
 
 async def _start_coordinator_server(
     config: SidecarConfig,
     coordinator: Coordinator,
-    health_servicer: health.aio.HealthServicer,
+    health_servicer: HealthServicer,
     metrics: SidecarMetrics,
 ) -> tuple[grpc.aio.Server, tuple[str, ...]]:
     """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
@@ -234,7 +273,7 @@ async def _start_coordinator_server(
 
 
 async def _start_health_server(
-    port: int, health_servicer: health.aio.HealthServicer, max_rpcs: int
+    port: int, health_servicer: HealthServicer, max_rpcs: int
 ) -> tuple[grpc.aio.Server, int]:
     """The plain-TCP health port for kubelet probes: Health and reflection only,
     at most ``max_rpcs`` calls (probes, Health.Watch streams) at once.
@@ -286,6 +325,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         limits={name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS},
     )
     store = StateStore(config.state_dir)
+    socket_locks: list[int] = []
     started: list[grpc.aio.Server] = []
     endpoint: MetricsEndpoint | None = None
     try:
@@ -299,7 +339,10 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             max_watchers=config.max_watchers,
         )
         coordinator.start()
-        health_servicer = await _health_servicer()
+        for address in config.listen_addresses:
+            if address.unix_path is not None:
+                socket_locks.append(_lock_socket_path(address.unix_path))
+        health_servicer = _health_servicer()
         server, bound = await _start_coordinator_server(
             config, coordinator, health_servicer, metrics
         )
@@ -314,12 +357,14 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         if config.metrics_port is not None:
             endpoint = await _start_metrics(config, metrics, config.metrics_port)
         for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+            health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
         for running in started:
             await running.stop(None)
         if endpoint is not None:
             await endpoint.stop()
+        for fd in socket_locks:
+            os.close(fd)
         store.close()
         raise
     addresses = BoundAddresses(
@@ -346,6 +391,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         _health=health_servicer,
         _health_server=health_server,
         _metrics_endpoint=endpoint,
+        _socket_locks=socket_locks,
     )
 
 
