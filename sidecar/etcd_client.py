@@ -576,7 +576,8 @@ class EtcdClient:
     """An asyncio etcd v3 client over one or more endpoints of one cluster.
 
     Use it as an async context manager, or call :meth:`close`. Keys are
-    bytes (a ``str`` key is encoded as UTF-8); values are bytes.
+    bytes (a ``str`` key is encoded as UTF-8) and must not be empty (else
+    ValueError); values are bytes.
     """
 
     def __init__(
@@ -1145,9 +1146,10 @@ class EtcdWatch:
                 async for response in call:
                     if response.canceled:
                         if self._refused(response, stubs.address, token, reauthenticated):
-                            reauthenticated = True
-                            break  # log in again, then watch again
-                        continue
+                            reauthenticated = True  # log in again, then watch again
+                        else:
+                            outage = self._note_outage(outage, f"{stubs.address}: cancelled")
+                        break
                     if response.created:
                         if self._next_revision == 0:
                             self._next_revision = response.header.revision + 1
@@ -1183,6 +1185,10 @@ class EtcdWatch:
                 if client.closed:
                     return
                 code, text = error.code(), error.details() or ""
+                if _is_invalid_token(code, text) and not reauthenticated:
+                    client._forget_token(token)
+                    reauthenticated = True
+                    continue
                 if code not in _RETRYABLE_STREAM_CODES:
                     raise _mapped_error(code, text, what="watch", endpoint=stubs.address) from error
                 outage = self._note_outage(outage, f"{stubs.address}: {text or code.name}")
@@ -1214,7 +1220,8 @@ class EtcdWatch:
         token: str | None,
         reauthenticated: bool,
     ) -> bool:
-        """Handles a cancelled watch: True to log in again and retry.
+        """Handles a watch etcd cancelled: True to log in again and watch again,
+        False to watch again after a pause (etcd gave no reason).
 
         Raises:
             EtcdCompacted: the start revision is compacted.
@@ -1230,13 +1237,13 @@ class EtcdWatch:
                 compact_revision=response.compact_revision,
                 requested_revision=self._next_revision,
             )
+        if not response.cancel_reason:
+            return False
         code, text = _status_from_reason(response.cancel_reason)
         if _is_invalid_token(code, text) and not reauthenticated:
             self._client._forget_token(token)
             return True
-        raise _mapped_error(
-            code, text or "cancelled by etcd", what=f"watch of {shown!r}", endpoint=address
-        )
+        raise _mapped_error(code, text, what=f"watch of {shown!r}", endpoint=address)
 
 
 async def _watch_requests(
