@@ -239,6 +239,31 @@ async def test_watch_from_a_compacted_revision_raises_a_typed_error(
             await client.compact(first)
 
 
+async def test_a_watch_that_must_resume_past_compacted_history_raises_compacted(
+    etcd_server: EtcdServer,
+) -> None:
+    async with (
+        EtcdClient([etcd_server.endpoint]) as watcher,
+        EtcdClient([etcd_server.endpoint]) as writer,
+    ):
+        start = await watcher.get_prefix("/t/x/")
+        async with watcher.watch_prefix("/t/x/", start.revision + 1) as watch:
+            seen = await writer.put("/t/x/k", b"0")
+            assert [e.mod_revision for e in await next_events(watch, 1)] == [seen]
+            # The watch reads its stream only when asked for the next event, so
+            # it cannot reconnect before the history it needs is gone.
+            await asyncio.to_thread(etcd_server.kill)
+            await asyncio.to_thread(etcd_server.start)
+            for i in range(3):
+                latest = await eventually(functools.partial(writer.put, "/t/x/k", str(i).encode()))
+            await writer.compact(latest)
+
+            with pytest.raises(EtcdCompacted) as raised:
+                await next_events(watch, 1)
+            assert raised.value.requested_revision == seen + 1
+            assert raised.value.compact_revision == latest
+
+
 async def test_auth_with_the_right_password_survives_an_etcd_restart(
     etcd_factory: StartEtcd,
 ) -> None:
