@@ -12,18 +12,20 @@ It speaks etcd's own gRPC API through stubs generated from etcd's protos
   :meth:`EtcdClient.delete`;
 - :meth:`EtcdClient.watch_prefix`: the events under a prefix from a revision
   on, as an async iterator that reconnects by itself and resumes after the
-  last revision it delivered, so a restart of etcd loses nothing; when etcd
-  has compacted the history it needs, it raises :class:`EtcdCompacted` and the
-  caller re-reads.
+  last revision it delivered, so a restart of etcd loses nothing; when it
+  cannot catch up (etcd compacted the history it needs, or etcd's revision
+  went backwards: re-created empty or restored from a backup) it raises
+  :class:`EtcdStale` and the caller re-reads.
 
 Several endpoints may be given: a call goes to the endpoint that last
 answered and moves on to the next one when an endpoint is unavailable; it
 tries every endpoint once and raises :class:`EtcdUnavailable` at once when
 none answers (it does not wait out its deadline). Every call has a deadline
 (``timeout``, default :data:`DEFAULT_TIMEOUT`), past which it raises
-:class:`EtcdTimeout`. Calls are retried on another endpoint only after a
-failure that left their outcome unknown; every write here is safe to repeat
-(a repeated ``put_if`` loses and reports the value it wrote itself).
+:class:`EtcdTimeout`. A call moves to the next endpoint only when one is
+unavailable (a hung endpoint takes the whole deadline). An unavailable
+endpoint may or may not have applied a write; every write here is safe to
+repeat (a repeated ``put_if`` loses and reports the value it wrote itself).
 
 With a user name the client authenticates (``Authenticate``), sends the
 token in the ``token`` metadata key and, when etcd no longer knows the token
@@ -76,10 +78,12 @@ __all__ = [
     "EtcdAuthError",
     "EtcdClient",
     "EtcdClientClosed",
+    "EtcdClusterReset",
     "EtcdCompacted",
     "EtcdError",
     "EtcdPermissionDenied",
     "EtcdRequestError",
+    "EtcdStale",
     "EtcdStatus",
     "EtcdTarget",
     "EtcdTimeout",
@@ -164,18 +168,34 @@ class EtcdPermissionDenied(EtcdAuthError):
     """The authenticated user may not read or write the key."""
 
 
-class EtcdCompacted(EtcdError):
-    """etcd has compacted the revision asked for: its history is gone.
+class EtcdStale(EtcdError):
+    """Watching can no longer bring the caller's view up to date.
 
     The caller must re-read the current state (:meth:`EtcdClient.get_prefix`)
     and watch again from the revision that read returns, plus one.
     """
+
+
+class EtcdCompacted(EtcdStale):
+    """etcd has compacted the revision asked for: its history is gone."""
 
     def __init__(self, message: str, *, compact_revision: int, requested_revision: int) -> None:
         super().__init__(message)
         self.compact_revision = compact_revision
         """The oldest revision etcd still has."""
         self.requested_revision = requested_revision
+
+
+class EtcdClusterReset(EtcdStale):
+    """etcd's revision went backwards under a watch: the cluster was re-created
+    empty or restored from an older backup, so its revisions mean other writes."""
+
+    def __init__(self, message: str, *, revision: int, expected_revision: int) -> None:
+        super().__init__(message)
+        self.revision = revision
+        """The store's revision now."""
+        self.expected_revision = expected_revision
+        """The revision the watch was to resume from."""
 
 
 class EtcdRequestError(EtcdError):
@@ -852,8 +872,11 @@ class EtcdClient:
 
         Raises:
             ValueError: a negative ``start_revision`` (at once).
-            EtcdCompacted: (from iteration) the revision to start or resume
-                from has been compacted; re-read and watch again.
+            EtcdStale: (from iteration) watching cannot catch up: the
+                revision to start or resume from has been compacted
+                (EtcdCompacted), or etcd's revision went backwards across a
+                reconnect (EtcdClusterReset: re-created or restored); re-read
+                and watch again.
             EtcdAuthError: (from iteration) authentication failed or the
                 prefix is not readable.
             EtcdError: (from iteration) etcd cancelled the watch otherwise.
@@ -1005,6 +1028,11 @@ class EtcdClient:
                     self._forget_token(token)
                     reauthenticated = True
                     continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # etcd 3.4 holds a call whose token names a raft index it has not
+                    # reached (an etcd re-created empty) until the deadline: log in
+                    # afresh next time rather than hang again.
+                    self._forget_token(token)
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise _mapped_error(
                         code, text, what=what, endpoint=stubs.address, revision=revision
@@ -1083,6 +1111,10 @@ class EtcdWatch:
         return self._prefix
 
     @property
+    def _shown(self) -> str:
+        return repr(self._prefix.decode("utf-8", "replace"))
+
+    @property
     def next_revision(self) -> int:
         """The revision to resume from: one past the last event delivered.
 
@@ -1118,6 +1150,7 @@ class EtcdWatch:
         client = self._client
         backoff = _WATCH_BACKOFF_MIN
         reauthenticated = False
+        resumed = False  # etcd has accepted this watch before
         outage: str | None = None
         while not client.closed:
             _, closed = client._loop_objects()
@@ -1142,8 +1175,25 @@ class EtcdWatch:
                 )
             )
             call = stubs.watch.Watch(_watch_requests(create, closed), metadata=metadata)
+            created = False
             try:
-                async for response in call:
+                while True:
+                    if created:
+                        response = await call.read()
+                    else:
+                        try:
+                            response = await asyncio.wait_for(call.read(), client._timeout)
+                        except asyncio.TimeoutError:
+                            # etcd took the stream but not the watch: etcd 3.4 holds one
+                            # whose token names a raft index it has not reached (an etcd
+                            # re-created empty). Log in afresh and watch again.
+                            client._forget_token(token)
+                            reason = f"{stubs.address}: no answer to the watch request"
+                            outage = self._note_outage(outage, reason)
+                            break
+                    if not isinstance(response, rpc_pb2.WatchResponse):  # grpc.aio.EOF
+                        outage = self._note_outage(outage, f"{stubs.address}: the stream ended")
+                        break
                     if response.canceled:
                         if self._refused(response, stubs.address, token, reauthenticated):
                             reauthenticated = True  # log in again, then watch again
@@ -1151,8 +1201,19 @@ class EtcdWatch:
                             outage = self._note_outage(outage, f"{stubs.address}: cancelled")
                         break
                     if response.created:
+                        now = response.header.revision
                         if self._next_revision == 0:
-                            self._next_revision = response.header.revision + 1
+                            self._next_revision = now + 1
+                        elif resumed and now + 1 < self._next_revision:
+                            raise EtcdClusterReset(
+                                f"etcd watch of {self._shown} on {stubs.address}: etcd is at "
+                                f"revision {now}, behind the {self._next_revision - 1} already "
+                                "seen: it was re-created or restored from a backup; re-read the "
+                                "prefix and watch from the revision of that read + 1",
+                                revision=now,
+                                expected_revision=self._next_revision,
+                            )
+                        resumed = True
                         if outage is not None:
                             _log.info(
                                 "etcd watch resumed",
@@ -1161,6 +1222,7 @@ class EtcdWatch:
                             outage = None
                         backoff = _WATCH_BACKOFF_MIN
                         reauthenticated = False
+                        created = True
                         continue
                     if response.events:
                         events = response.events
@@ -1174,8 +1236,6 @@ class EtcdWatch:
                     elif response.header.revision >= self._next_revision:
                         # A progress notice: nothing up to this revision is left to see.
                         self._next_revision = response.header.revision + 1
-                else:
-                    outage = self._note_outage(outage, f"{stubs.address}: the stream ended")
             except asyncio.CancelledError:
                 # close() cuts the stream off as "locally cancelled": the watch ends.
                 if client.closed and not _task_cancelling():
@@ -1228,10 +1288,10 @@ class EtcdWatch:
             EtcdAuthError: etcd refused the watch's credentials or permissions.
             EtcdError: etcd cancelled the watch for another reason.
         """
-        shown = self._prefix.decode("utf-8", "replace")
+        shown = self._shown
         if response.compact_revision > 0:
             raise EtcdCompacted(
-                f"etcd watch of {shown!r} on {address}: revision {self._next_revision} is "
+                f"etcd watch of {shown} on {address}: revision {self._next_revision} is "
                 f"compacted (the oldest kept is {response.compact_revision}); re-read the "
                 "prefix and watch from the revision of that read + 1",
                 compact_revision=response.compact_revision,
@@ -1243,7 +1303,7 @@ class EtcdWatch:
         if _is_invalid_token(code, text) and not reauthenticated:
             self._client._forget_token(token)
             return True
-        raise _mapped_error(code, text, what=f"watch of {shown!r}", endpoint=address)
+        raise _mapped_error(code, text, what=f"watch of {shown}", endpoint=address)
 
 
 async def _watch_requests(

@@ -268,6 +268,12 @@ class EtcdServer:
         self.stop()
         self.start(timeout)
 
+    def wipe(self) -> None:
+        """Kills etcd and deletes its data: the next start is a new, empty cluster."""
+        self.kill()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.root_password = None
+
     def pause(self) -> None:
         """SIGSTOP: the ports stay open but nothing answers (a hung member)."""
         if self._process is None or self._process.poll() is not None:

@@ -77,4 +77,5 @@ def test_etcd_stubs_keep_etcds_method_paths() -> None:
         "/etcdserverpb.Auth/Authenticate",
     } <= paths
     kv = rpc_pb2.RangeResponse.DESCRIPTOR.fields_by_name["kvs"].message_type
+    assert kv is not None
     assert kv.full_name == "mvccpb.KeyValue"
