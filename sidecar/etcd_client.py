@@ -66,9 +66,9 @@ from urllib.parse import parse_qsl, unquote
 
 import grpc
 import grpc.aio
-from moe_workspace.etcd.v3 import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
-from sidecar.config import ConfigError
+from moe_sidecar.config import ConfigError
+from moe_workspace.etcd.v3 import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 __all__ = [
     "DEFAULT_PORT",
@@ -100,7 +100,7 @@ __all__ = [
     "prefix_range_end",
 ]
 
-_log = logging.getLogger("sidecar.etcd_client")
+_log = logging.getLogger("moe_sidecar.etcd_client")
 
 DEFAULT_PORT = 2379
 """etcd's client port, used when an endpoint names none."""
@@ -695,7 +695,7 @@ class EtcdClient:
 
     # ------------------------------------------------------------------ reads
 
-    async def get(self, key: str | bytes, *, timeout: float | None = None) -> Versioned | None:
+    async def get(self, key: str | bytes, *, timeout: float | None = None) -> Versioned | None:  # noqa: ASYNC109 (a gRPC deadline)
         """The key's value and ``mod_revision``; None when it does not exist.
 
         Raises:
@@ -710,7 +710,7 @@ class EtcdClient:
         kv = response.kvs[0]
         return Versioned(kv.value, kv.mod_revision)
 
-    async def get_prefix(self, prefix: str | bytes, *, timeout: float | None = None) -> PrefixRead:
+    async def get_prefix(self, prefix: str | bytes, *, timeout: float | None = None) -> PrefixRead:  # noqa: ASYNC109 (a gRPC deadline)
         """Every key under ``prefix`` (in key order) and the revision read at.
 
         Large prefixes are read in pages, every page at the first page's
@@ -743,7 +743,7 @@ class EtcdClient:
                 return PrefixRead(items, revision)
             start = response.kvs[-1].key + b"\0"
 
-    async def status(self, *, timeout: float | None = None) -> EtcdStatus:
+    async def status(self, *, timeout: float | None = None) -> EtcdStatus:  # noqa: ASYNC109 (a gRPC deadline)
         """What the endpoint that answers says about itself (needs no login).
 
         Raises:
@@ -774,7 +774,7 @@ class EtcdClient:
         value: bytes,
         expected_mod_revision: int,
         *,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
     ) -> CasResult:
         """Writes ``value`` only if the key's ``mod_revision`` is the one expected.
 
@@ -811,7 +811,7 @@ class EtcdClient:
         current = Versioned(kvs[0].value, kvs[0].mod_revision) if kvs else None
         return CasResult(False, current)
 
-    async def put(self, key: str | bytes, value: bytes, *, timeout: float | None = None) -> int:
+    async def put(self, key: str | bytes, value: bytes, *, timeout: float | None = None) -> int:  # noqa: ASYNC109 (a gRPC deadline)
         """Writes ``value`` unconditionally; returns the key's new ``mod_revision``.
 
         Raises:
@@ -823,7 +823,7 @@ class EtcdClient:
         response = await self._unary("put", _put, request, deadline=self._deadline(timeout))
         return response.header.revision
 
-    async def delete(self, key: str | bytes, *, timeout: float | None = None) -> bool:
+    async def delete(self, key: str | bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109 (a gRPC deadline)
         """Deletes the key; True if it existed.
 
         Raises:
@@ -837,7 +837,7 @@ class EtcdClient:
         )
         return response.deleted > 0
 
-    async def compact(self, revision: int, *, timeout: float | None = None) -> None:
+    async def compact(self, revision: int, *, timeout: float | None = None) -> None:  # noqa: ASYNC109 (a gRPC deadline)
         """Discards the history before ``revision`` (returns once it is applied).
 
         Raises:
@@ -1183,7 +1183,7 @@ class EtcdWatch:
                     else:
                         try:
                             response = await asyncio.wait_for(call.read(), client._timeout)
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             # etcd took the stream but not the watch: etcd 3.4 holds one
                             # whose token names a raft index it has not reached (an etcd
                             # re-created empty). Log in afresh and watch again.

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from moe_workspace.etcd.v3 import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
-from sidecar.etcd_client import prefix_range_end
+from moe_sidecar.etcd_client import prefix_range_end
+from moe_workspace.etcd.v3 import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
 __all__ = [
     "ETCD_PACKAGE",
@@ -157,7 +157,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """``127.0.0.1:PORT``, what :class:`sidecar.etcd_client.EtcdClient` takes."""
+        """``127.0.0.1:PORT``, what :class:`moe_sidecar.etcd_client.EtcdClient` takes."""
         return f"127.0.0.1:{self.client_port}"
 
     @property

@@ -1,4 +1,4 @@
-"""sidecar.etcd_client against a real etcd: CAS races, prefix reads, watches
+"""moe_sidecar.etcd_client against a real etcd: CAS races, prefix reads, watches
 that survive a restart, compaction, auth, TLS, failover and deadlines."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import pytest
 
-from sidecar.etcd_client import (
+from moe_sidecar.etcd_client import (
     EtcdAuthError,
     EtcdClient,
     EtcdClientClosed,

@@ -1,4 +1,4 @@
-"""The pure parts of sidecar.etcd_client: URL parsing, key ranges, error mapping."""
+"""The pure parts of moe_sidecar.etcd_client: URL parsing, key ranges, error mapping."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sidecar.config import ConfigError
-from sidecar.etcd_client import (
+from moe_sidecar.config import ConfigError
+from moe_sidecar.etcd_client import (
     DEFAULT_PREFIX,
     DEFAULT_TIMEOUT,
     EtcdAuthError,
