@@ -29,8 +29,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from moe_sidecar.config import ListenAddress, SidecarConfig
+from moe_sidecar.config import ListenAddress, SidecarConfig, SqliteStore
+from moe_sidecar.etcd_client import EtcdClient
+from moe_sidecar.etcd_replica import EtcdReplica
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
+from moe_sidecar.replica import Replica, StoreMetrics
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer
 from moe_sidecar.state import Clock, Coordinator
 from moe_sidecar.status import ErrorTranslator
@@ -135,6 +138,7 @@ class RunningServer:
     _metrics_endpoint: MetricsEndpoint | None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
+    _replica: Replica | None = None
 
     async def stop(self) -> None:
         """Drains and stops: NOT_SERVING, waiting Proposes woken with UNAVAILABLE,
@@ -151,6 +155,11 @@ class RunningServer:
             _log.info("draining", extra={"grace_period": self.config.grace_period})
             await self._server.stop(self.config.grace_period)
         finally:
+            if self._replica is not None:
+                # What the cluster store has not got yet is pushed now if it
+                # can be (the pod may come back on another node), else it
+                # stays in the outbox for this node's next start.
+                await self._replica.close(self.config.grace_period)
             self.coordinator.close()
             if self._health_server is not None:
                 await self._health_server.stop(None)
@@ -218,6 +227,27 @@ async def _start_health_server(
     return server, bound
 
 
+def node_name(config: SidecarConfig) -> str:
+    """This node's name: ``--node-name``, else the hostname."""
+    return config.node_name or socket.gethostname()
+
+
+def _open_replica(config: SidecarConfig, metrics: SidecarMetrics) -> Replica | None:
+    """The cluster store beside the node's SQLite (None: SQLite alone).
+
+    Raises:
+        StartupError: a file the etcd URL names cannot be read.
+    """
+    target = config.store_target
+    if isinstance(target, SqliteStore):
+        return None
+    try:
+        client = EtcdClient.from_target(target)
+    except ValueError as error:  # EtcdUrlError: a TLS or password file
+        raise StartupError(f"--store: {error}") from None
+    return EtcdReplica(client, target.prefix, StoreMetrics(metrics.registry))
+
+
 def _start_metrics(metrics: SidecarMetrics, port: int) -> MetricsEndpoint:
     """The Prometheus endpoint on ``port``.
 
@@ -241,9 +271,11 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         StartupError: an address cannot be bound.
     """
     metrics = SidecarMetrics()
+    replica = _open_replica(config, metrics)
     store = StateStore(config.state_dir)
     started: list[grpc.aio.Server] = []
     endpoint: MetricsEndpoint | None = None
+    replica_started = False
     try:
         coordinator = Coordinator(
             store,
@@ -251,8 +283,15 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             admin_enabled=config.enable_admin,
             metrics=metrics,
             clock=clock,
+            replica=replica,
+            node=node_name(config),
         )
         coordinator.start()
+        if replica is not None:
+            # Merges what etcd holds before the first round (bounded by the
+            # URL's timeout; an unreachable etcd is logged, not fatal).
+            replica_started = True
+            await replica.start(coordinator)
         health_servicer = await _health_servicer()
         server, bound = await _start_coordinator_server(
             config, coordinator, health_servicer, metrics
@@ -274,6 +313,8 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             await running.stop(None)
         if endpoint is not None:
             endpoint.stop()
+        if replica is not None and replica_started:
+            await replica.close(0.0)
         store.close()
         raise
     addresses = BoundAddresses(
@@ -288,6 +329,8 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             "health_port": addresses.health_port,
             "metrics_port": addresses.metrics_port,
             "state_dir": str(config.state_dir),
+            "store": "sqlite" if replica is None else "etcd",
+            "node": coordinator.node,
             "groups": len(coordinator.groups()),
         },
     )
@@ -300,6 +343,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         _health=health_servicer,
         _health_server=health_server,
         _metrics_endpoint=endpoint,
+        _replica=replica,
     )
 
 

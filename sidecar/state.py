@@ -12,6 +12,13 @@ first (when the write fails, nothing of the step happens and the caller gets
 UNAVAILABLE), then answers, events and timers. It never compares states to
 find out what happened: the step says it.
 
+With a cluster store (:mod:`moe_sidecar.replica`), a step that carries
+:class:`~moe_sidecar.effects.Replicate` records the group as pending in the
+same SQLite transaction as its :class:`~moe_sidecar.effects.Persist`, then
+wakes the replica, which pushes it without holding anyone up; plans decided
+on other nodes come back through :meth:`Coordinator.merge`, one more step of
+the core.
+
 A step that answers anyone (a closed round, an aborted round, a commit, a
 reset, a timeout) persists. A proposal that only joins a round answers
 nobody, so its state is marked dirty and rides along with the next write of
@@ -30,12 +37,14 @@ from collections.abc import Callable
 from typing import TypeAlias
 
 from moe_sidecar import policy
+from moe_sidecar.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.effects import (
     Answer,
     Deadline,
     EventKind,
     GroupEvent,
     Publish,
+    Replicate,
     Step,
     Wait,
 )
@@ -48,6 +57,7 @@ from moe_sidecar.errors import (
 from moe_sidecar.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.plan import Action
+from moe_sidecar.replica import Replica
 from moe_sidecar.store import StateStore
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription
 
@@ -101,8 +111,13 @@ class Coordinator:
         metrics: SidecarMetrics | None = None,
         clock: Clock = time.time,
         watch_queue_limit: int = WATCH_QUEUE_LIMIT,
+        replica: Replica | None = None,
+        node: str = "",
     ) -> None:
         self._store = store
+        self._replica = replica
+        self.node = node
+        """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
@@ -189,14 +204,19 @@ class Coordinator:
                 nothing of it happened.
         """
         name = step.state.name
-        if step.persists:
+        replicate = self._replica is not None and step.replicates
+        if step.persists or replicate:
             try:
-                self._store.save(step.state)
+                if step.persists:
+                    self._store.save(step.state, pending=replicate)
+                else:
+                    self._store.mark_pending((name,))
             except sqlite3.Error as error:
                 _log.error("cannot persist group", extra={"group": name, "error": str(error)})
                 raise CoordinatorUnavailable(
                     f"cannot persist group {name!r}: {error}; nothing was decided"
                 ) from error
+        if step.persists:
             self._dirty.discard(name)
         elif step.state is not before:
             self._dirty.add(name)
@@ -211,6 +231,8 @@ class Coordinator:
                 self._publish(effect.event)
             elif isinstance(effect, Deadline):
                 self._set_deadline(name, effect.at)
+            elif isinstance(effect, Replicate) and self._replica is not None:
+                self._replica.replicate(name)
 
     def _publish(self, event: GroupEvent) -> None:
         """Counts, logs and fans out one event."""
@@ -279,6 +301,18 @@ class Coordinator:
                 "lifetime started",
                 extra={**fields, "rank": event.ep_rank, "detail": event.message},
             )
+        elif event.kind is EventKind.PLAN_MERGED:
+            _log.info(
+                "plan merged",
+                extra={
+                    **fields,
+                    "from_node": event.node,
+                    "epoch": event.plan.epoch if event.plan else None,
+                    "generation": event.plan.generation if event.plan else None,
+                    "workspace_bytes": self._workspace_bytes(event),
+                    "detail": event.message,
+                },
+            )
 
     def _workspace_bytes(self, event: GroupEvent) -> int:
         ep_size = self.ep_size_of(event.group)
@@ -307,7 +341,7 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         before = self._groups.get(proposal.group)
-        step = policy.propose(before, proposal, self._clock(), self._round_timeout)
+        step = policy.propose(before, proposal, self._clock(), self._round_timeout, node=self.node)
         self._execute(step, before)
         reply = step.reply
         if isinstance(reply, Wait):
@@ -417,7 +451,7 @@ class Coordinator:
         if self._phase is _Phase.CLOSED:
             raise CoordinatorUnavailable("the sidecar has stopped")
         state = self.group(group)
-        step = policy.commit(state, record, self._clock())
+        step = policy.commit(state, record, self._clock(), node=self.node)
         self._execute(step, state)
         return step.state
 
@@ -463,6 +497,67 @@ class Coordinator:
         step = policy.reset(state, self._clock())
         self._execute(step, state)
         return step.state
+
+    # --- the cluster store ----------------------------------------------------------
+
+    def now(self) -> float:
+        """The clock's seconds (what growths are stamped with)."""
+        return self._clock()
+
+    def cluster_plan(self, name: str) -> ClusterPlan | None:
+        """The replicated part of group ``name`` (None: no such group)."""
+        state = self._groups.get(name)
+        return cluster_plan_of(state) if state is not None else None
+
+    def group_names(self) -> list[str]:
+        """Every group's name, sorted."""
+        return sorted(self._groups)
+
+    def merge(self, remote: ClusterPlan) -> bool:
+        """Merges a group's plan from the cluster store (another node's decision).
+
+        Returns whether the group changed here. A group this node has never
+        seen is created when the remote document holds anything.
+
+        Raises:
+            InvalidArgument: a field of ``remote`` is out of range.
+            PreconditionFailed: ``remote`` cannot join the group (another
+                ``ep_size``, or another ``top_k``/``num_experts`` in one epoch).
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        if self._phase is _Phase.CLOSED:
+            raise CoordinatorUnavailable("the sidecar has stopped")
+        before = self._groups.get(remote.name)
+        step = policy.merge(before, remote, self._clock(), node=self.node)
+        if before is None and not step.persists:
+            return False
+        self._execute(step, before)
+        return step.persists
+
+    def pending_replication(self) -> list[tuple[str, int]]:
+        """Groups the cluster store has not got yet, each with its outbox ``seq``.
+
+        Raises:
+            sqlite3.Error: the local database cannot be read.
+        """
+        return self._store.pending()
+
+    def replicated(self, name: str, seq: int) -> bool:
+        """The cluster store has group ``name`` as of outbox ``seq``: forget it
+        unless it was saved again since. Returns whether it was forgotten.
+
+        Raises:
+            sqlite3.Error: the local database cannot be written.
+        """
+        return self._store.clear_pending(name, seq)
+
+    def mark_pending(self, names: list[str]) -> None:
+        """Records that the cluster store must get these groups again.
+
+        Raises:
+            sqlite3.Error: the local database cannot be written.
+        """
+        self._store.mark_pending(names)
 
     def watch(self, group: str) -> Subscription:
         """Subscribes to the events of ``group`` (``""``: every group).
