@@ -278,7 +278,10 @@ class EtcdReplica:
                     self._groups_prefix, start_revision=self._revision + 1
                 ) as watch:
                     async for event in watch:
-                        if event.type is EventType.PUT:
+                        known = self._known.get(event.key)
+                        if known is not None and known.revision >= event.mod_revision:
+                            pass  # this node's own write: nothing new to decode or merge
+                        elif event.type is EventType.PUT:
                             self._accept(event.key, event.value, event.mod_revision)
                         else:
                             self._known.pop(event.key, None)
@@ -403,7 +406,8 @@ class EtcdReplica:
                 assert current is not None
                 self.metrics.writes.labels("written").inc()
                 self._known[key] = _Known(current.mod_revision, value)
-                self._merge(key, value)
+                if value is not doc:
+                    self._merge(key, value)  # the join holds another node's growths
                 return
             self.metrics.writes.labels("conflict").inc()
             known = (

@@ -31,7 +31,7 @@ import json
 from typing import Any
 
 from moe_sidecar import limits
-from moe_sidecar.cluster import ClusterPlan, check_cluster_plan
+from moe_sidecar.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
 from moe_sidecar.errors import ErrorCode, InvalidArgument
 from moe_sidecar.group import (
     Decision,
@@ -485,6 +485,40 @@ def decode_group(text: str) -> GroupState:
         raise RowError(str(error)) from None
 
 
+def _typed_plan(d: Any, key: str) -> Plan | None:
+    """A plan's fields, typed; their ranges are left to check_cluster_plan (once)."""
+    value = _get(d, key, (dict, type(None)))
+    if value is None:
+        return None
+    c = _get(value, "capacities", dict)
+    return Plan(
+        capacities=Capacities(
+            max_tokens=_int(c, "max_tokens"),
+            dispatch_bytes_per_token=_int(c, "dispatch_bytes_per_token"),
+            combine_bytes_per_token=_int(c, "combine_bytes_per_token"),
+            top_k=_int(c, "top_k"),
+            num_experts=_int(c, "num_experts"),
+            eplb_experts=_int(c, "eplb_experts"),
+        ),
+        epoch=_int(value, "epoch"),
+        generation=_int(value, "generation"),
+    )
+
+
+def _typed_growth(g: Any) -> Growth:
+    plan = _typed_plan(g, "plan")
+    if plan is None:
+        raise RowError("field 'plan' holds null")
+    return Growth(
+        plan=plan,
+        layer=_str(g, "layer"),
+        ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        round=_int(g, "round", 0, limits.MAX_ROUND),
+        at=_float(g, "at"),
+        node=_str(g, "node"),
+    )
+
+
 def decode_cluster_plan(data: bytes) -> ClusterPlan:
     """The cluster plan a store holds as ``data``, every field checked.
 
@@ -512,16 +546,16 @@ def decode_cluster_plan(data: bytes) -> ClusterPlan:
             f"{CLUSTER_PLAN_VERSION} (a newer sidecar wrote it?)"
         )
     try:
-        ep_size = _int(document, "ep_size", 1, limits.MAX_EP_SIZE)
+        history = _list(document, "history")
+        if len(history) > MAX_HISTORY:
+            raise RowError(f"field 'history' holds {len(history)} entries; at most {MAX_HISTORY}")
         doc = ClusterPlan(
             name=_str(document, "name"),
-            ep_size=ep_size,
+            ep_size=_int(document, "ep_size", 1, limits.MAX_EP_SIZE),
             epoch=_int(document, "epoch"),
-            plan=_decode_plan(document, "plan", ep_size),
+            plan=_typed_plan(document, "plan"),
             generation=_int(document, "generation"),
-            history=tuple(
-                _decode_growth(g, ep_size, with_node=True) for g in _list(document, "history")
-            ),
+            history=tuple(_typed_growth(g) for g in history),
         )
     except (KeyError, TypeError) as error:
         raise RowError(f"malformed: {error!r}") from None

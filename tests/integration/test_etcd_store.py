@@ -97,7 +97,8 @@ async def stub(node: Node) -> AsyncIterator[Any]:
 async def group_of(node: Node, group: str = GROUP) -> pb.Group | None:
     async with stub(node) as s:
         try:
-            return await s.GetGroup(pb.GetGroupRequest(group=group), timeout=5)
+            found: pb.Group = await s.GetGroup(pb.GetGroupRequest(group=group), timeout=5)
+            return found
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -283,7 +284,7 @@ async def test_a_reset_on_node_a_reaches_node_b_and_is_not_undone(
         reset = await until(
             lambda: group_of(b), lambda g: g is not None and g.epoch == 1, "B reset"
         )
-        assert not reset.HasField("plan")
+        assert reset is not None and not reset.HasField("plan")
         # B grows in the new epoch from a small layer: the old plan does not come back.
         first = (await grow(b, [NVFP4], "b"))[0]
         assert first.plan.epoch == 1 and first.grew
