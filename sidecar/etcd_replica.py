@@ -39,7 +39,13 @@ import sqlite3
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from moe_sidecar.cluster import ClusterPlan, LayoutMismatch, covers, join_cluster_plans
+from moe_sidecar.cluster import (
+    ClusterPlan,
+    LayoutMismatch,
+    check_cluster_plan,
+    covers,
+    join_cluster_plans,
+)
 from moe_sidecar.errors import CoordinatorError, InvalidArgument, PreconditionFailed
 from moe_sidecar.etcd_client import (
     EtcdClient,
@@ -392,8 +398,12 @@ class EtcdReplica:
                     if remote is None
                     else join_cluster_plans(doc, remote, node=host.node, now=host.now())
                 )
+                check_cluster_plan(value)
             except (LayoutMismatch, ShapeMismatch) as error:
                 self._reject(key, f"cannot join this node's group: {error}")
+                return
+            except InvalidArgument as error:
+                self._reject(key, f"its join with this node's group is out of range: {error}")
                 return
             try:
                 result = await self._client.put_if(key, encode_cluster_plan(value), known.revision)

@@ -779,8 +779,9 @@ def merge(state: GroupState | None, remote: ClusterPlan, now: float, *, node: st
     Raises:
         InvalidArgument: a field of ``remote`` is out of range (it is
             untrusted input).
-        PreconditionFailed: ``remote`` has another ``ep_size``, or a plan of
-            another ``top_k``/``num_experts`` in the same epoch.
+        PreconditionFailed: ``remote`` has another ``ep_size``, a plan of
+            another ``top_k``/``num_experts`` in the same epoch, or one whose
+            join with the group's would leave the ranges.
     """
     check_cluster_plan(remote)
     if state is None:
@@ -794,6 +795,14 @@ def merge(state: GroupState | None, remote: ClusterPlan, now: float, *, node: st
         raise PreconditionFailed(
             f"cannot merge group {remote.name!r}: the plan from another node has {error}; "
             "FlashInfer's all-to-all needs one top_k and num_experts for every layer"
+        ) from None
+    try:
+        # Two plans in range can join out of range (one node's tokens, another's bytes).
+        check_cluster_plan(joined)
+    except InvalidArgument as error:
+        raise PreconditionFailed(
+            f"cannot merge group {remote.name!r}: the join with the plan from another node "
+            f"would be out of range ({error.message}); nothing was merged"
         ) from None
     merged = replace(
         state,

@@ -331,3 +331,12 @@ def test_nodes_growing_and_resetting_in_any_order_converge(seed: int) -> None:
     assert plans == {(store.value.epoch, store.value.plan)}, plans
     for s in states.values():
         assert s is not None and covers(store.value, cluster_plan_of(s))
+
+
+def test_a_join_out_of_range_is_not_merged() -> None:
+    # Each in range; one node's tokens with the other's bytes per token are not.
+    many_tokens = Plan(Capacities(1 << 27, 1, 1, 2, 16), 0, 1)
+    wide = Plan(Capacities(1, 1 << 22, 1, 2, 16), 0, 1)
+    state = policy.merge(None, doc(many_tokens, growth(many_tokens, "a", 1.0)), 2.0).state
+    with pytest.raises(PreconditionFailed, match="out of range"):
+        policy.merge(state, doc(wide, growth(wide, "b", 1.5)), 3.0, node="a")
