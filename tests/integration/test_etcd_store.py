@@ -366,3 +366,32 @@ async def test_an_etcd_recreated_empty_gets_every_plan_back(
             lambda: in_etcd(etcd_server), lambda d: d is not None, "plan pushed again", within=40
         )
         assert stored is not None and stored.plan == plan
+
+
+async def test_a_reset_during_an_outage_wins_over_growth_the_other_node_missed_it_with(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    with nodes(tmp_path, etcd_server, "node-a", "node-b") as (a, b):
+        await grow(a, [NVFP4], "a")
+        await converged(a, b, etcd_server)
+        await asyncio.to_thread(etcd_server.kill)
+        # While etcd is away: B grows in epoch 0, A resets (epoch 1). Both are pending.
+        grown = await grow(b, [NVFP4, requirement("big", tokens=4096)], "b")
+        assert grown[-1].grew and grown[-1].plan.epoch == 0
+        async with stub(a) as s:
+            await s.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
+        await asyncio.to_thread(etcd_server.start)
+
+        async def epochs() -> tuple[int, int, int]:
+            doc = await in_etcd(etcd_server)
+            ga, gb = await group_of(a), await group_of(b)
+            assert ga is not None and gb is not None
+            return ga.epoch, gb.epoch, doc.epoch if doc else -1
+
+        await until(epochs, lambda e: e == (1, 1, 1), "the reset wins everywhere")
+        for node in (a, b):
+            assert stored_plan(await group_of(node)) is None
+        # ... and while both run, a second reset on B reaches A at once.
+        async with stub(b) as s:
+            await s.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
+        await until(epochs, lambda e: e == (2, 2, 2), "a reset on B reaches A")
