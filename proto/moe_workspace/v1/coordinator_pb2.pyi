@@ -71,9 +71,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """A new lifetime of the group began (its ranks restarted)."""
     EVENT_KIND_ROUND_ABORTED: _EventKind.ValueType  # 7
     """A round was abandoned because a rank restarted or the sidecar stopped."""
-    EVENT_KIND_PLAN_MERGED: _EventKind.ValueType  # 8
+    EVENT_KIND_PLAN_MERGED: _EventKind.ValueType  # 10
     """A plan decided on another node arrived through the cluster store (etcd)
     and was joined into the group's plan (or, at a later epoch, replaced it).
+    (10: 8 and 9 are taken on main by GROUP_REMOVED and RANK_LEFT.)
     """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
@@ -91,9 +92,10 @@ EVENT_KIND_LIFETIME_STARTED: EventKind.ValueType  # 6
 """A new lifetime of the group began (its ranks restarted)."""
 EVENT_KIND_ROUND_ABORTED: EventKind.ValueType  # 7
 """A round was abandoned because a rank restarted or the sidecar stopped."""
-EVENT_KIND_PLAN_MERGED: EventKind.ValueType  # 8
+EVENT_KIND_PLAN_MERGED: EventKind.ValueType  # 10
 """A plan decided on another node arrived through the cluster store (etcd)
 and was joined into the group's plan (or, at a later epoch, replaced it).
+(10: 8 and 9 are taken on main by GROUP_REMOVED and RANK_LEFT.)
 """
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
