@@ -320,7 +320,7 @@ def test_state_lives_on_the_node_and_belongs_to_the_sidecar() -> None:
     # The kubelet creates it root-owned: an init container, before the sidecar,
     # gives it to the sidecar's uid:gid with CAP_CHOWN alone.
     inits = POD["initContainers"]
-    [owner] = [c for c in inits if c.get("restartPolicy") != "Always"]
+    [owner] = [c for c in inits if c["name"] == "sidecar-state-owner"]
     assert inits.index(owner) < inits.index(_sidecar())
     assert _mounts(owner)[state] == _mounts(_sidecar())[state]
     assert owner["image"] == _sidecar()["image"]
