@@ -17,6 +17,14 @@ the layers that caused them, the sidecar's history of the group, wall time.
 Run it twice against one sidecar and the second run builds once (the warm
 restart).
 
+``--nodes 2 --store etcd://HOST:PORT/PREFIX`` is the multi-node story on one
+machine: simulate starts two sidecars (``node-a``, ``node-b``, each with its
+own throwaway state dir) on the given etcd, gives each half of the ranks,
+and the EP group spans both "nodes": every round is decided by each node's
+sidecar for its ranks and agreed across nodes with one all-gather folded
+with the join. Run it twice and the second run builds once although its
+sidecars start with empty state dirs: the plan came back from etcd.
+
 The ``sidecar`` package imports no torch; this module does, so ``moe_sidecar.cli``
 imports it only when ``simulate`` runs.
 """
@@ -29,13 +37,17 @@ import json
 import multiprocessing
 import os
 import queue
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import grpc
@@ -46,8 +58,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe_sidecar.client.backends.reference import expert_owner
 from moe_sidecar.client.errors import CoordinatorError
 from moe_sidecar.client.manager import WorkspaceManager
+from moe_sidecar.cluster import plan_origin
 from moe_sidecar.defaults import EMBEDDED, ENV_TARGET
-from moe_sidecar.display import format_bytes
+from moe_sidecar.display import format_bytes, format_time
 from moe_sidecar.group import Growth
 from moe_sidecar.limits import MAX_EP_SIZE
 from moe_sidecar.wire_codec import summary_from_proto
@@ -58,6 +71,7 @@ __all__ = [
     "MODELS",
     "ModelPreset",
     "MoeLayer",
+    "NodeView",
     "RankFailure",
     "RankReport",
     "RoundRecord",
@@ -133,6 +147,9 @@ def _qwen3_30b_a3b() -> ModelPreset:
 
 MODELS: Mapping[str, ModelPreset] = {p.name: p for p in (_deepseek_v3(), _qwen3_30b_a3b())}
 """The presets ``--model`` accepts, by name."""
+MAX_NODES = 4
+"""Sidecars ``--nodes`` may start."""
+NODE_NAMES = tuple(f"node-{letter}" for letter in "abcd")
 
 
 # --- configuration and results ------------------------------------------------------
@@ -158,6 +175,10 @@ class SimulationConfig:
     """Seconds the whole run may take before the ranks are stopped."""
     check: bool
     """Run the dispatch+combine checks."""
+    nodes: int = 1
+    """Sidecars to start on ``store`` and split the ranks between (1: none started)."""
+    store: str = ""
+    """The etcd URL the started sidecars share (``nodes`` > 1)."""
 
     def __post_init__(self) -> None:
         fewest_experts = min(layer.num_experts for layer in self.model.layers)
@@ -175,10 +196,32 @@ class SimulationConfig:
             raise ValueError(
                 f"--propose-timeout {self.propose_timeout}: must be in (0, 86400] seconds"
             )
+        if not 1 <= self.nodes <= min(MAX_NODES, self.ranks):
+            raise ValueError(
+                f"--nodes {self.nodes}: must be in [1, {min(MAX_NODES, self.ranks)}] "
+                f"(at most {MAX_NODES}, and at least one rank per node)"
+            )
+        if self.nodes > 1 and self.target is not None:
+            raise ValueError("--nodes starts its own sidecars: leave out --target")
+        if self.nodes > 1 and not self.store.startswith(("etcd://", "etcds://")):
+            raise ValueError(
+                f"--nodes {self.nodes} needs --store etcd://HOST:PORT/PREFIX, the etcd the "
+                "started sidecars share (e.g. run `etcd --data-dir /tmp/etcd` and pass "
+                "--store etcd://127.0.0.1:2379/moe-simulate)"
+            )
 
     @property
     def embedded(self) -> bool:
-        return self.target is None
+        return self.target is None and self.nodes == 1
+
+    def node_of(self, ep_rank: int) -> int:
+        """The node (0-based) whose sidecar rank ``ep_rank`` talks to: contiguous blocks."""
+        return ep_rank * self.nodes // self.ranks
+
+    def local_ranks(self, ep_rank: int) -> int:
+        """How many ranks share ``ep_rank``'s node."""
+        node = self.node_of(ep_rank)
+        return sum(1 for r in range(self.ranks) if self.node_of(r) == node)
 
 
 @dataclass(frozen=True)
@@ -224,6 +267,20 @@ class RankFailure:
     traceback: str
 
 
+@dataclass(frozen=True)
+class NodeView:
+    """What one node's sidecar holds of the group at the end of a ``--nodes`` run."""
+
+    node: str
+    target: str
+    epoch: int
+    generation: int
+    workspace_bytes: int
+    origin_node: str
+    """The node whose sidecar made the plan (from the growth history)."""
+    origin_time: float
+
+
 @dataclass
 class SimulationResult:
     """Everything the summary shows; ``failures`` empty means success."""
@@ -239,12 +296,19 @@ class SimulationResult:
     """A failure outside the ranks (sidecar unreachable, the run timed out)."""
     sidecar_lifetimes: int = 0
     sidecar_history: list[Growth] = field(default_factory=list)
+    nodes: list[NodeView] = field(default_factory=list)
+    """Each started node's view of the group (``--nodes``)."""
     startup_seconds: float = 0.0
     wall_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return not self.failures and not self.error and len(self.reports) == self.ranks
+
+    @property
+    def nodes_agree(self) -> bool:
+        """Every started node holds the same plan (vacuously true without ``--nodes``)."""
+        return len({(v.epoch, v.generation, v.workspace_bytes) for v in self.nodes}) <= 1
 
     @property
     def builds(self) -> int:
@@ -257,7 +321,9 @@ class SimulationResult:
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values, with the derived counts."""
         document = asdict(self)
-        document.update(ok=self.ok, builds=self.builds, rebuilds=self.rebuilds)
+        document.update(
+            ok=self.ok, builds=self.builds, rebuilds=self.rebuilds, nodes_agree=self.nodes_agree
+        )
         return document
 
 
@@ -322,14 +388,14 @@ def _checked_exchange(manager: WorkspaceManager, layer: MoeLayer, tokens: int, s
         )
 
 
-def _run_rank(ep_rank: int, config: SimulationConfig, events: Any) -> None:
+def _run_rank(ep_rank: int, config: SimulationConfig, events: Any, target: str | None) -> None:
     # Every rank of the run is one EP group; its gloo group is what vLLM hands over.
     manager = WorkspaceManager(
         dist.new_group(backend="gloo"),
         group=config.group,
-        target=config.target or EMBEDDED,
+        target=target or EMBEDDED,
         backend="reference",
-        local_ranks=None if config.embedded else config.ranks,
+        local_ranks=None if target is None else config.local_ranks(ep_rank),
         propose_timeout=config.propose_timeout,
     )
     checked: list[str] = []
@@ -397,7 +463,9 @@ def _run_rank(ep_rank: int, config: SimulationConfig, events: Any) -> None:
     events.put(report)
 
 
-def _rank_main(ep_rank: int, config: SimulationConfig, port: int, events: Any) -> None:
+def _rank_main(
+    ep_rank: int, config: SimulationConfig, port: int, events: Any, target: str | None
+) -> None:
     """A rank process: joins the gloo group, runs the layers, reports."""
     # N ranks share a small machine; one intra-op thread each avoids thrashing.
     torch.set_num_threads(1)
@@ -411,7 +479,7 @@ def _rank_main(ep_rank: int, config: SimulationConfig, port: int, events: Any) -
         )
         try:
             events.put(_RankStarted(ep_rank))
-            _run_rank(ep_rank, config, events)
+            _run_rank(ep_rank, config, events, target)
         finally:
             dist.destroy_process_group()
     except BaseException as error:
@@ -464,6 +532,96 @@ def _check_reachable(target: str, timeout: float) -> str:
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         return f"the sidecar at {target} is {status}"
     return ""
+
+
+@contextlib.contextmanager
+def _node_sidecars(config: SimulationConfig, say: Callable[[str], None]) -> Iterator[list[str]]:
+    """Starts one sidecar per node on ``config.store``; yields their targets.
+
+    Each has a throwaway state dir: whatever a node knows at start comes from etcd.
+
+    Raises:
+        RuntimeError: a sidecar exited or did not serve in time (with its log).
+    """
+    directory = Path(tempfile.mkdtemp(prefix="moe-simulate-"))
+    processes: list[subprocess.Popen[bytes]] = []
+    targets: list[str] = []
+    try:
+        for name in NODE_NAMES[: config.nodes]:
+            target = f"unix://{directory}/{name}.sock"
+            command = [
+                sys.executable,
+                "-m",
+                "moe_sidecar",
+                "--listen",
+                target,
+                "--store",
+                config.store,
+                "--node-name",
+                name,
+                "--state-dir",
+                str(directory / name),
+                "--health-port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--log-format",
+                "text",
+                "--log-level",
+                "WARNING",
+            ]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
+            with open(directory / f"{name}.log", "ab") as log:
+                processes.append(
+                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                )
+            targets.append(target)
+        for name, target, process in zip(NODE_NAMES, targets, processes, strict=False):
+            deadline = time.monotonic() + 30.0
+            while _check_reachable(target, timeout=1.0):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log_text = (directory / f"{name}.log").read_text(errors="replace")
+                    raise RuntimeError(
+                        f"the sidecar of {name} did not start ({config.store}):\n"
+                        + "\n".join(log_text.splitlines()[-15:])
+                    )
+                time.sleep(0.1)
+            say(f"  {name}: a sidecar on {target}, plans in {config.store}")
+        yield targets
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _fetch_node_views(result: SimulationResult, targets: Sequence[str]) -> None:
+    for name, target in zip(NODE_NAMES, targets, strict=False):
+        with grpc.insecure_channel(target) as channel:
+            group = summary_from_proto(
+                pb_grpc.WorkspaceCoordinatorStub(channel).GetGroup(
+                    pb.GetGroupRequest(group=result.group), timeout=5.0
+                )
+            )
+        if group.plan is None:
+            continue
+        origin = plan_origin(group.history, group.plan)
+        result.nodes.append(
+            NodeView(
+                node=name,
+                target=target,
+                epoch=group.plan.epoch,
+                generation=group.plan.generation,
+                workspace_bytes=group.workspace_bytes(group.plan),
+                origin_node=origin.node if origin is not None else "",
+                origin_time=origin.at if origin is not None else 0.0,
+            )
+        )
 
 
 def _fetch_history(result: SimulationResult, target: str) -> None:
@@ -581,19 +739,52 @@ def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> 
         result.error = _check_reachable(config.target, timeout=5.0)
         if result.error:
             return result
-    where = f"the sidecar at {config.target}" if config.target else "embedded mode (no sidecar)"
+    if config.nodes > 1:
+        where = f"{config.nodes} sidecars (nodes) sharing plans through {config.store}"
+    elif config.target:
+        where = f"the sidecar at {config.target}"
+    else:
+        where = "embedded mode (no sidecar)"
     say(
         f"simulate {config.model.name}: {len(config.model.layers)} MoE layers on "
         f"{config.ranks} CPU ranks, max_num_tokens {config.max_tokens}, group "
         f"{config.group!r}, decided by {where}"
     )
+    with contextlib.ExitStack() as stack:
+        if config.nodes > 1:
+            try:
+                targets = stack.enter_context(_node_sidecars(config, say))
+            except RuntimeError as error:
+                result.error = str(error)
+                return result
+        else:
+            targets = [config.target] if config.target is not None else []
+        _run_ranks(config, result, targets, say, wall_start)
+        if targets and not result.error:
+            # The history is a nicety; the run's own results stand without it.
+            with contextlib.suppress(grpc.RpcError):
+                _fetch_history(result, targets[0])
+            if config.nodes > 1:
+                with contextlib.suppress(grpc.RpcError):
+                    _fetch_node_views(result, targets)
+    result.wall_seconds = time.monotonic() - wall_start
+    return result
+
+
+def _run_ranks(
+    config: SimulationConfig,
+    result: SimulationResult,
+    targets: Sequence[str],
+    say: Callable[[str], None],
+    wall_start: float,
+) -> None:
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
     port = _free_port()
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, config, port, events),
+            args=(rank, config, port, events, targets[config.node_of(rank)] if targets else None),
             name=f"simulate-rank{rank}",
             daemon=True,
         )
@@ -606,12 +797,6 @@ def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> 
     finally:
         _stop(processes)
     _settle(result, processes)
-    if config.target is not None and not result.error:
-        # The history is a nicety; the run's own results stand without it.
-        with contextlib.suppress(grpc.RpcError):
-            _fetch_history(result, config.target)
-    result.wall_seconds = time.monotonic() - wall_start
-    return result
 
 
 def format_summary(result: SimulationResult) -> str:
@@ -662,7 +847,25 @@ def format_summary(result: SimulationResult) -> str:
         lines.append(
             "  warm restart: the sidecar remembered the plan, so round 1 built the union at once"
         )
-    if result.target is not None and result.sidecar_history:
+    elif result.rebuilds == 0 and result.nodes and grown[0].round == 1 and grown[0].generation > 1:
+        lines.append(
+            "  warm start from etcd: the sidecars started with empty state dirs, and round 1 "
+            "built the plan the cluster had"
+        )
+    if result.nodes:
+        lines.append(f"nodes ({len(result.nodes)} sidecars, one etcd):")
+        for view in result.nodes:
+            lines.append(
+                f"  {view.node}: generation {view.generation} (epoch {view.epoch}), "
+                f"{format_bytes(view.workspace_bytes)}, plan from "
+                f"{view.origin_node or 'an unrecorded node'} at {format_time(view.origin_time)}"
+            )
+        lines.append(
+            "  the nodes agree on the plan"
+            if result.nodes_agree
+            else "  the nodes DISAGREE on the plan"
+        )
+    if result.sidecar_history:
         lines.append(
             f"sidecar history of {result.group!r} ({result.sidecar_lifetimes} lifetime(s)):"
         )
@@ -671,12 +874,13 @@ def format_summary(result: SimulationResult) -> str:
             lines.append(
                 f"  generation {growth.plan.generation}: {format_bytes(workspace)}, "
                 f"max_tokens {growth.plan.capacities.max_tokens}, caused by layer "
-                f"{growth.layer!r} (rank {growth.ep_rank}, round {growth.round})"
+                f"{growth.layer!r} (rank {growth.ep_rank}, round {growth.round}"
+                + (f", {growth.node})" if growth.node else ")")
             )
     lines.append(
         f"wall time: {result.wall_seconds:.1f} s (ranks up after {result.startup_seconds:.1f} s)"
     )
-    lines.append("OK" if result.ok else "FAILED")
+    lines.append("OK" if result.ok and result.nodes_agree else "FAILED")
     return "\n".join(lines) + "\n"
 
 
@@ -713,6 +917,8 @@ def run_cli(args: argparse.Namespace) -> int:
             propose_timeout=args.propose_timeout,
             timeout=args.timeout,
             check=args.check,
+            nodes=args.nodes,
+            store=args.store or "",
         )
     except ValueError as error:
         print(f"moe-sidecar simulate: {error}", file=sys.stderr)
@@ -723,10 +929,11 @@ def run_cli(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("moe-sidecar simulate: interrupted", file=sys.stderr)
         return 130
+    ok = result.ok and result.nodes_agree
     if args.json:
         print(json.dumps(result.as_json(), indent=2))
-        if not result.ok:
+        if not ok:
             sys.stderr.write(format_summary(result))
     else:
         sys.stdout.write(format_summary(result))
-    return 0 if result.ok else 1
+    return 0 if ok else 1

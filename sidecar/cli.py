@@ -337,6 +337,21 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--group", default=None, help="EP group name (default simulate:<model>/ep<N>/pp0)"
     )
     parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start N sidecars (node-a, node-b, ...) sharing plans through --store and split "
+        "the ranks between them, so the EP group spans nodes (default 1: no sidecar started)",
+    )
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="with --nodes: the etcd the started sidecars share, "
+        "etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=16,

@@ -15,9 +15,10 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from moe_sidecar.defaults import CLIENT_ENV_KEYS, DEFAULT_TARGET, ENV_PREFIX
+from moe_sidecar.etcd_url import EtcdTarget, EtcdUrlError, parse_etcd_url
 
 __all__ = [
     "DEFAULT_LISTEN",
@@ -25,10 +26,13 @@ __all__ = [
     "ConfigError",
     "ListenAddress",
     "SidecarConfig",
+    "SqliteStore",
+    "StoreTarget",
     "add_serve_arguments",
     "config_from_flags",
     "is_loopback",
     "parse_listen_address",
+    "parse_store_url",
 ]
 
 DEFAULT_LISTEN = (DEFAULT_TARGET,)
@@ -49,6 +53,9 @@ LIMIT_FIELDS = (
 """Every bounded resource's limit (all flags; the metrics export them too)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_SECONDS = 86400.0
+DEFAULT_STATE_DIR = Path("/var/lib/moe-sidecar")
+MAX_NODE_NAME_LENGTH = 253
+"""A DNS name's length: Kubernetes node names are DNS subdomains."""
 
 
 class ConfigError(ValueError):
@@ -126,6 +133,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class SqliteStore:
+    """Plans in the node's own SQLite database only (``sqlite:///DIR``)."""
+
+    path: Path
+    """The state directory holding the database."""
+
+
+StoreTarget: TypeAlias = SqliteStore | EtcdTarget
+"""A parsed ``--store``: the node's SQLite alone, or etcd beside it."""
+
+
+def parse_store_url(value: str) -> StoreTarget:
+    """Parses ``sqlite:///ABSOLUTE/DIR`` or an etcd URL (:mod:`moe_sidecar.etcd_url`).
+
+    Raises:
+        ConfigError: the URL is malformed (the message quotes it).
+    """
+    if value.startswith("sqlite:"):
+        raw = value[len("sqlite://") :] if value.startswith("sqlite://") else ""
+        if not raw.startswith("/") or raw.startswith("//"):
+            raise ConfigError(
+                f"store={value!r}: expected sqlite:///ABSOLUTE/DIR (three slashes, then the "
+                "state directory)"
+            )
+        return SqliteStore(Path(raw))
+    if value.startswith(("etcd://", "etcds://")):
+        try:
+            return parse_etcd_url(value)
+        except EtcdUrlError as error:
+            raise ConfigError(f"store: {error}") from None
+    raise ConfigError(
+        f"store={value!r}: expected sqlite:///DIR (one node) or "
+        "etcd://HOST:PORT[,HOST:PORT...]/PREFIX (etcds:// for TLS)"
+    )
+
+
 def _check_port(name: str, value: int | None) -> None:
     if value is not None and not 0 <= value <= 65535:
         raise ConfigError(f"{name}={value!r}: must be in [0, 65535] (or None to disable)")
@@ -153,7 +197,7 @@ class SidecarConfig:
     listen: tuple[str, ...] = DEFAULT_LISTEN
     health_port: int | None = 50052
     metrics_port: int | None = 9464
-    state_dir: Path = Path("/var/lib/moe-sidecar")
+    state_dir: Path = DEFAULT_STATE_DIR
     round_timeout: float = 60.0
     log_format: str = "json"
     log_level: str = "INFO"
@@ -183,7 +227,14 @@ class SidecarConfig:
     """With it, TCP listeners require client certificates signed by this CA (mTLS)."""
     insecure: bool = False
     """Allow plaintext TCP beyond loopback (the operator knows the network is private)."""
+    store: str = ""
+    """``sqlite:///DIR`` or ``etcd://...``; empty: the SQLite in ``state_dir``."""
+    node_name: str = ""
+    """This node's name in plan origins; empty: the hostname."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
+    store_target: StoreTarget = field(init=False, repr=False, compare=False)
+    """``store`` parsed; with etcd, the node's SQLite in ``state_dir`` stays
+    the write-ahead record."""
 
     def __post_init__(self) -> None:
         if isinstance(self.listen, str) or not self.listen:
@@ -200,6 +251,8 @@ class SidecarConfig:
         _check_port("metrics_port", self.metrics_port)
         if not str(self.state_dir):
             raise ConfigError("state_dir='': must name a directory")
+        self._set_store()
+        self._check_node_name()
         _check_seconds("round_timeout", self.round_timeout, low=0.0, low_inclusive=False)
         _check_seconds("grace_period", self.grace_period, low=0.0, low_inclusive=True)
         if self.log_format not in LOG_FORMATS:
@@ -243,6 +296,27 @@ class SidecarConfig:
                     "--insecure if this network is private and every peer on it may act as "
                     "any rank"
                 )
+
+    def _set_store(self) -> None:
+        target: StoreTarget = (
+            parse_store_url(self.store) if self.store else SqliteStore(self.state_dir)
+        )
+        if isinstance(target, SqliteStore) and target.path != self.state_dir:
+            if self.state_dir != DEFAULT_STATE_DIR:
+                raise ConfigError(
+                    f"store={self.store!r} and state_dir={str(self.state_dir)!r} name two "
+                    "directories; give one of them"
+                )
+            object.__setattr__(self, "state_dir", target.path)
+        object.__setattr__(self, "store_target", target)
+
+    def _check_node_name(self) -> None:
+        name = self.node_name
+        if len(name) > MAX_NODE_NAME_LENGTH or not name.isprintable() or name != name.strip():
+            raise ConfigError(
+                f"node_name={name[:40]!r}: at most {MAX_NODE_NAME_LENGTH} printable "
+                "characters, no leading or trailing space"
+            )
 
 
 # --- flags and environment -------------------------------------------------------
@@ -339,6 +413,24 @@ _OPTIONS = (
         float,
         "seconds to drain in-flight calls on shutdown (default 5)",
         "SECONDS",
+    ),
+    _Option(
+        "--store",
+        "store",
+        str,
+        "where plans are kept: sqlite:///DIR (default: the SQLite database in --state-dir; "
+        "one node) or etcd://HOST:PORT[,HOST:PORT...]/PREFIX[?cacert=..&cert=..&key=..&"
+        "user=..&password-file=..&timeout=..] (etcds:// for TLS): every node merges its plans "
+        "into etcd and watches the prefix; the SQLite in --state-dir stays the node's "
+        "write-ahead record",
+        "URL",
+    ),
+    _Option(
+        "--node-name",
+        "node_name",
+        str,
+        "this node's name in plan histories (default: the hostname; on Kubernetes, spec.nodeName)",
+        "NAME",
     ),
     _Option(
         "--enable-admin",

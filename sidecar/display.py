@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from moe_sidecar.cluster import plan_origin
 from moe_sidecar.group import GroupSummary, Growth
 from moe_sidecar.plan import Capacities, Plan
 
@@ -61,12 +62,25 @@ def _plan_line(plan: Plan, ep_size: int) -> str:
     )
 
 
+def _node_text(node: str) -> str:
+    return f"node {node}" if node else "an unrecorded node"
+
+
+def _origin_text(g: Growth) -> str:
+    """Where and when a plan was made: ``node NAME at TIME``."""
+    return f"{_node_text(g.node)} at {format_time(g.at)}"
+
+
 def _growth_line(g: Growth, ep_size: int) -> str:
     workspace = g.plan.capacities.workspace_bytes(ep_size)
+    cause = (
+        f"{g.layer}"
+        if g.layer.startswith("(")
+        else f"caused by layer {g.layer or '(unnamed)'!r} on rank {g.ep_rank} in round {g.round}"
+    )
     return (
         f"generation {g.plan.generation}: {format_bytes(workspace)} ({workspace} B), "
-        f"max_tokens={g.plan.capacities.max_tokens}, caused by layer "
-        f"{g.layer or '(unnamed)'!r} on rank {g.ep_rank} in round {g.round} at {format_time(g.at)}"
+        f"max_tokens={g.plan.capacities.max_tokens}, {cause}, on {_origin_text(g)}"
     )
 
 
@@ -90,6 +104,9 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
         lines.append(
             "  plan: " + (_plan_line(g.plan, g.ep_size) if g.plan is not None else "(none stored)")
         )
+        origin = plan_origin(g.history, g.plan)
+        if origin is not None:
+            lines.append(f"  plan from: {_origin_text(origin)}")
         lines.append("  ranks (current: the rank belongs to the group's current lifetime):")
         lines.append(
             "    rank  current  last round  last layer            committed gen  build s  lifetime"
@@ -129,15 +146,27 @@ def plan_as_json(plan: Plan, ep_size: int) -> dict[str, Any]:
     }
 
 
+def _plan_with_origin(g: GroupSummary) -> dict[str, Any] | None:
+    if g.plan is None:
+        return None
+    document = plan_as_json(g.plan, g.ep_size)
+    origin = plan_origin(g.history, g.plan)
+    document["origin"] = (
+        None if origin is None else {"node": origin.node, "time": format_time(origin.at)}
+    )
+    return document
+
+
 def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
-    """Every group as plain JSON values (integers stay integers)."""
+    """Every group as plain JSON values (integers stay integers); a plan's
+    ``origin`` names the node that made it and when (None: not in the history)."""
     return [
         {
             "name": g.name,
             "ep_size": g.ep_size,
             "local_ranks": g.local_ranks,
             "epoch": g.epoch,
-            "plan": plan_as_json(g.plan, g.ep_size) if g.plan is not None else None,
+            "plan": _plan_with_origin(g),
             "generation": g.plan.generation if g.plan is not None else None,
             "lifetimes": g.lifetimes,
             "last_closed_round": g.last_closed_round,
@@ -163,6 +192,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
                     "ep_rank": h.ep_rank,
                     "round": h.round,
                     "time": format_time(h.at),
+                    "node": h.node,
                 }
                 for h in g.history
             ],

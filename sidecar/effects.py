@@ -10,6 +10,10 @@ executes them and never compares states to find out what happened:
 * :class:`Answer`: wake every call waiting for a round with its outcome.
 * :class:`Publish`: a :class:`GroupEvent` for Watch streams, logs and metrics.
 * :class:`Deadline`: arm (or, with ``None``, cancel) the group's round timer.
+* :class:`Replicate`: the group's replicated part (epoch, plan, generation,
+  history) changed here; hand it to the cluster store (a no-op with SQLite
+  alone). The executor records it as pending with the step's :class:`Persist`,
+  so what a store missed is pushed when it returns.
 
 A step without :class:`Persist` answers nobody; its state rides along with
 the group's next write.
@@ -32,6 +36,7 @@ __all__ = [
     "GroupEvent",
     "Persist",
     "Publish",
+    "Replicate",
     "Reply",
     "Step",
     "Wait",
@@ -50,6 +55,8 @@ class EventKind(enum.Enum):
     ROUND_ABORTED = "round_aborted"
     GROUP_REMOVED = "group_removed"
     RANK_LEFT = "rank_left"
+    PLAN_MERGED = "plan_merged"
+    """A plan decided on another node (through the cluster store) was merged in."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,8 @@ class GroupEvent:
     """A decided round grew the plan."""
     latency: float | None = None
     """Seconds from a round's first proposal to its close (closed rounds only)."""
+    node: str = ""
+    """The node the event's plan came from (merged plans only)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,12 @@ class Deadline:
     at: float | None
 
 
-Effect: TypeAlias = Persist | Answer | Publish | Deadline
+@dataclass(frozen=True)
+class Replicate:
+    """Hand the group's epoch, plan, generation and history to the cluster store."""
+
+
+Effect: TypeAlias = Persist | Answer | Publish | Deadline | Replicate
 
 
 @dataclass(frozen=True)
@@ -131,3 +145,8 @@ class Step:
     def persists(self) -> bool:
         """Whether the state must be written before the effects are carried out."""
         return any(isinstance(e, Persist) for e in self.effects)
+
+    @property
+    def replicates(self) -> bool:
+        """Whether the group's replicated part must reach the cluster store."""
+        return any(isinstance(e, Replicate) for e in self.effects)

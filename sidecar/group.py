@@ -94,6 +94,9 @@ class Growth:
     ep_rank: int
     round: int
     at: float
+    node: str = ""
+    """The node whose sidecar made this growth (``--node-name``); empty in
+    rows written before nodes were recorded."""
 
 
 @dataclass(frozen=True)

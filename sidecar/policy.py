@@ -21,6 +21,10 @@ The protocol (DESIGN section 4):
 * Another ``top_k``/``num_experts`` than the plan, ranks disagreeing in a
   round, or a growth out of range closes the round as refused for everyone.
 * A retried proposal for a closed round gets the same outcome back.
+* A plan decided on another node arrives as a
+  :class:`~moe_sidecar.cluster.ClusterPlan` and is merged with the cluster
+  plans' join (:func:`merge`); steps that change a group's epoch or plan ask
+  their executor to replicate it (:class:`~moe_sidecar.effects.Replicate`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moe_sidecar import limits
+from moe_sidecar.cluster import (
+    MAX_HISTORY,
+    ClusterPlan,
+    LayoutMismatch,
+    check_cluster_plan,
+    cluster_plan_of,
+    covers,
+    join_cluster_plans,
+    plan_origin,
+)
 from moe_sidecar.effects import (
     Answer,
     Deadline,
@@ -36,6 +50,7 @@ from moe_sidecar.effects import (
     GroupEvent,
     Persist,
     Publish,
+    Replicate,
     Step,
     Wait,
 )
@@ -69,6 +84,7 @@ __all__ = [
     "commit",
     "depart",
     "expire",
+    "merge",
     "new_group",
     "propose",
     "reset",
@@ -79,8 +95,6 @@ __all__ = [
 
 RETAINED_ROUNDS = 8
 """Closed rounds kept per group to answer retries."""
-MAX_HISTORY = 256
-"""Growth events kept per group (oldest dropped first)."""
 
 
 # --- validation -----------------------------------------------------------
@@ -177,9 +191,11 @@ def _round_closed(
     event: GroupEvent,
     *,
     effects: tuple[Effect, ...] = (),
+    replicate: bool = False,
 ) -> Step:
     """The step that closes ``rnd`` (of lifetime ``lifetime_index``) with
-    ``outcome``: persisted before anyone hears of it, every waiter answered,
+    ``outcome``: persisted before anyone hears of it (and handed to the
+    cluster store when the plan grew, ``replicate``), every waiter answered,
     the event published, the group's timer set to its next deadline."""
     return Step(
         state,
@@ -187,6 +203,7 @@ def _round_closed(
         effects=(
             *effects,
             Persist(),
+            *((Replicate(),) if replicate else ()),
             Answer(lifetime_index, rnd.number, outcome),
             Publish(event),
             Deadline(state.next_deadline()),
@@ -247,7 +264,12 @@ def _first_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
 
 
 def _admit_new_lifetime(
-    state: GroupState, p: Proposal, record: RankRecord | None, now: float, round_timeout: float
+    state: GroupState,
+    p: Proposal,
+    record: RankRecord | None,
+    now: float,
+    round_timeout: float,
+    node: str,
 ) -> _Admitted | Step:
     """A proposal from a lifetime the group has not seen for this rank.
 
@@ -274,7 +296,7 @@ def _admit_new_lifetime(
         )
     taken = record is not None and record.lifetime_index == state.lifetime_index
     if taken or not _accepts_newcomers(state):
-        return _join_restart(state, p, now, round_timeout)
+        return _join_restart(state, p, now, round_timeout, node)
     if state.last_closed_round == 1:
         # Round 1 of this lifetime was refused before this rank arrived: it
         # is part of the same start and shares the refusal.
@@ -285,7 +307,9 @@ def _admit_new_lifetime(
     return _Admitted(state, joined, ())
 
 
-def _join_restart(state: GroupState, p: Proposal, now: float, round_timeout: float) -> Step:
+def _join_restart(
+    state: GroupState, p: Proposal, now: float, round_timeout: float, node: str
+) -> Step:
     """Adds a new lifetime's round-1 proposal to the pending restart.
 
     The running lifetime is untouched until every local rank has proposed
@@ -324,10 +348,10 @@ def _join_restart(state: GroupState, p: Proposal, now: float, round_timeout: flo
             reply=Wait(index, 1, pending.deadline),
             effects=(Deadline(state.next_deadline()),),
         )
-    return _restart(state, pending, p, now)
+    return _restart(state, pending, p, now, node)
 
 
-def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float) -> Step:
+def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float, node: str) -> Step:
     """Every local rank began a new lifetime: the running one ends, round 1 of
     the new one is decided."""
     effects: list[Effect] = [Persist()]
@@ -375,7 +399,7 @@ def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float) -> 
             ),
         )
     effects.append(_lifetime_started(state, p, now))
-    return _decide(state, pending, p, now, tuple(effects))
+    return _decide(state, pending, p, now, tuple(effects), node)
 
 
 def _refuse_restart(
@@ -493,7 +517,12 @@ def _gone_text(record: RankRecord) -> str:
 
 
 def _decide(
-    state: GroupState, rnd: OpenRound, p: Proposal, now: float, effects: tuple[Effect, ...]
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    now: float,
+    effects: tuple[Effect, ...],
+    node: str,
 ) -> Step:
     """Closes a round every local rank proposed with one decision for all."""
     assert rnd.need is not None
@@ -534,9 +563,10 @@ def _decide(
         # REUSE keeps what the ranks hold, which may exceed the plan after a reset.
         built=state.built if action is Action.REUSE else plan,
         history=(
-            (*state.history, Growth(plan, cause.requirement.layer, cause.ep_rank, rnd.number, now))[
-                -MAX_HISTORY:
-            ]
+            (
+                *state.history,
+                Growth(plan, cause.requirement.layer, cause.ep_rank, rnd.number, now, node),
+            )[-MAX_HISTORY:]
             if grew
             else state.history
         ),
@@ -553,10 +583,14 @@ def _decide(
         grew=grew,
         latency=_latency(rnd, now),
     )
-    return _round_closed(state, state.lifetime_index, rnd, decision, event, effects=effects)
+    return _round_closed(
+        state, state.lifetime_index, rnd, decision, event, effects=effects, replicate=grew
+    )
 
 
-def _join_round(admitted: _Admitted, p: Proposal, now: float, round_timeout: float) -> Step:
+def _join_round(
+    admitted: _Admitted, p: Proposal, now: float, round_timeout: float, node: str
+) -> Step:
     """Adds an admitted proposal to its round; closes the round when it is complete."""
     state, effects = admitted.state, admitted.effects
     rnd = state.open_round or OpenRound(number=p.round, opened_at=now, deadline=now + round_timeout)
@@ -599,11 +633,15 @@ def _join_round(admitted: _Admitted, p: Proposal, now: float, round_timeout: flo
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
-    return _decide(state, rnd, p, now, effects)
+    return _decide(state, rnd, p, now, effects, node)
 
 
-def propose(state: GroupState | None, p: Proposal, now: float, round_timeout: float) -> Step:
+def propose(
+    state: GroupState | None, p: Proposal, now: float, round_timeout: float, *, node: str = ""
+) -> Step:
     """Applies one proposal to a group.
+
+    ``node`` names this node in the growth history (``--node-name``).
 
     ``state`` is None for a group this sidecar has never seen. The step's
     reply is :class:`~moe_sidecar.effects.Wait` when the round still misses
@@ -625,13 +663,13 @@ def propose(state: GroupState | None, p: Proposal, now: float, round_timeout: fl
     _check_layout(state, p)
     record = state.rank(p.ep_rank)
     if record is None or record.lifetime != p.lifetime:
-        admitted = _admit_new_lifetime(state, p, record, now, round_timeout)
+        admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node)
     else:
         admitted = _admit_known(state, p, record)
     if isinstance(admitted, Step):
         return admitted
     try:
-        return _join_round(admitted, p, now, round_timeout)
+        return _join_round(admitted, p, now, round_timeout, node)
     except ShapeMismatch as error:  # pragma: no cover - _conflict checks shapes first
         raise PreconditionFailed(f"group {p.group!r}: {error}") from error
 
@@ -765,33 +803,46 @@ def _committed_decision(state: GroupState, c: CommitRecord) -> Decision:
     return outcome
 
 
-def _absorb(state: GroupState, c: CommitRecord, now: float) -> GroupState:
-    """Joins a plan agreed across nodes into the stored plan and what the lifetime built."""
-    plan = c.plan if state.plan is None else join(state.plan, c.plan)
+def _absorb(state: GroupState, c: CommitRecord, now: float, node: str) -> GroupState:
+    """Joins a plan agreed across nodes into the stored plan and what the lifetime built.
+
+    An agreed plan of a later epoch (another node had heard of a reset) starts
+    that epoch here too; one of an earlier epoch (this node has been reset
+    since the round) changes only what the lifetime built.
+    """
     built = c.plan if state.built is None else join(state.built, c.plan)
+    epoch, plan, history = state.epoch, state.plan, state.history
+    if c.plan.epoch > state.epoch:
+        epoch, plan, history = c.plan.epoch, c.plan, ()
+    elif c.plan.epoch == state.epoch:
+        plan = c.plan if state.plan is None else join(state.plan, c.plan)
     if plan == state.plan and built == state.built:
         return state
-    history = state.history
     if plan != state.plan:
-        growth = Growth(plan, "(agreed across nodes)", c.ep_rank, c.round, now)
+        assert plan is not None
+        growth = Growth(plan, "(agreed across nodes)", c.ep_rank, c.round, now, node)
         history = (*history, growth)[-MAX_HISTORY:]
     return replace(
         state,
+        epoch=epoch,
         plan=plan,
         built=built,
-        generation=max(state.generation, plan.generation, built.generation),
+        generation=max(
+            state.generation, built.generation, plan.generation if plan is not None else 0
+        ),
         history=history,
     )
 
 
-def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
+def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") -> Step:
     """Records the plan a rank holds after building and passing the barrier.
 
     The plan must be the one decided for that round. A group that spans
     more ranks than this node sees (``ep_size > local_ranks``) agrees across
-    nodes with the join, so there the plan may cover the decided one (same
-    epoch and shape, at least every size), and it is joined into the stored
-    plan, so a warm restart of this node starts from what the whole group held.
+    nodes with the join, so there the plan may be above the decided one in
+    the lattice (same epoch and shape with at least every size, or a later
+    epoch another node decided in), and it is joined into the stored plan,
+    so a warm restart of this node starts from what the whole group held.
 
     Raises:
         InvalidArgument: a malformed field (state unchanged).
@@ -802,7 +853,8 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
     decided = _committed_decision(state, c).plan
     spans_nodes = state.ep_size > state.local_ranks
     matches = (
-        c.plan.epoch == decided.epoch and c.plan.covers(decided.capacities)
+        c.plan.epoch > decided.epoch
+        or (c.plan.epoch == decided.epoch and c.plan.covers(decided.capacities))
         if spans_nodes
         else c.plan == decided
     )
@@ -814,6 +866,7 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
         )
     record = state.rank(c.ep_rank)
     assert record is not None
+    before = state
     state = _with_rank(
         state,
         replace(
@@ -824,11 +877,13 @@ def commit(state: GroupState, c: CommitRecord, now: float) -> Step:
         ),
     )
     if spans_nodes:
-        state = _absorb(state, c, now)
+        state = _absorb(state, c, now, node)
+    moved = state.plan != before.plan or state.epoch != before.epoch
     return Step(
         state,
         effects=(
             Persist(),
+            *((Replicate(),) if moved else ()),
             Publish(
                 GroupEvent(
                     state.name,
@@ -950,6 +1005,7 @@ def reset(state: GroupState, now: float) -> Step:
         state,
         effects=(
             Persist(),
+            Replicate(),
             Publish(
                 GroupEvent(
                     state.name,
@@ -961,3 +1017,88 @@ def reset(state: GroupState, now: float) -> Step:
             ),
         ),
     )
+
+
+def merge(state: GroupState | None, remote: ClusterPlan, now: float, *, node: str = "") -> Step:
+    """Merges a group's plan decided elsewhere (another node, the cluster store).
+
+    ``state`` is None for a group this node has never seen. The group's
+    epoch, plan, generation counter and history become the join of its own
+    and ``remote`` (:func:`~moe_sidecar.cluster.join_cluster_plans`): a later
+    epoch replaces the plan (a reset reaches this node), in one epoch the
+    plans join, nothing ever shrinks. Rounds, lifetimes and what a lifetime
+    built are this node's own and do not change: an open round decides from
+    the merged plan when it closes.
+
+    The step persists and publishes a PLAN_MERGED event when the group
+    changed, and asks to replicate when the group holds something ``remote``
+    lacks (so a store that sent an older document gets the join back). A
+    merge that changes nothing has no effects.
+
+    ``node`` names this node on a growth the join makes.
+
+    Raises:
+        InvalidArgument: a field of ``remote`` is out of range (it is
+            untrusted input).
+        PreconditionFailed: ``remote`` has another ``ep_size``, a plan of
+            another ``top_k``/``num_experts`` in the same epoch, or one whose
+            join with the group's would leave the ranges.
+    """
+    check_cluster_plan(remote)
+    if state is None:
+        state = new_group(remote.name, remote.ep_size, remote.ep_size)
+    local = cluster_plan_of(state)
+    try:
+        joined = join_cluster_plans(local, remote, node=node, now=now)
+    except LayoutMismatch as error:
+        raise PreconditionFailed(f"cannot merge group {remote.name!r}: {error}") from None
+    except ShapeMismatch as error:
+        raise PreconditionFailed(
+            f"cannot merge group {remote.name!r}: the plan from another node has {error}; "
+            "FlashInfer's all-to-all needs one top_k and num_experts for every layer"
+        ) from None
+    try:
+        # Two plans in range can join out of range (one node's tokens, another's bytes).
+        check_cluster_plan(joined)
+    except InvalidArgument as error:
+        raise PreconditionFailed(
+            f"cannot merge group {remote.name!r}: the join with the plan from another node "
+            f"would be out of range ({error.message}); nothing was merged"
+        ) from None
+    merged = replace(
+        state,
+        epoch=joined.epoch,
+        plan=joined.plan,
+        generation=max(state.generation, joined.generation),
+        history=joined.history,
+    )
+    effects: list[Effect] = []
+    if cluster_plan_of(merged) != local:
+        origin = plan_origin(joined.history, joined.plan)
+        what = (
+            f"epoch {joined.epoch} begins (reset on another node)"
+            if joined.epoch > state.epoch
+            else "plan merged"
+        )
+        effects += [
+            Persist(),
+            Publish(
+                GroupEvent(
+                    state.name,
+                    EventKind.PLAN_MERGED,
+                    now,
+                    plan=joined.plan,
+                    message=f"{what}: epoch {joined.epoch}, "
+                    + (
+                        f"generation {joined.plan.generation}"
+                        if joined.plan is not None
+                        else "no plan"
+                    )
+                    + (f", from node {origin.node!r}" if origin and origin.node else ""),
+                    node=origin.node if origin is not None else "",
+                )
+            ),
+        ]
+    if not covers(remote, joined):
+        effects.append(Replicate())
+    return Step(merged, effects=tuple(effects))

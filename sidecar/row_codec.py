@@ -1,12 +1,22 @@
-"""The one codec between a group's state and its stored row (JSON text).
+"""The one codec between a group's state and its stored documents (JSON text).
 
-Rows are versioned documents (``"version": 2``). Every field is read,
+Two documents, both versioned and both read with the same field checks:
+
+* the row of a group in the node's SQLite (:func:`encode_group`,
+  :func:`decode_group`; ``"version": 3``);
+* a group's cluster plan in a cluster store such as etcd
+  (:func:`encode_cluster_plan`, :func:`decode_cluster_plan`;
+  ``"kind": "moe-sidecar/cluster-plan"``, ``"version": 1``): written by other
+  nodes, so it is untrusted input, checked like a request.
+
+Rows are versioned documents. Every field is read,
 type-checked and range-checked (:mod:`moe_sidecar.limits`) explicitly: a
 hand-edited, truncated or absurd row fails to load with the reason, never
 half-loads, and never loads a value the sidecar would refuse as input.
 
 Rows of earlier versions load too: a row written by one release loads in the
-next. Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
+next. Version 2 is version 3 without the node of each growth (loaded as
+``""``). Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
 load: each stored plan becomes the least capacities whose FlashInfer
 workspace is at least the stored byte count at the stored token count (the
 split into dispatch and combine bytes was not recorded, so the combine part
@@ -21,6 +31,7 @@ import json
 from typing import Any
 
 from moe_sidecar import limits
+from moe_sidecar.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
 from moe_sidecar.errors import ErrorCode, InvalidArgument
 from moe_sidecar.group import (
     Decision,
@@ -36,10 +47,25 @@ from moe_sidecar.group import (
 from moe_sidecar.plan import Action, Capacities, Plan
 from moe_sidecar.sizing import align, aux_data_size
 
-__all__ = ["ROW_VERSION", "RowError", "decode_group", "encode_group"]
+__all__ = [
+    "CLUSTER_PLAN_KIND",
+    "CLUSTER_PLAN_VERSION",
+    "MAX_DOCUMENT_BYTES",
+    "ROW_VERSION",
+    "RowError",
+    "decode_cluster_plan",
+    "decode_group",
+    "encode_cluster_plan",
+    "encode_group",
+]
 
-ROW_VERSION = 2
+ROW_VERSION = 3
 """Version of the rows this release writes; it reads this and every earlier one."""
+CLUSTER_PLAN_KIND = "moe-sidecar/cluster-plan"
+CLUSTER_PLAN_VERSION = 1
+"""Version of the cluster plans this release writes and reads."""
+MAX_DOCUMENT_BYTES = 4 << 20
+"""A cluster plan holds at most 256 growths (well under 1 MiB); more is refused unread."""
 
 
 class RowError(ValueError):
@@ -142,18 +168,38 @@ def encode_group(state: GroupState) -> str:
             }
             for r in state.ranks
         ],
-        "history": [
-            {
-                "plan": _plan(g.plan),
-                "layer": g.layer,
-                "ep_rank": g.ep_rank,
-                "round": g.round,
-                "at": g.at,
-            }
-            for g in state.history
-        ],
+        "history": _history(state.history),
     }
     return json.dumps(document, separators=(",", ":"))
+
+
+def _history(history: tuple[Growth, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "plan": _plan(g.plan),
+            "layer": g.layer,
+            "ep_rank": g.ep_rank,
+            "round": g.round,
+            "at": g.at,
+            "node": g.node,
+        }
+        for g in history
+    ]
+
+
+def encode_cluster_plan(doc: ClusterPlan) -> bytes:
+    """The bytes a cluster store holds for ``doc`` (UTF-8 JSON)."""
+    document = {
+        "kind": CLUSTER_PLAN_KIND,
+        "version": CLUSTER_PLAN_VERSION,
+        "name": doc.name,
+        "ep_size": doc.ep_size,
+        "epoch": doc.epoch,
+        "plan": _plan(doc.plan),
+        "generation": doc.generation,
+        "history": _history(doc.history),
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
 
 
 # --- decoding -----------------------------------------------------------------------
@@ -302,7 +348,18 @@ def _decode_round(d: Any, key: str, ep_size: int) -> OpenRound | None:
     )
 
 
-def _decode_v2(d: Any) -> GroupState:
+def _decode_growth(g: Any, ep_size: int, *, with_node: bool) -> Growth:
+    return Growth(
+        plan=_required_plan(g, "plan", ep_size),
+        layer=_str(g, "layer"),
+        ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        round=_int(g, "round", 0, limits.MAX_ROUND),
+        at=_float(g, "at"),
+        node=_str(g, "node") if with_node else "",
+    )
+
+
+def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
     ep_size = _int(d, "ep_size", 1, limits.MAX_EP_SIZE)
     return GroupState(
         name=_str(d, "name"),
@@ -319,17 +376,12 @@ def _decode_v2(d: Any) -> GroupState:
         # Rows written before restarts were collected apart have no "pending".
         pending=_decode_round(d, "pending", ep_size) if "pending" in d else None,
         ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
-        history=tuple(
-            Growth(
-                plan=_required_plan(g, "plan", ep_size),
-                layer=_str(g, "layer"),
-                ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-                round=_int(g, "round", 0, limits.MAX_ROUND),
-                at=_float(g, "at"),
-            )
-            for g in _list(d, "history")
-        ),
+        history=tuple(_decode_growth(g, ep_size, with_node=with_node) for g in _list(d, "history")),
     )
+
+
+def _decode_v3(d: Any) -> GroupState:
+    return _decode_v2(d, with_node=True)
 
 
 # --- version 1 (moe-sidecar 0.1.0) --------------------------------------------------
@@ -413,7 +465,7 @@ def _decode_v1(d: Any) -> GroupState:
     )
 
 
-_DECODERS = {1: _decode_v1, 2: _decode_v2}
+_DECODERS = {1: _decode_v1, 2: _decode_v2, 3: _decode_v3}
 
 
 def decode_group(text: str) -> GroupState:
@@ -443,3 +495,85 @@ def decode_group(text: str) -> GroupState:
         if isinstance(error, RowError):
             raise
         raise RowError(str(error)) from None
+
+
+def _typed_plan(d: Any, key: str) -> Plan | None:
+    """A plan's fields, typed; their ranges are left to check_cluster_plan (once)."""
+    value = _get(d, key, (dict, type(None)))
+    if value is None:
+        return None
+    c = _get(value, "capacities", dict)
+    return Plan(
+        capacities=Capacities(
+            max_tokens=_int(c, "max_tokens"),
+            dispatch_bytes_per_token=_int(c, "dispatch_bytes_per_token"),
+            combine_bytes_per_token=_int(c, "combine_bytes_per_token"),
+            top_k=_int(c, "top_k"),
+            num_experts=_int(c, "num_experts"),
+            eplb_experts=_int(c, "eplb_experts"),
+        ),
+        epoch=_int(value, "epoch"),
+        generation=_int(value, "generation"),
+    )
+
+
+def _typed_growth(g: Any) -> Growth:
+    plan = _typed_plan(g, "plan")
+    if plan is None:
+        raise RowError("field 'plan' holds null")
+    return Growth(
+        plan=plan,
+        layer=_str(g, "layer"),
+        ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        round=_int(g, "round", 0, limits.MAX_ROUND),
+        at=_float(g, "at"),
+        node=_str(g, "node"),
+    )
+
+
+def decode_cluster_plan(data: bytes) -> ClusterPlan:
+    """The cluster plan a store holds as ``data``, every field checked.
+
+    Raises:
+        RowError: not a complete, well-typed, in-range cluster plan of a
+            version this release reads (the message names the field); a
+            newer version says so.
+    """
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise RowError(f"{len(data)} bytes; a cluster plan has at most {MAX_DOCUMENT_BYTES}")
+    try:
+        document = json.loads(data)
+    except RecursionError:
+        raise RowError("nested too deeply to be a cluster plan") from None
+    except ValueError as error:
+        raise RowError(f"not JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise RowError(f"not a JSON object but {type(document).__name__}")
+    if document.get("kind") != CLUSTER_PLAN_KIND:
+        raise RowError(f"kind {document.get('kind')!r}; expected {CLUSTER_PLAN_KIND!r}")
+    version = document.get("version")
+    if version != CLUSTER_PLAN_VERSION:
+        raise RowError(
+            f"cluster plan version {version!r}; this release reads version "
+            f"{CLUSTER_PLAN_VERSION} (a newer sidecar wrote it?)"
+        )
+    try:
+        history = _list(document, "history")
+        if len(history) > MAX_HISTORY:
+            raise RowError(f"field 'history' holds {len(history)} entries; at most {MAX_HISTORY}")
+        doc = ClusterPlan(
+            name=_str(document, "name"),
+            ep_size=_int(document, "ep_size", 1, limits.MAX_EP_SIZE),
+            epoch=_int(document, "epoch"),
+            plan=_typed_plan(document, "plan"),
+            generation=_int(document, "generation"),
+            history=tuple(_typed_growth(g) for g in history),
+        )
+    except (KeyError, TypeError) as error:
+        raise RowError(f"malformed: {error!r}") from None
+    except ValueError as error:
+        if isinstance(error, RowError):
+            raise
+        raise RowError(str(error)) from None
+    _checked(check_cluster_plan, doc)
+    return doc

@@ -30,9 +30,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from moe_sidecar.config import LIMIT_FIELDS, ListenAddress, SidecarConfig
+from moe_sidecar.config import LIMIT_FIELDS, ListenAddress, SidecarConfig, SqliteStore
+from moe_sidecar.etcd_client import EtcdClient
+from moe_sidecar.etcd_replica import EtcdReplica
 from moe_sidecar.health import HealthServicer
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
+from moe_sidecar.replica import Replica, StoreMetrics
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_handler
 from moe_sidecar.state import Clock, Coordinator
 from moe_sidecar.status import ErrorTranslator
@@ -164,6 +167,7 @@ class RunningServer:
     _socket_locks: list[int] = field(default_factory=list)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
+    _replica: Replica | None = None
 
     async def stop(self) -> None:
         """Drains and stops: waiting Proposes woken with UNAVAILABLE and Watch
@@ -186,6 +190,13 @@ class RunningServer:
             _log.info("draining", extra={"grace_period": self.config.grace_period})
             await self._server.stop(self.config.grace_period)
         finally:
+            if self._replica is not None:
+                # What the cluster store has not got yet is pushed now if it
+                # can be (the pod may come back on another node), else it
+                # stays in the outbox for this node's next start. Within what
+                # is left of the grace period: a stop takes about that long at most.
+                left = self.config.grace_period - (time.monotonic() - started)
+                await self._replica.close(max(0.0, left))
             self.coordinator.close()
             if self._health_server is not None:
                 await self._health_server.stop(0)
@@ -292,6 +303,27 @@ async def _start_health_server(
     return server, bound
 
 
+def node_name(config: SidecarConfig) -> str:
+    """This node's name: ``--node-name``, else the hostname."""
+    return config.node_name or socket.gethostname()
+
+
+def _open_replica(config: SidecarConfig, metrics: SidecarMetrics) -> Replica | None:
+    """The cluster store beside the node's SQLite (None: SQLite alone).
+
+    Raises:
+        StartupError: a file the etcd URL names cannot be read.
+    """
+    target = config.store_target
+    if isinstance(target, SqliteStore):
+        return None
+    try:
+        client = EtcdClient.from_target(target)
+    except ValueError as error:  # EtcdUrlError: a TLS or password file
+        raise StartupError(f"--store: {error}") from None
+    return EtcdReplica(client, target.prefix, StoreMetrics(metrics.registry))
+
+
 async def _start_metrics(
     config: SidecarConfig, metrics: SidecarMetrics, port: int
 ) -> MetricsEndpoint:
@@ -324,10 +356,12 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         config.max_group_series,
         limits={name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS},
     )
+    replica = _open_replica(config, metrics)
     store = StateStore(config.state_dir)
     socket_locks: list[int] = []
     started: list[grpc.aio.Server] = []
     endpoint: MetricsEndpoint | None = None
+    replica_started = False
     try:
         coordinator = Coordinator(
             store,
@@ -337,11 +371,18 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             clock=clock,
             max_groups=config.max_groups,
             max_watchers=config.max_watchers,
+            replica=replica,
+            node=node_name(config),
         )
         coordinator.start()
         for address in config.listen_addresses:
             if address.unix_path is not None:
                 socket_locks.append(_lock_socket_path(address.unix_path))
+        if replica is not None:
+            # Merges what etcd holds before the first round (bounded by the
+            # URL's timeout; an unreachable etcd is logged, not fatal).
+            replica_started = True
+            await replica.start(coordinator)
         health_servicer = _health_servicer()
         server, bound = await _start_coordinator_server(
             config, coordinator, health_servicer, metrics
@@ -365,6 +406,8 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             await endpoint.stop()
         for fd in socket_locks:
             os.close(fd)
+        if replica is not None and replica_started:
+            await replica.close(0.0)
         store.close()
         raise
     addresses = BoundAddresses(
@@ -379,6 +422,8 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             "health_port": addresses.health_port,
             "metrics_port": addresses.metrics_port,
             "state_dir": str(config.state_dir),
+            "store": "sqlite" if replica is None else "etcd",
+            "node": coordinator.node,
             "groups": len(coordinator.groups()),
         },
     )
@@ -392,6 +437,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         _health_server=health_server,
         _metrics_endpoint=endpoint,
         _socket_locks=socket_locks,
+        _replica=replica,
     )
 
 

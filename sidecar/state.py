@@ -12,6 +12,13 @@ first (when the write fails, nothing of the step happens and the caller gets
 UNAVAILABLE), then answers, events and timers. It never compares states to
 find out what happened: the step says it.
 
+With a cluster store (:mod:`moe_sidecar.replica`), a step that carries
+:class:`~moe_sidecar.effects.Replicate` records the group as pending in the
+same SQLite transaction as its :class:`~moe_sidecar.effects.Persist`, then
+wakes the replica, which pushes it without holding anyone up; plans decided
+on other nodes come back through :meth:`Coordinator.merge`, one more step of
+the core.
+
 A step that answers anyone (a closed round, an aborted round, a commit, a
 reset, a timeout) persists. A proposal that only joins a round answers
 nobody, so its state is marked dirty and rides along with the next write of
@@ -31,12 +38,14 @@ from collections.abc import Callable
 from typing import TypeAlias
 
 from moe_sidecar import policy
+from moe_sidecar.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.effects import (
     Answer,
     Deadline,
     EventKind,
     GroupEvent,
     Publish,
+    Replicate,
     Step,
     Wait,
 )
@@ -50,6 +59,7 @@ from moe_sidecar.errors import (
 from moe_sidecar.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.plan import Action
+from moe_sidecar.replica import Replica
 from moe_sidecar.store import StateStore
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription
 
@@ -105,16 +115,23 @@ class Coordinator:
         watch_queue_limit: int = WATCH_QUEUE_LIMIT,
         max_groups: int = 1024,
         max_watchers: int = 64,
+        replica: Replica | None = None,
+        node: str = "",
     ) -> None:
         self._store = store
         self._max_groups = max_groups
         self._max_watchers = max_watchers
+        self._replica = replica
+        self.node = node
+        """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
         self._watch_queue_limit = watch_queue_limit
         self._groups: dict[str, GroupState] = store.load()
+        self._removed: set[str] = store.removed()
+        """Groups an admin removed here: the cluster store's copy stays out."""
         self._dirty: set[str] = set()
         self._waiters: dict[str, dict[_RoundKey, list[asyncio.Future[_Wakeup]]]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -199,14 +216,19 @@ class Coordinator:
                 nothing of it happened.
         """
         name = step.state.name
-        if step.persists:
+        replicate = self._replica is not None and step.replicates
+        if step.persists or replicate:
             try:
-                self._store.save(step.state)
+                if step.persists:
+                    self._store.save(step.state, pending=replicate)
+                else:
+                    self._store.mark_pending((name,))
             except sqlite3.Error as error:
                 _log.error("cannot persist group", extra={"group": name, "error": str(error)})
                 raise CoordinatorUnavailable(
                     f"cannot persist group {name!r}: {error}; nothing was decided"
                 ) from error
+        if step.persists:
             self._dirty.discard(name)
         elif step.state is not before:
             self._dirty.add(name)
@@ -221,6 +243,8 @@ class Coordinator:
                 self._publish(effect.event)
             elif isinstance(effect, Deadline):
                 self._set_deadline(name, effect.at)
+            elif isinstance(effect, Replicate) and self._replica is not None:
+                self._replica.replicate(name)
 
     def _publish(self, event: GroupEvent) -> None:
         """Counts, logs and fans out one event."""
@@ -296,6 +320,18 @@ class Coordinator:
                 "lifetime started",
                 extra={**fields, "rank": event.ep_rank, "detail": event.message},
             )
+        elif event.kind is EventKind.PLAN_MERGED:
+            _log.info(
+                "plan merged",
+                extra={
+                    **fields,
+                    "from_node": event.node,
+                    "epoch": event.plan.epoch if event.plan else None,
+                    "generation": event.plan.generation if event.plan else None,
+                    "workspace_bytes": self._workspace_bytes(event),
+                    "detail": event.message,
+                },
+            )
 
     def _workspace_bytes(self, event: GroupEvent) -> int:
         ep_size = self.ep_size_of(event.group)
@@ -333,7 +369,9 @@ class Coordinator:
                 f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
                 "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
             )
-        step = policy.propose(before, proposal, self._clock(), self._round_timeout)
+        step = policy.propose(before, proposal, self._clock(), self._round_timeout, node=self.node)
+        if before is None and proposal.group in self._removed:
+            self._forget_removed(proposal.group)
         self._execute(step, before)
         reply = step.reply
         if isinstance(reply, Wait):
@@ -468,7 +506,7 @@ class Coordinator:
         if self._phase is _Phase.CLOSED:
             raise CoordinatorUnavailable("the sidecar has stopped")
         state = self.group(group)
-        step = policy.commit(state, record, self._clock())
+        step = policy.commit(state, record, self._clock(), node=self.node)
         self._execute(step, state)
         return step.state
 
@@ -534,6 +572,7 @@ class Coordinator:
         except sqlite3.Error as error:
             raise CoordinatorUnavailable(f"cannot remove group {name!r}: {error}") from error
         del self._groups[name]
+        self._removed.add(name)
         self._dirty.discard(name)
         self._set_deadline(name, None)
         self.metrics.groups.set(len(self._groups))
@@ -541,6 +580,13 @@ class Coordinator:
             GroupEvent(name, EventKind.GROUP_REMOVED, self._clock(), message="removed by an admin")
         )
         self.metrics.forget(name)
+
+    def _forget_removed(self, name: str) -> None:
+        try:
+            self._store.forget_removed(name)
+        except sqlite3.Error as error:
+            raise CoordinatorUnavailable(f"cannot record group {name!r} again: {error}") from error
+        self._removed.discard(name)
 
     def _check_admin(self, call: str, name: str) -> None:
         if not self._admin_enabled:
@@ -565,6 +611,76 @@ class Coordinator:
         step = policy.reset(state, self._clock())
         self._execute(step, state)
         return step.state
+
+    # --- the cluster store ----------------------------------------------------------
+
+    def now(self) -> float:
+        """The clock's seconds (what growths are stamped with)."""
+        return self._clock()
+
+    def cluster_plan(self, name: str) -> ClusterPlan | None:
+        """The replicated part of group ``name`` (None: no such group)."""
+        state = self._groups.get(name)
+        return cluster_plan_of(state) if state is not None else None
+
+    def group_names(self) -> list[str]:
+        """Every group's name, sorted."""
+        return sorted(self._groups)
+
+    def merge(self, remote: ClusterPlan) -> bool:
+        """Merges a group's plan from the cluster store (another node's decision).
+
+        Returns whether the group changed here. A group this node has never
+        seen is created when the remote document holds anything.
+
+        Raises:
+            InvalidArgument: a field of ``remote`` is out of range.
+            PreconditionFailed: ``remote`` cannot join the group (another
+                ``ep_size``, or another ``top_k``/``num_experts`` in one epoch).
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        if self._phase is _Phase.CLOSED:
+            raise CoordinatorUnavailable("the sidecar has stopped")
+        before = self._groups.get(remote.name)
+        if before is None and remote.name in self._removed:
+            return False  # removed here; back only when a rank of this node proposes for it
+        if before is None and len(self._groups) >= self._max_groups:
+            self.metrics.refused("groups")
+            _log.warning(
+                "cluster plan not merged: --max-groups reached",
+                extra={"group": remote.name, "max_groups": self._max_groups},
+            )
+            return False
+        step = policy.merge(before, remote, self._clock(), node=self.node)
+        if before is None and not step.persists:
+            return False
+        self._execute(step, before)
+        return step.persists
+
+    def pending_replication(self) -> list[tuple[str, int]]:
+        """Groups the cluster store has not got yet, each with its outbox ``seq``.
+
+        Raises:
+            sqlite3.Error: the local database cannot be read.
+        """
+        return self._store.pending()
+
+    def replicated(self, name: str, seq: int) -> bool:
+        """The cluster store has group ``name`` as of outbox ``seq``: forget it
+        unless it was saved again since. Returns whether it was forgotten.
+
+        Raises:
+            sqlite3.Error: the local database cannot be written.
+        """
+        return self._store.clear_pending(name, seq)
+
+    def mark_pending(self, names: list[str]) -> None:
+        """Records that the cluster store must get these groups again.
+
+        Raises:
+            sqlite3.Error: the local database cannot be written.
+        """
+        self._store.mark_pending(names)
 
     def watch(self, group: str) -> Subscription:
         """Subscribes to the events of ``group`` (``""``: every group).

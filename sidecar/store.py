@@ -8,6 +8,13 @@ rank retrying after a sidecar crash gets the very decision it missed). A
 ``save`` is one committed transaction; the state holder calls it before it
 answers anyone, so an answered decision is on disk.
 
+With a cluster store (etcd), the same database is the node's write-ahead
+record: a ``save`` that must reach the cluster also records the group in the
+``outbox`` table in the same transaction, and the replica clears it only once
+the cluster has the group as it was saved (or later); what the cluster
+missed while it was away, or while the sidecar was down, is pushed from
+there. The table is created when missing; a release without it ignores it.
+
 A lock file keeps a second sidecar off the same state directory: two
 writers would overwrite each other's groups.
 """
@@ -44,6 +51,24 @@ CREATE TABLE groups (
     state TEXT NOT NULL
 ) WITHOUT ROWID;
 """
+_OUTBOX = """
+CREATE TABLE IF NOT EXISTS outbox (
+    name TEXT PRIMARY KEY NOT NULL,
+    seq INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+"""Groups the cluster store has not got yet; ``seq`` moves with every save."""
+_REMOVED = """
+CREATE TABLE IF NOT EXISTS removed (
+    name TEXT PRIMARY KEY NOT NULL
+) WITHOUT ROWID;
+"""
+"""Groups an admin removed: the cluster store's copy of them is not merged
+back until a rank of this node proposes for the group again."""
+_MARK = (
+    "INSERT INTO outbox (name, seq) VALUES (?, 1) "
+    "ON CONFLICT(name) DO UPDATE SET seq = outbox.seq + 1"
+)
 
 
 _UPSERT = (
@@ -125,6 +150,8 @@ class StateStore:
                     f"{sorted(tables)}); this sidecar reads version {SCHEMA_VERSION}. "
                     "Move the file away to start from empty state."
                 )
+            db.execute(_OUTBOX)
+            db.execute(_REMOVED)
             self._probe_write(db)
         except sqlite3.DatabaseError as error:
             db.close()
@@ -179,24 +206,95 @@ class StateStore:
             groups[name] = state
         return groups
 
-    def save(self, state: GroupState) -> None:
-        """Writes one group in one committed transaction.
+    def save(self, state: GroupState, *, pending: bool = False) -> None:
+        """Writes one group in one committed transaction; with ``pending``, also
+        records in it that the cluster store must get the group.
 
         Raises:
             sqlite3.Error: the write failed; nothing of it is stored.
         """
-        self._db.execute(
-            _UPSERT,
-            (state.name, encode_group(state)),
-        )
+        if not pending:
+            self._db.execute(_UPSERT, (state.name, encode_group(state)))
+            return
+        row = (state.name, encode_group(state))
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute(_UPSERT, row)
+            self._db.execute(_MARK, (state.name,))
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def mark_pending(self, names: Iterable[str]) -> None:
+        """Records that the cluster store must get these groups (one transaction).
+
+        Raises:
+            sqlite3.Error: the write failed; nothing of it is stored.
+        """
+        rows = [(name,) for name in names]
+        if not rows:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.executemany(_MARK, rows)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def pending(self) -> list[tuple[str, int]]:
+        """The groups the cluster store has not got yet, by name, each with its
+        ``seq`` (pass it to :meth:`clear_pending`).
+
+        Raises:
+            sqlite3.Error: the read failed.
+        """
+        rows = self._db.execute("SELECT name, seq FROM outbox ORDER BY name").fetchall()
+        return [(str(name), int(seq)) for name, seq in rows]
+
+    def clear_pending(self, name: str, seq: int) -> bool:
+        """Forgets that ``name`` is pending, unless it was saved again since
+        ``seq`` was read; True if it was forgotten.
+
+        Raises:
+            sqlite3.Error: the write failed.
+        """
+        cursor = self._db.execute("DELETE FROM outbox WHERE name = ? AND seq = ?", (name, seq))
+        return cursor.rowcount > 0
 
     def delete(self, name: str) -> None:
-        """Removes one group's row in one committed transaction.
+        """Removes one group (its row and any pending push) and remembers the
+        removal, in one committed transaction.
 
         Raises:
             sqlite3.Error: the write failed; nothing changed.
         """
-        self._db.execute("DELETE FROM groups WHERE name = ?", (name,))
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("DELETE FROM groups WHERE name = ?", (name,))
+            self._db.execute("DELETE FROM outbox WHERE name = ?", (name,))
+            self._db.execute("INSERT OR IGNORE INTO removed (name) VALUES (?)", (name,))
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def removed(self) -> set[str]:
+        """Groups an admin removed and no rank of this node proposed for since.
+
+        Raises:
+            sqlite3.Error: the read failed.
+        """
+        return {str(row[0]) for row in self._db.execute("SELECT name FROM removed")}
+
+    def forget_removed(self, name: str) -> None:
+        """A rank of this node proposes for a removed group again: merges resume.
+
+        Raises:
+            sqlite3.Error: the write failed.
+        """
+        self._db.execute("DELETE FROM removed WHERE name = ?", (name,))
 
     def save_many(self, states: Iterable[GroupState]) -> None:
         """Writes several groups in one committed transaction.

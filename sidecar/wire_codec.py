@@ -78,6 +78,7 @@ _EVENT_TO_PROTO = {
     EventKind.ROUND_ABORTED: pb.EVENT_KIND_ROUND_ABORTED,
     EventKind.GROUP_REMOVED: pb.EVENT_KIND_GROUP_REMOVED,
     EventKind.RANK_LEFT: pb.EVENT_KIND_RANK_LEFT,
+    EventKind.PLAN_MERGED: pb.EVENT_KIND_PLAN_MERGED,
 }
 
 
@@ -329,6 +330,7 @@ def _growth_to_proto(g: Growth, ep_size: int) -> pb.Growth:
         ep_rank=g.ep_rank,
         round=g.round,
         time=_timestamp(g.at),
+        node=g.node,
     )
 
 
@@ -405,6 +407,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
                 ep_rank=h.ep_rank,
                 round=h.round,
                 at=_seconds(h.time),
+                node=h.node,
             )
             for h in group.history
         ),
@@ -423,6 +426,7 @@ def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
         layer=event.layer,
         message=event.message,
         missing_ranks=list(event.missing_ranks),
+        node=event.node,
     )
     if event.plan is not None:
         message.plan.CopyFrom(plan_to_proto(event.plan, ep_size))

@@ -1,4 +1,4 @@
-"""Fixtures of the multi-process tests: a real sidecar per test."""
+"""Fixtures of the multi-process tests: a real sidecar per test, a real etcd."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.etcd_server import etcd_factory, etcd_server
 from tests.multiprocess.harness import Sidecar, running_sidecar
+
+__all__ = ["etcd_factory", "etcd_server", "sidecar"]
 
 
 @pytest.fixture

@@ -155,8 +155,19 @@ def run_ranks(
 class Sidecar:
     """A real ``python -m moe_sidecar`` on a Unix socket, for one test."""
 
-    def __init__(self, directory: Path, *, round_timeout: float = 20.0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        round_timeout: float = 20.0,
+        args: Sequence[str] = (),
+        metrics_port: int = 0,
+    ) -> None:
+        """``args`` are more ``serve`` flags (e.g. ``--store``); ``metrics_port``
+        0 leaves the Prometheus endpoint off."""
         directory.mkdir(parents=True, exist_ok=True)
+        self.args = tuple(args)
+        self.metrics_port = metrics_port
         self.directory = directory
         self.socket = directory / "s.sock"
         self.state_dir = directory / "state"
@@ -179,11 +190,12 @@ class Sidecar:
             "--health-port",
             "0",
             "--metrics-port",
-            "0",
+            str(self.metrics_port),
             "--round-timeout",
             str(self.round_timeout),
             "--log-format",
             "text",
+            *self.args,
         ]
         with open(self.log, "ab") as log:
             self._process = subprocess.Popen(
@@ -212,6 +224,10 @@ class Sidecar:
         with grpc.insecure_channel(self.target) as channel:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
             return stub.GetGroup(pb.GetGroupRequest(group=name), timeout=5.0)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def stop(self, *, kill: bool = False) -> None:
         process, self._process = self._process, None

@@ -16,6 +16,7 @@ import pytest
 
 from moe_sidecar.client.simulate import MODELS
 from moe_sidecar.client.sizing import layer_capacities
+from tests.etcd_server import EtcdServer
 from tests.multiprocess.harness import Sidecar
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
@@ -45,17 +46,17 @@ def simulate(*args: str, target: str | None = None) -> subprocess.CompletedProce
     )
 
 
-def _needs(layer_quant: str) -> int:
+def _needs(layer_quant: str, ranks: int = RANKS) -> int:
     layer = next(layer for layer in DEEPSEEK.layers if layer.quant == layer_quant)
     return layer_capacities(
-        RANKS,
+        ranks,
         TOKENS,
         layer.top_k,
         layer.num_experts,
         layer.hidden_size,
         layer.x_bytes_per_token,
         layer.x_sf_bytes_per_token,
-    ).workspace_bytes(RANKS)
+    ).workspace_bytes(ranks)
 
 
 def _json(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -153,3 +154,29 @@ def test_simulate_flags() -> None:
     assert "unknown --model 'gpt-5'; presets: deepseek-v3, qwen3-30b-a3b" in unknown.stderr
     too_many = simulate("--ranks", "65")
     assert too_many.returncode == 2 and "--ranks 65: must be in [1, 64]" in too_many.stderr
+
+
+@pytest.mark.etcd
+def test_simulate_two_nodes_on_one_etcd_second_run_builds_once(etcd_server: EtcdServer) -> None:
+    # 4 ranks: 2 on node-a's sidecar, 2 on node-b's (a later --ranks wins over simulate()'s).
+    two_nodes = ("--ranks", "4", "--nodes", "2", "--store", f"etcd://{etcd_server.endpoint}/sim")
+    first = _json(simulate(*two_nodes, "--json"))
+    assert first["ok"] and first["nodes_agree"]
+    assert (first["builds"], first["rebuilds"]) == (1, 1)
+    # The group spans the nodes: every round adds the cross-node all-gather.
+    assert {(r["rpcs"], r["collectives"]) for r in first["reports"]} == {(61, 61)}
+    assert [v["node"] for v in first["nodes"]] == ["node-a", "node-b"]
+    assert {h["node"] for h in first["sidecar_history"]} == {"node-a", "node-b"}
+    assert {r["workspace_bytes"] for r in first["reports"]} == {_needs("bf16", ranks=4)}
+    # New sidecars with empty state dirs: the plan comes back from etcd, one build.
+    second_run = simulate(*two_nodes)
+    assert second_run.returncode == 0, second_run.stdout + second_run.stderr
+    text = second_run.stdout
+    assert "rounds: 59   builds: 1   rebuilds: 0   reuses: 58" in text
+    assert "warm start from etcd" in text and "the nodes agree on the plan" in text
+    assert text.rstrip().endswith("OK")
+
+
+def test_simulate_nodes_needs_an_etcd_store() -> None:
+    run = simulate("--nodes", "2")
+    assert run.returncode == 2 and "--nodes 2 needs --store etcd://" in run.stderr

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
+from moe_sidecar.config import (
+    ConfigError,
+    SidecarConfig,
+    SqliteStore,
+    add_serve_arguments,
+    config_from_flags,
+)
+from moe_sidecar.etcd_url import EtcdTarget
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -209,3 +216,63 @@ def test_tls_files(tmp_path: Path) -> None:
 def test_limits_have_ranges(field: str, value: int) -> None:
     with pytest.raises(ConfigError, match=f"{field}={value}"):
         SidecarConfig(**{field: value})  # type: ignore[arg-type]
+
+
+# --- the store and the node name -------------------------------------------------------
+
+
+def test_the_default_store_is_the_sqlite_database_in_the_state_dir() -> None:
+    config = parse(["--state-dir", "/srv/state"])
+    assert config.store_target == SqliteStore(Path("/srv/state"))
+    assert config.node_name == ""
+
+
+def test_a_sqlite_store_url_names_the_state_dir() -> None:
+    config = parse(["--store", "sqlite:///srv/plans"])
+    assert config.state_dir == Path("/srv/plans")
+    assert config.store_target == SqliteStore(Path("/srv/plans"))
+    # The same directory twice is fine; two different ones are not.
+    assert parse(["--store", "sqlite:///a", "--state-dir", "/a"]).state_dir == Path("/a")
+    with pytest.raises(ConfigError, match="name two directories"):
+        parse(["--store", "sqlite:///a", "--state-dir", "/b"])
+
+
+def test_an_etcd_store_from_the_environment() -> None:
+    env = {
+        "MOE_SIDECAR_STORE": "etcds://e0:2379,e1/moe?cacert=/ca.pem&user=moe&password-file=/pw",
+        "MOE_SIDECAR_NODE_NAME": "gpu-node-7",
+        "MOE_SIDECAR_STATE_DIR": "/srv/state",
+    }
+    config = parse([], env)
+    target = config.store_target
+    assert isinstance(target, EtcdTarget)
+    assert target.endpoints == ("e0:2379", "e1:2379") and target.prefix == "/moe/"
+    assert target.tls and target.user == "moe" and target.ca_file == Path("/ca.pem")
+    # With etcd, the node's SQLite stays where --state-dir says: the write-ahead record.
+    assert config.state_dir == Path("/srv/state")
+    assert config.node_name == "gpu-node-7"
+    # The flag wins over the environment, as for every option.
+    assert parse(["--node-name", "other"], env).node_name == "other"
+
+
+@pytest.mark.parametrize(
+    ("store", "needle"),
+    [
+        ("sqlite://relative", "sqlite:///ABSOLUTE/DIR"),
+        ("sqlite:/x", "sqlite:///ABSOLUTE/DIR"),
+        ("redis://h", "expected sqlite:///DIR"),
+        ("etcd://h:0/p", "outside 1..65535"),
+        ("etcd://user:pw@h/p", "credentials"),
+        ("etcd://h/p?cacert=/ca", "needs TLS"),
+    ],
+)
+def test_bad_store_urls_are_named(store: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match="store") as info:
+        parse(["--store", store])
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("name", [" padded", "tab\there", "n" * 254])
+def test_bad_node_names_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="node_name"):
+        parse(["--node-name", name])

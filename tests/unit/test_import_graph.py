@@ -22,6 +22,7 @@ PURE_CORE = (
     "moe_sidecar.group",
     "moe_sidecar.effects",
     "moe_sidecar.policy",
+    "moe_sidecar.cluster",
     "moe_sidecar.limits",
     "moe_sidecar.sizing",
     "moe_sidecar.identity",

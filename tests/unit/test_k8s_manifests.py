@@ -1,4 +1,5 @@
-"""Every manifest in ``docker/k8s/`` parses and agrees with the sidecar itself.
+"""Every manifest in ``docker/k8s/`` (and ``docker/k8s-etcd/``) parses and agrees
+with the sidecar itself.
 
 Ports, paths, env names, probes and the socket are read from the manifests
 and compared with what ``moe-sidecar serve`` makes of the same environment
@@ -11,6 +12,10 @@ inference container are checked against FlashInfer's cache layout as
 ``client.prewarm`` computes it, against ``moe-sidecar prewarm``'s own parser
 and against ``docker/Dockerfile.inference``; the seeding script runs for real
 (as the kubelet would pass it) on a cache laid out in a temporary directory.
+
+
+The kustomize layout is checked too: the base needs no CRD, every optional
+part is a component, and the etcd component's URL names the example etcd.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from moe_sidecar.client.prewarm import (
     make_plan,
     parse_arch_flags,
 )
-from moe_sidecar.config import SidecarConfig, config_from_flags
+from moe_sidecar.config import SidecarConfig, SqliteStore, config_from_flags
 from moe_sidecar.defaults import (
     CLIENT_ENV_KEYS,
     ENV_LOCAL_RANKS,
@@ -43,13 +48,17 @@ from moe_sidecar.defaults import (
     ENV_PROPOSE_TIMEOUT,
     ENV_TARGET,
 )
+from moe_sidecar.etcd_url import EtcdTarget
 from moe_sidecar.servicer import SERVICE_NAME
 from tests.dockerfile import REPO, parse_dockerfile
 
 pytestmark = pytest.mark.timeout(60)
 
 K8S = REPO / "docker" / "k8s"
-FILES = sorted(K8S.glob("*.yaml"))
+K8S_ETCD = REPO / "docker" / "k8s-etcd"
+FILES = sorted([*K8S.rglob("*.yaml"), *K8S_ETCD.rglob("*.yaml")])
+NODE_NAME = "gpu-node-1"
+"""What a ``spec.nodeName`` field reference gives the sidecar here."""
 
 
 def _documents() -> list[tuple[Path, dict[str, Any]]]:
@@ -64,13 +73,20 @@ def _documents() -> list[tuple[Path, dict[str, Any]]]:
 DOCUMENTS = _documents()
 
 
-def _one(kind: str) -> dict[str, Any]:
-    matches = [d for _, d in DOCUMENTS if d["kind"] == kind]
+def _one(kind: str, path: Path | None = None) -> dict[str, Any]:
+    matches = [d for p, d in DOCUMENTS if d["kind"] == kind and path in (None, p)]
     assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
     return matches[0]
 
 
-WORKLOAD = _one("DaemonSet")
+def _kustomization(directory: Path) -> dict[str, Any]:
+    return _one(
+        "Kustomization" if directory in (K8S, K8S_ETCD) else "Component",
+        directory / "kustomization.yaml",
+    )
+
+
+WORKLOAD = _one("DaemonSet", K8S / "inference-daemonset.yaml")
 POD = WORKLOAD["spec"]["template"]["spec"]
 SIDECARS: list[dict[str, Any]] = [
     c for c in POD.get("initContainers", []) if c.get("restartPolicy") == "Always"
@@ -83,6 +99,11 @@ INFERENCE_DOCKERFILE = REPO / "docker" / "Dockerfile.inference"
 def _env(container: dict[str, Any]) -> dict[str, str]:
     env = {}
     for item in container.get("env", []):
+        if "valueFrom" in item:
+            # Only the node's name comes from the pod's own fields.
+            assert item["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, item
+            env[item["name"]] = NODE_NAME
+            continue
         assert "value" in item and isinstance(item["value"], str), f"{item}: a quoted string value"
         env[item["name"]] = item["value"]
     return env
@@ -133,15 +154,49 @@ def _quantity(value: object) -> float:
 # --- every file ---------------------------------------------------------------------
 
 
-def test_every_manifest_parses_and_the_kustomization_lists_them_all() -> None:
+def _referenced(directory: Path) -> set[Path]:
+    """The files and directories a kustomization (or component) names."""
+    document = _kustomization(directory)
+    names = [*document.get("resources", []), *document.get("components", [])]
+    names += [patch["path"] for patch in document.get("patches", [])]
+    return {(directory / name).resolve() for name in names}
+
+
+def test_every_manifest_parses_and_a_kustomization_lists_each() -> None:
     assert FILES, "no manifests"
     for path, document in DOCUMENTS:
         assert {"apiVersion", "kind"} <= set(document), path
-        if document["kind"] != "Kustomization":
+        if document["kind"] not in ("Kustomization", "Component"):
             assert document["metadata"]["name"], path
-    kustomization = _one("Kustomization")
-    listed = set(kustomization["resources"])
-    assert listed == {p.name for p in FILES if p.name != "kustomization.yaml"}
+    roots = [p.parent for p in FILES if p.name == "kustomization.yaml"]
+    referenced = set().union(*(_referenced(root) for root in roots))
+    for path in referenced:
+        assert path.exists(), f"a kustomization names {path}, which does not exist"
+    listed = {p.resolve() for p in FILES if p.name != "kustomization.yaml"}
+    assert listed <= referenced, listed - referenced
+
+
+def test_the_base_needs_no_crd_and_optional_parts_are_components() -> None:
+    # `kubectl apply -k docker/k8s` works on a cluster without the Prometheus Operator.
+    base = _kustomization(K8S)
+    assert base["resources"] == ["inference-daemonset.yaml"]
+    assert "components" not in base
+    base_kinds = {d["kind"] for p, d in DOCUMENTS if p.parent == K8S}
+    assert base_kinds == {"DaemonSet", "Kustomization"}
+    components = sorted({p.parent for p in FILES if p.parent.parent == K8S / "components"})
+    assert [c.name for c in components] == ["etcd-server", "etcd-store", "prometheus-operator"]
+    text = (K8S / "kustomization.yaml").read_text()
+    for component in components:
+        assert _kustomization(component)["kind"] == "Component"
+        assert f"components/{component.name}" in text, "the base's comments list every component"
+    monitor_at = {p for p, d in DOCUMENTS if d["kind"] == "PodMonitor"}
+    assert monitor_at == {K8S / "components" / "prometheus-operator" / "podmonitor.yaml"}
+    # docker/k8s-etcd: the base plus the etcd components, beside the base (not in it).
+    assert _referenced(K8S_ETCD) == {
+        K8S.resolve(),
+        (K8S / "components" / "etcd-store").resolve(),
+        (K8S / "components" / "etcd-server").resolve(),
+    }
 
 
 # --- the pod --------------------------------------------------------------------------
@@ -480,3 +535,81 @@ def test_the_seeding_script_copies_once_keeps_mtimes_and_chowns(tmp_path: Path) 
         arch_source="--arch",
     )
     assert [t.status for t in plan.targets] == ["already-built", "already-built"]
+
+
+# --- plans that outlive the pod, and etcd ---------------------------------------------
+
+
+def test_state_lives_on_the_node_and_belongs_to_the_sidecar() -> None:
+    config = _sidecar_config()
+    state = str(config.state_dir)
+    assert isinstance(config.store_target, SqliteStore)  # the base: the node's SQLite alone
+    volume = _volumes()[_mounts(_sidecar())[state]]
+    assert volume["hostPath"] == {"path": state, "type": "DirectoryOrCreate"}
+    # The kubelet creates it root-owned: an init container, before the sidecar,
+    # gives it to the sidecar's uid:gid with CAP_CHOWN alone.
+    inits = POD["initContainers"]
+    [owner] = [c for c in inits if c["name"] == "sidecar-state-owner"]
+    assert inits.index(owner) < inits.index(_sidecar())
+    assert _mounts(owner)[state] == _mounts(_sidecar())[state]
+    assert owner["image"] == _sidecar()["image"]
+    sidecar = _sidecar()["securityContext"]
+    script = " ".join(owner["command"])
+    assert f"chown {sidecar['runAsUser']}:{sidecar['runAsGroup']} {state}" in script
+    assert f"= {sidecar['runAsUser']}:{sidecar['runAsGroup']} ]" in script  # idempotent
+    context = owner["securityContext"]
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_plans_name_the_node_not_the_pod() -> None:
+    assert _sidecar_config().node_name == NODE_NAME
+
+
+def _patched_sidecar_env() -> dict[str, str]:
+    """The sidecar's env once components/etcd-store's patch is applied."""
+    patch = _one("DaemonSet", K8S / "components" / "etcd-store" / "sidecar-etcd.yaml")
+    assert patch["metadata"]["name"] == WORKLOAD["metadata"]["name"]
+    [container] = patch["spec"]["template"]["spec"]["initContainers"]
+    assert container["name"] == _sidecar()["name"]
+    assert set(container) == {"name", "env"}, "the patch adds env only"
+    return {**_env(_sidecar()), **_env(container)}
+
+
+def test_the_etcd_component_points_the_sidecar_at_the_example_etcd() -> None:
+    config = config_from_flags(cli.build_parser().parse_args(["serve"]), _patched_sidecar_env())
+    target = config.store_target
+    assert isinstance(target, EtcdTarget)
+    assert target.prefix == "/moe-sidecar/"
+    # The node's SQLite stays the write-ahead record, on the hostPath.
+    assert config.state_dir == _sidecar_config().state_dir
+    service = _one("Service")
+    statefulset = _one("StatefulSet")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    members = [
+        f"{statefulset['metadata']['name']}-{i}.{service['metadata']['name']}"
+        for i in range(statefulset["spec"]["replicas"])
+    ]
+    assert target.endpoints == tuple(f"{m}:{ports['client']}" for m in members)
+    [etcd] = statefulset["spec"]["template"]["spec"]["containers"]
+    flags = dict(arg.split("=", 1) for arg in etcd["command"][1:])
+    assert flags["--initial-cluster"] == ",".join(
+        f"{m.split('.')[0]}=http://{m}:{ports['peer']}" for m in members
+    )
+    suffix = f"$(POD_NAME).{service['metadata']['name']}"
+    assert flags["--advertise-client-urls"] == f"http://{suffix}:{ports['client']}"
+    assert flags["--initial-advertise-peer-urls"] == f"http://{suffix}:{ports['peer']}"
+    container_ports = {p["name"]: p["containerPort"] for p in etcd["ports"]}
+    assert container_ports == ports
+    assert {v["metadata"]["name"] for v in statefulset["spec"]["volumeClaimTemplates"]} == {
+        m["name"] for m in etcd["volumeMounts"]
+    }
+    pod = statefulset["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert etcd["securityContext"]["allowPrivilegeEscalation"] is False
+    assert etcd["securityContext"]["readOnlyRootFilesystem"] is True
+    assert etcd["securityContext"]["capabilities"] == {"drop": ["ALL"]}

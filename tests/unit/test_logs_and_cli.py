@@ -6,13 +6,18 @@ import argparse
 import io
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
 from moe_sidecar import cli, display
+from moe_sidecar.group import summarize
 from moe_sidecar.logs import LOGGER_NAME, configure_logging
+from moe_sidecar.row_codec import decode_group
 
 pytestmark = pytest.mark.timeout(10)
+
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 @pytest.fixture
@@ -79,6 +84,23 @@ def test_format_bytes(n: int, text: str) -> None:
 
 def test_format_groups_without_groups() -> None:
     assert display.format_groups([]) == "no groups\n"
+
+
+def test_groups_show_where_and_when_each_plan_was_made() -> None:
+    # The v3 golden row: generation 1 grown on node-a, merged into node-b, grown there.
+    state = decode_group((DATA / "group-row-v3.json").read_text())
+    summary = summarize(state)
+    text = display.format_groups([summary])
+    assert "  plan from: node node-b at 2023-11-14 22:13:22Z" in text
+    assert (
+        "caused by layer 'l0' on rank 0 in round 1, on node node-a at 2023-11-14 22:13:20Z" in text
+    )
+    [document] = display.groups_as_json([summary])
+    assert document["plan"]["origin"] == {"node": "node-b", "time": "2023-11-14 22:13:22Z"}
+    assert [h["node"] for h in document["history"]] == ["node-a", "node-b"]
+    # A plan made before nodes were recorded (a version 2 row) says so.
+    old = summarize(decode_group((DATA / "group-row-v2.json").read_text()))
+    assert "plan from: an unrecorded node at" in display.format_groups([old])
 
 
 def test_a_subcommand_is_one_command_entry(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar import policy
+from moe_sidecar.cluster import cluster_plan_of
 from moe_sidecar.plan import Plan
-from moe_sidecar.row_codec import ROW_VERSION, RowError, decode_group, encode_group
+from moe_sidecar.row_codec import (
+    MAX_DOCUMENT_BYTES,
+    ROW_VERSION,
+    RowError,
+    decode_cluster_plan,
+    decode_group,
+    encode_cluster_plan,
+    encode_group,
+)
 from moe_sidecar.sizing import workspace_size_per_rank
 from tests.unit.groups import rich_state
 
@@ -26,11 +35,66 @@ def test_encoding_round_trips_exactly() -> None:
     assert decode_group(encode_group(reset)) == reset
 
 
-def test_a_version_2_row_of_this_release_loads() -> None:
-    # Written by this release and kept: every later release must load it.
+def test_a_version_2_row_loads_without_nodes() -> None:
+    # Written by the release before nodes were recorded and kept: every later release loads it.
     state = decode_group((DATA / "group-row-v2.json").read_text())
     assert state.plan is not None and state.plan.generation == 2
     assert state.open_round is not None
+    assert state.history and all(g.node == "" for g in state.history)
+
+
+def test_a_version_3_row_of_this_release_loads_with_the_node_of_every_growth() -> None:
+    # Written by this release (a plan grown on node-a, merged into node-b, grown
+    # there) and kept: every later release must load it.
+    state = decode_group((DATA / "group-row-v3.json").read_text())
+    assert [(g.plan.generation, g.node) for g in state.history] == [(1, "node-a"), (2, "node-b")]
+    assert state.plan == state.history[-1].plan and state.open_round is not None
+    assert json.loads(encode_group(state)) == json.loads((DATA / "group-row-v3.json").read_text())
+
+
+def test_a_cluster_plan_of_this_release_loads_and_round_trips() -> None:
+    # What this release writes to etcd, kept: later releases must read it.
+    data = (DATA / "cluster-plan-v1.json").read_bytes()
+    doc = decode_cluster_plan(data)
+    assert doc == cluster_plan_of(decode_group((DATA / "group-row-v3.json").read_text()))
+    assert decode_cluster_plan(encode_cluster_plan(doc)) == doc
+    reset = cluster_plan_of(policy.reset(rich_state(), 200.0).state)
+    assert decode_cluster_plan(encode_cluster_plan(reset)) == reset
+
+
+def _cluster(**changes: object) -> bytes:
+    document = json.loads((DATA / "cluster-plan-v1.json").read_text())
+    for path, value in changes.items():
+        target = document
+        *parents, leaf = path.split("__")
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[leaf] = value
+    return json.dumps(document).encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b"x" * (MAX_DOCUMENT_BYTES + 1), "at most"),
+        (_cluster(kind="other"), "kind 'other'"),
+        (_cluster(version=2), "version 2; this release reads version 1 (a newer sidecar"),
+        (_cluster(ep_size=0), "'ep_size' holds 0"),
+        (_cluster(generation=1), "plan.generation=2"),
+        (_cluster(plan__epoch=1), "plan.epoch=1"),
+        (_cluster(plan__capacities__top_k=99), "top_k=99"),
+        (_cluster(history__0__node=7), "'node' holds 7"),
+        (_cluster(history__1__ep_rank=4), "history[1].ep_rank=4"),
+        (_cluster(history__0__at=-1.0), "history[0].at=-1.0"),
+        (_cluster(name="x" * 300), "group="),
+    ],
+)
+def test_bad_cluster_plans_are_refused_with_the_reason(data: bytes, needle: str) -> None:
+    with pytest.raises(RowError) as info:
+        decode_cluster_plan(data)
+    assert needle in str(info.value)
 
 
 def test_a_version_1_row_of_0_1_0_loads_with_a_plan_at_least_as_big() -> None:

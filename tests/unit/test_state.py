@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from moe_sidecar.cluster import ClusterPlan
 from moe_sidecar.effects import EventKind
 from moe_sidecar.errors import CoordinatorUnavailable, RoundTimedOut
-from moe_sidecar.group import Proposal, Requirement
-from moe_sidecar.plan import Action, Capacities
+from moe_sidecar.group import Growth, Proposal, Requirement
+from moe_sidecar.plan import Action, Capacities, Plan
 from moe_sidecar.state import Coordinator
 from moe_sidecar.store import DATABASE_FILE, StateStore
 
@@ -212,3 +213,79 @@ async def test_a_round_is_answered_only_once_its_decision_is_stored(
     with sqlite3.connect(tmp_path / DATABASE_FILE) as db:
         (row,) = db.execute("SELECT state FROM groups").fetchall()
     assert '"last_closed_round":1' in row[0]
+
+
+# --- with a cluster store ------------------------------------------------------------
+
+
+class RecordingReplica:
+    """A replica that records what it is asked to push (the etcd one is tested on etcd)."""
+
+    def __init__(self) -> None:
+        self.woken: list[str] = []
+
+    async def start(self, host: object) -> None:
+        pass
+
+    def replicate(self, name: str) -> None:
+        self.woken.append(name)
+
+    async def close(self, flush_seconds: float) -> None:
+        pass
+
+
+async def test_a_growth_is_pending_in_the_same_write_and_the_replica_is_woken(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    replica = RecordingReplica()
+    store = StateStore(tmp_path)
+    holder = Coordinator(store, round_timeout=30.0, clock=clock, replica=replica, node="node-a")
+    holder.start()
+    try:
+        first = asyncio.ensure_future(holder.propose(proposal(0)))
+        await _until_waiting(holder, 1)
+        assert replica.woken == [] and store.pending() == []
+        await holder.propose(proposal(1))
+        await first
+        assert replica.woken == ["g/ep2"]
+        [(name, seq)] = holder.pending_replication()
+        assert name == "g/ep2" and holder.group(name).history[-1].node == "node-a"
+        # A REUSE round has nothing for the cluster.
+        await asyncio.gather(holder.propose(proposal(0, 2)), holder.propose(proposal(1, 2)))
+        assert replica.woken == ["g/ep2"]
+        assert holder.replicated(name, seq) and holder.pending_replication() == []
+    finally:
+        holder.close()
+
+
+async def test_a_merge_is_persisted_and_watched(tmp_path: Path, clock: ManualClock) -> None:
+    replica = RecordingReplica()
+    holder = Coordinator(
+        StateStore(tmp_path), round_timeout=30.0, clock=clock, replica=replica, node="node-b"
+    )
+    holder.start()
+    try:
+        subscription = holder.watch("")
+        remote = ClusterPlan(
+            "g/ep2",
+            2,
+            plan=Plan(REQ.capacities, 0, 3),
+            generation=3,
+            history=(Growth(Plan(REQ.capacities, 0, 3), "l0", 1, 1, 999.0, "node-a"),),
+        )
+        assert holder.merge(remote)
+        assert holder.cluster_plan("g/ep2") == remote
+        assert not holder.merge(remote)  # idempotent
+        assert replica.woken == [] and holder.pending_replication() == []
+        event = await anext(subscription)
+        assert event.kind is EventKind.PLAN_MERGED and event.node == "node-a"
+        # The merged plan is round 1's plan here.
+        decisions = await asyncio.gather(holder.propose(proposal(0)), holder.propose(proposal(1)))
+        assert {d.plan for d in decisions} == {remote.plan} and not decisions[0].grew
+    finally:
+        holder.close()
+    reopened = StateStore(tmp_path)
+    try:
+        assert reopened.load()["g/ep2"].plan == remote.plan
+    finally:
+        reopened.close()

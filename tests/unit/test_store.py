@@ -104,3 +104,50 @@ def test_unusable_state_dir(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(StoreError, match="not usable"):
         StateStore(blocker / "state")
+
+
+# --- the outbox: what the cluster store has not got yet ------------------------------
+
+
+def test_a_pending_save_is_recorded_with_the_row_and_cleared_by_its_seq(tmp_path: Path) -> None:
+    state = rich_state()
+    store = StateStore(tmp_path)
+    store.save(state)
+    assert store.pending() == []
+    store.save(state, pending=True)
+    [(name, seq)] = store.pending()
+    assert name == state.name
+    store.save(state, pending=True)  # saved again before the push finished
+    assert not store.clear_pending(name, seq)
+    [(_, newer)] = store.pending()
+    assert newer > seq
+    store.mark_pending(["other"])
+    assert [n for n, _ in store.pending()] == [state.name, "other"]
+    assert store.clear_pending(name, newer)
+    store.close()
+    # The outbox is durable: a restart still knows what to push.
+    store = StateStore(tmp_path)
+    try:
+        assert [n for n, _ in store.pending()] == ["other"]
+    finally:
+        store.close()
+
+
+def test_a_database_without_the_outbox_gets_one(tmp_path: Path) -> None:
+    # Written before the outbox existed: same schema version, one table.
+    db = sqlite3.connect(tmp_path / DATABASE_FILE)
+    db.executescript(
+        "CREATE TABLE groups (name TEXT PRIMARY KEY NOT NULL, state TEXT NOT NULL) "
+        "WITHOUT ROWID; PRAGMA user_version=1;"
+    )
+    db.execute("INSERT INTO groups VALUES (?, ?)", (rich_state().name, encode_group(rich_state())))
+    db.commit()
+    db.close()
+    store = StateStore(tmp_path)
+    try:
+        assert store.load() == {rich_state().name: rich_state()}
+        assert store.pending() == []
+        store.save(rich_state(), pending=True)
+        assert len(store.pending()) == 1
+    finally:
+        store.close()

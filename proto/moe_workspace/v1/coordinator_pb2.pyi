@@ -75,6 +75,11 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """An admin removed the group."""
     EVENT_KIND_RANK_LEFT: _EventKind.ValueType  # 9
     """A rank's session stream closed: the rank is gone."""
+    EVENT_KIND_PLAN_MERGED: _EventKind.ValueType  # 10
+    """A plan decided on another node arrived through the cluster store (etcd)
+    and was joined into the group's plan (or, at a later epoch, replaced it).
+    (10: 8 and 9 are taken on main by GROUP_REMOVED and RANK_LEFT.)
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -95,6 +100,11 @@ EVENT_KIND_GROUP_REMOVED: EventKind.ValueType  # 8
 """An admin removed the group."""
 EVENT_KIND_RANK_LEFT: EventKind.ValueType  # 9
 """A rank's session stream closed: the rank is gone."""
+EVENT_KIND_PLAN_MERGED: EventKind.ValueType  # 10
+"""A plan decided on another node arrived through the cluster store (etcd)
+and was joined into the group's plan (or, at a later epoch, replaced it).
+(10: 8 and 9 are taken on main by GROUP_REMOVED and RANK_LEFT.)
+"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
@@ -463,6 +473,7 @@ class GroupEvent(_message.Message):
     LAYER_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     MISSING_RANKS_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     kind: Global___EventKind.ValueType
     round: _builtins.int
@@ -472,6 +483,8 @@ class GroupEvent(_message.Message):
     layer: _builtins.str
     message: _builtins.str
     """Human-readable detail, e.g. the error of a refused or timed-out round."""
+    node: _builtins.str
+    """The node the event's plan came from (PLAN_MERGED)."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -493,10 +506,11 @@ class GroupEvent(_message.Message):
         layer: _builtins.str = ...,
         message: _builtins.str = ...,
         missing_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "message", b"message", "missing_ranks", b"missing_ranks", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -689,9 +703,14 @@ class Growth(_message.Message):
     EP_RANK_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     layer: _builtins.str
     ep_rank: _builtins.int
     round: _builtins.int
+    node: _builtins.str
+    """The node whose sidecar made this growth (--node-name); empty when not
+    recorded (plans stored before nodes were).
+    """
     @_builtins.property
     def plan(self) -> Global___Plan:
         """The plan after the growth."""
@@ -706,10 +725,11 @@ class Growth(_message.Message):
         ep_rank: _builtins.int = ...,
         round: _builtins.int = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "layer", b"layer", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "layer", b"layer", "node", b"node", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

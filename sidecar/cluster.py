@@ -1,0 +1,212 @@
+"""A group's replicated part and its join: what nodes share through a cluster store. Pure.
+
+A :class:`ClusterPlan` is the part of a :class:`~moe_sidecar.group.GroupState`
+that outlives a node: the group's layout (``ep_size``), its epoch, its stored
+plan, its generation counter and its growth history, each growth naming the
+node that made it. Round state (lifetimes, ranks, open rounds, retained
+outcomes, what a lifetime built) stays on the node that runs the ranks.
+
+Cluster plans form a lattice on top of :func:`moe_sidecar.plan.join`, so
+stores that exchange them converge whatever the order, and nothing merges by
+any other rule (:func:`join_cluster_plans`):
+
+* the higher epoch wins whole: its plan and its history (a reset is never
+  undone by a node that missed it);
+* in one epoch the plans join with :func:`moe_sidecar.plan.join` (no plan is
+  the bottom) and the histories are united; a joined plan that neither side
+  held is recorded as a growth made by the joining node;
+* the generation counter is the larger of the two (generations are never
+  reused by a node that has heard of the other's).
+
+The join is commutative and idempotent, and its result covers both inputs
+(:func:`covers`), which is what the compare-and-swap retry of a store relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Final
+
+from moe_sidecar import limits
+from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.group import GroupState, Growth
+from moe_sidecar.plan import Plan, dominates, join
+
+__all__ = [
+    "JOINED_LAYER",
+    "MAX_HISTORY",
+    "MAX_TIMESTAMP",
+    "ClusterPlan",
+    "LayoutMismatch",
+    "check_cluster_plan",
+    "cluster_plan_of",
+    "covers",
+    "join_cluster_plans",
+    "plan_origin",
+]
+
+MAX_HISTORY: Final = 256
+"""Growth events kept per group (oldest dropped first), on a node and in a store."""
+MAX_TIMESTAMP: Final = 253_402_300_800.0
+"""The end of year 9999 in seconds since the epoch: a later growth time is corrupt."""
+JOINED_LAYER: Final = "(joined across nodes)"
+"""The layer label of a growth that joined two nodes' plans."""
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What every node's sidecar shares of one group."""
+
+    name: str
+    ep_size: int
+    epoch: int = 0
+    plan: Plan | None = None
+    """The group's plan in ``epoch`` (None: nothing grown since the last reset)."""
+    generation: int = 0
+    """The last generation any node that contributed issued."""
+    history: tuple[Growth, ...] = ()
+    """The growths of ``epoch``, oldest first, each with its node."""
+
+
+class LayoutMismatch(ValueError):
+    """Two cluster plans of one group name disagree on ``ep_size`` (or name)."""
+
+
+def cluster_plan_of(state: GroupState) -> ClusterPlan:
+    """The replicated part of a node's group state."""
+    return ClusterPlan(
+        name=state.name,
+        ep_size=state.ep_size,
+        epoch=state.epoch,
+        plan=state.plan,
+        generation=state.generation,
+        history=state.history,
+    )
+
+
+def _history_key(g: Growth) -> tuple[object, ...]:
+    c = g.plan.capacities
+    return (
+        g.at,
+        g.plan.epoch,
+        g.plan.generation,
+        g.node,
+        g.layer,
+        g.ep_rank,
+        g.round,
+        c.max_tokens,
+        c.dispatch_bytes_per_token,
+        c.combine_bytes_per_token,
+        c.top_k,
+        c.num_experts,
+        c.eplb_experts,
+    )
+
+
+def _unite(epoch: int, *histories: tuple[Growth, ...]) -> tuple[Growth, ...]:
+    """Every growth of ``epoch`` in the histories, once each, in one total
+    order (time first), the newest :data:`MAX_HISTORY` kept."""
+    entries = {g for history in histories for g in history if g.plan.epoch == epoch}
+    return tuple(sorted(entries, key=_history_key))[-MAX_HISTORY:]
+
+
+def join_cluster_plans(a: ClusterPlan, b: ClusterPlan, *, node: str, now: float) -> ClusterPlan:
+    """The cluster plan that holds both ``a`` and ``b`` (see the module docstring).
+
+    ``node`` and ``now`` name the growth recorded when the join makes a plan
+    that neither input held.
+
+    Raises:
+        LayoutMismatch: ``a`` and ``b`` name different groups or ``ep_size``.
+        ShapeMismatch: same epoch, plans of different ``top_k``/``num_experts``.
+    """
+    if a.name != b.name or a.ep_size != b.ep_size:
+        raise LayoutMismatch(
+            f"group {a.name!r} with ep_size={a.ep_size} cannot join group {b.name!r} with "
+            f"ep_size={b.ep_size}; the group name must change with the parallel layout"
+        )
+    generation = max(a.generation, b.generation)
+    if a.epoch != b.epoch:
+        winner = a if a.epoch > b.epoch else b
+        return replace(winner, generation=generation, history=_unite(winner.epoch, winner.history))
+    if a.plan is None or b.plan is None:
+        plan = a.plan if b.plan is None else b.plan
+    else:
+        plan = join(a.plan, b.plan)
+    history = _unite(a.epoch, a.history, b.history)
+    if plan is not None and plan != a.plan and plan != b.plan:
+        joined = Growth(plan=plan, layer=JOINED_LAYER, ep_rank=0, round=0, at=now, node=node)
+        history = _unite(a.epoch, history, (joined,))
+    if plan is not None:
+        generation = max(generation, plan.generation)
+    return ClusterPlan(a.name, a.ep_size, a.epoch, plan, generation, history)
+
+
+def covers(a: ClusterPlan, b: ClusterPlan) -> bool:
+    """Whether ``a`` already holds everything of ``b``: joining ``b`` into it
+    would change nothing."""
+    if a.name != b.name or a.ep_size != b.ep_size or a.generation < b.generation:
+        return False
+    if a.epoch != b.epoch:
+        return a.epoch > b.epoch
+    if b.plan is not None and (a.plan is None or not dominates(a.plan, b.plan)):
+        return False
+    mine = set(a.history)
+    return all(g in mine for g in b.history if g.plan.epoch == b.epoch)
+
+
+def plan_origin(history: tuple[Growth, ...], plan: Plan | None) -> Growth | None:
+    """The newest growth that made ``plan``: which node decided it, and when."""
+    if plan is None:
+        return None
+    return next((g for g in reversed(history) if g.plan == plan), None)
+
+
+def check_cluster_plan(doc: ClusterPlan) -> None:
+    """Checks every field of a cluster plan, as if it had arrived in a request:
+    it comes from another node, so it is untrusted input.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value.
+    """
+    limits.check_name("group", doc.name, allow_empty=False)
+    limits.check_count("ep_size", doc.ep_size, 1, limits.MAX_EP_SIZE, "FlashInfer's rank limit")
+    limits.check_count("epoch", doc.epoch, 0, limits.MAX_GENERATION)
+    limits.check_count("generation", doc.generation, 0, limits.MAX_GENERATION)
+    if doc.plan is not None:
+        limits.check_plan("plan", doc.plan, doc.ep_size)
+        if doc.plan.epoch != doc.epoch:
+            raise InvalidArgument.of(
+                "plan.epoch", doc.plan.epoch, f"the group's epoch is {doc.epoch}"
+            )
+        if doc.plan.generation > doc.generation:
+            raise InvalidArgument.of(
+                "plan.generation", doc.plan.generation, f"above the counter {doc.generation}"
+            )
+    if len(doc.history) > MAX_HISTORY:
+        raise InvalidArgument.of("history", len(doc.history), f"at most {MAX_HISTORY} entries")
+    for i, g in enumerate(doc.history):
+        where = f"history[{i}]"
+        limits.check_plan(f"{where}.plan", g.plan, doc.ep_size)
+        if g.plan.epoch != doc.epoch:
+            raise InvalidArgument.of(
+                f"{where}.plan.epoch", g.plan.epoch, f"the group's epoch is {doc.epoch}"
+            )
+        limits.check_name(f"{where}.layer", g.layer, allow_empty=True)
+        limits.check_name(f"{where}.node", g.node, allow_empty=True)
+        limits.check_count(f"{where}.ep_rank", g.ep_rank, 0, doc.ep_size - 1)
+        limits.check_count(f"{where}.round", g.round, 0, limits.MAX_ROUND)
+        _check_time(f"{where}.at", g.at)
+
+
+def _check_time(field: str, value: float) -> None:
+    if not (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0.0 <= value <= MAX_TIMESTAMP
+    ):
+        raise InvalidArgument.of(
+            field, value, f"must be seconds since the epoch in [0, {MAX_TIMESTAMP:g}]"
+        )

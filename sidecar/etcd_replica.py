@@ -1,0 +1,429 @@
+"""The etcd replica: every group's cluster plan in etcd, the join of every node's.
+
+Layout: one key per group, ``PREFIX + "groups/" + quote(name)``, holding the
+group's :class:`~moe_sidecar.cluster.ClusterPlan` as
+:func:`~moe_sidecar.row_codec.encode_cluster_plan` writes it.
+
+Writing (the push loop). The node's SQLite is the write-ahead record: a step
+that grew, reset or absorbed a plan recorded its group as pending in the
+same transaction that saved it (the ``outbox``). The loop takes the pending
+groups and, for each, compares-and-swaps on the key's ``mod_revision``: what
+etcd holds joined with what the node holds
+(:func:`~moe_sidecar.cluster.join_cluster_plans`); on a lost race it joins
+with the winner's value (which the failed transaction returned) and tries
+again, so concurrent writers lose nothing. Nothing is written when etcd
+already covers the node's group. Once written, the group is cleared from the
+outbox unless it was saved again meanwhile, and the node merges what it
+wrote (the join may hold another node's growths). While etcd is away the
+loop retries with backoff (50 ms doubling to 2 s); rounds never wait for it.
+
+Reading (the watch loop). At start and whenever the watch cannot resume
+(history compacted, etcd re-created or restored: its revision went
+backwards) the replica reads the whole prefix at one revision, merges every
+document, queues every local group etcd lacks, and watches from that
+revision on. Every document read is untrusted: it is decoded and
+range-checked (:mod:`moe_sidecar.limits`); a bad one is logged, counted
+(``moe_sidecar_store_rejected_documents``) and skipped, never merged and
+never overwritten (a newer release may have written it; delete the key to
+let the nodes write it afresh). A deleted key is not a reset: the nodes
+write the group again on its next change or their next start; ResetGroup
+is how a plan is forgotten everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from moe_sidecar.cluster import (
+    ClusterPlan,
+    LayoutMismatch,
+    check_cluster_plan,
+    covers,
+    join_cluster_plans,
+)
+from moe_sidecar.errors import CoordinatorError, InvalidArgument, PreconditionFailed
+from moe_sidecar.etcd_client import (
+    EtcdClient,
+    EtcdClusterReset,
+    EtcdError,
+    EtcdStale,
+    EtcdUnavailable,
+    EventType,
+)
+from moe_sidecar.plan import ShapeMismatch
+from moe_sidecar.replica import ReplicaHost, StoreMetrics
+from moe_sidecar.row_codec import RowError, decode_cluster_plan, encode_cluster_plan
+
+__all__ = ["GROUPS_DIR", "MAX_CAS_ATTEMPTS", "EtcdReplica", "group_key"]
+
+_log = logging.getLogger("moe_sidecar.etcd_replica")
+
+GROUPS_DIR = "groups/"
+"""Under the URL's prefix, the directory of the groups' keys."""
+MAX_CAS_ATTEMPTS = 32
+"""Lost compare-and-swap races in a row on one key before backing off."""
+_RETRY_MIN = 0.05
+_RETRY_MAX = 2.0
+
+
+def group_key(prefix: str, name: str) -> bytes:
+    """The key of group ``name`` under ``prefix`` (the name percent-encoded)."""
+    return (prefix + GROUPS_DIR + quote(name, safe="")).encode()
+
+
+@dataclass(frozen=True)
+class _Known:
+    """What the replica last saw under one key."""
+
+    revision: int
+    """The key's ``mod_revision`` (0: the key does not exist)."""
+    doc: ClusterPlan | None
+    """The document (None: none, or it did not decode)."""
+    readable: bool = True
+
+
+_ABSENT = _Known(0, None)
+
+
+class _Contended(Exception):
+    """Too many compare-and-swap races lost in a row on one key."""
+
+
+class EtcdReplica:
+    """Keeps the node's groups in etcd and merges what other nodes put there.
+
+    Created before the event loop serves (no I/O); :meth:`start` reads etcd
+    and starts the push and watch tasks; :meth:`close` ends them.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str, metrics: StoreMetrics) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._groups_prefix = (prefix + GROUPS_DIR).encode()
+        self.metrics = metrics
+        self._known: dict[bytes, _Known] = {}
+        self._revision: int | None = None
+        """Every change up to this revision has been merged (None: re-read the prefix)."""
+        self._high_revision = 0
+        self._host: ReplicaHost | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self._outage: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self, host: ReplicaHost) -> None:
+        """Reads the prefix once and merges it, then starts pushing and watching.
+
+        An unreachable etcd is logged: the sidecar serves from its own state
+        and the tasks catch up once etcd answers.
+        """
+        self._host = host
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        try:
+            await self._sync()
+        except EtcdError as error:
+            self._down(error)
+            _log.warning(
+                "cannot read the plans in etcd at start; serving from this node's state "
+                "and retrying in the background",
+                extra={"prefix": self._prefix, "error": str(error)},
+            )
+        self._tasks = [
+            asyncio.create_task(self._watch_loop(), name="etcd-watch"),
+            asyncio.create_task(self._push_loop(), name="etcd-push"),
+        ]
+        self._wake.set()
+
+    def replicate(self, name: str) -> None:
+        """Wakes the push loop (the group is already in the outbox)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def close(self, flush_seconds: float) -> None:
+        """Stops watching, pushes what is pending for at most ``flush_seconds``,
+        then closes the client. What is left stays in the outbox. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._stop is not None:
+            self._stop.set()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._host is not None and flush_seconds > 0:
+            try:
+                async with asyncio.timeout(flush_seconds):
+                    await self._push_pending()
+            except TimeoutError:
+                _log.warning(
+                    "groups still pending for etcd at shutdown; the next start pushes them",
+                    extra={"seconds": flush_seconds},
+                )
+            except (EtcdError, _Contended, sqlite3.Error, CoordinatorError) as error:
+                _log.warning(
+                    "cannot push pending groups to etcd at shutdown; the next start pushes them",
+                    extra={"error": str(error)},
+                )
+        await self._client.close()
+
+    # --- health ---------------------------------------------------------------------
+
+    def _up(self) -> None:
+        self.metrics.up.set(1)
+        if self._outage is not None:
+            _log.info("etcd answers again", extra={"prefix": self._prefix})
+            self._outage = None
+
+    def _down(self, error: BaseException) -> None:
+        self.metrics.up.set(0)
+        if self._outage is None:
+            _log.warning(
+                "etcd unreachable; rounds are decided on this node's state and pushed later",
+                extra={"prefix": self._prefix, "error": str(error)},
+            )
+        self._outage = str(error)
+
+    async def _pause(self, seconds: float) -> None:
+        assert self._stop is not None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
+
+    # --- reading --------------------------------------------------------------------
+
+    def _name_of(self, key: bytes) -> str:
+        return unquote(key[len(self._groups_prefix) :].decode("utf-8", "replace"))
+
+    def _reject(self, key: bytes, why: str) -> None:
+        self.metrics.rejected.inc()
+        _log.error(
+            "skipped a plan document in etcd",
+            extra={"key": key.decode("utf-8", "replace"), "reason": why},
+        )
+
+    def _decode(self, key: bytes, value: bytes, revision: int) -> _Known:
+        try:
+            doc = decode_cluster_plan(value)
+        except RowError as error:
+            self._reject(key, str(error))
+            return _Known(revision, None, readable=False)
+        if doc.name != self._name_of(key):
+            self._reject(key, f"the key holds group {doc.name!r}")
+            return _Known(revision, None, readable=False)
+        return _Known(revision, doc)
+
+    def _merge(self, key: bytes, doc: ClusterPlan) -> None:
+        """Merges ``doc`` into the node's group; a document that cannot join is skipped.
+
+        Raises:
+            CoordinatorUnavailable: the node cannot persist the merge.
+        """
+        assert self._host is not None
+        try:
+            if self._host.merge(doc):
+                self.metrics.merges.inc()
+        except (InvalidArgument, PreconditionFailed) as error:
+            self._reject(key, error.message)
+
+    def _accept(self, key: bytes, value: bytes, revision: int) -> None:
+        known = self._decode(key, value, revision)
+        self._known[key] = known
+        if known.doc is not None:
+            self._merge(key, known.doc)
+
+    async def _sync(self) -> None:
+        """Reads every group under the prefix at one revision and merges it."""
+        assert self._host is not None and self._wake is not None
+        self.metrics.resyncs.inc()
+        read = await self._client.get_prefix(self._groups_prefix)
+        self._up()
+        if read.revision < self._high_revision:
+            _log.warning(
+                "etcd's revision went backwards (re-created or restored from a backup); "
+                "merging what it holds and pushing what it lacks",
+                extra={"revision": read.revision, "seen": self._high_revision},
+            )
+        self._high_revision = read.revision
+        self._known.clear()
+        for item in read.items:
+            self._accept(item.key, item.value, item.mod_revision)
+        missing = [
+            name
+            for name in self._host.group_names()
+            if group_key(self._prefix, name) not in self._known
+        ]
+        if missing:
+            self._host.mark_pending(missing)
+        self._revision = read.revision
+        self._wake.set()
+
+    async def _watch_loop(self) -> None:
+        delay = _RETRY_MIN
+        while not self._closing:
+            try:
+                if self._revision is None:
+                    await self._sync()
+                assert self._revision is not None
+                async with self._client.watch_prefix(
+                    self._groups_prefix, start_revision=self._revision + 1
+                ) as watch:
+                    async for event in watch:
+                        known = self._known.get(event.key)
+                        if known is not None and known.revision >= event.mod_revision:
+                            pass  # this node's own write: nothing new to decode or merge
+                        elif event.type is EventType.PUT:
+                            self._accept(event.key, event.value, event.mod_revision)
+                        else:
+                            self._known.pop(event.key, None)
+                            _log.info(
+                                "a group's key was deleted from etcd; it is written again "
+                                "on the group's next change",
+                                extra={"key": event.key.decode("utf-8", "replace")},
+                            )
+                        self._revision = watch.next_revision - 1
+                        self._high_revision = max(self._high_revision, event.mod_revision)
+                        self._up()
+                        delay = _RETRY_MIN
+                return  # the client closed
+            except EtcdStale as error:
+                # Compacted past what was merged, or etcd re-created: read it all again.
+                _log.warning(
+                    "etcd watch cannot resume; reading the prefix again",
+                    extra={"error": str(error)},
+                )
+                if isinstance(error, EtcdClusterReset):
+                    self._high_revision = 0
+                self._revision = None
+                continue
+            except EtcdError as error:
+                self._down(error)
+            except (sqlite3.Error, CoordinatorError) as error:
+                # This node could not write what it read: read it all again later.
+                _log.error("cannot merge plans from etcd", extra={"error": str(error)})
+                self._revision = None
+            await self._pause(delay)
+            delay = min(delay * 2, _RETRY_MAX)
+
+    # --- writing --------------------------------------------------------------------
+
+    async def _push_loop(self) -> None:
+        assert self._wake is not None
+        delay = _RETRY_MIN
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._push_pending()
+                delay = _RETRY_MIN
+                continue
+            except EtcdError as error:
+                self.metrics.writes.labels("error").inc()
+                self._down(error)
+            except _Contended as error:
+                _log.warning(
+                    "etcd writes keep losing races; backing off", extra={"key": str(error)}
+                )
+            except (sqlite3.Error, CoordinatorError) as error:
+                _log.error("cannot read or clear the outbox", extra={"error": str(error)})
+            await self._pause(delay)
+            delay = min(delay * 2, _RETRY_MAX)
+            self._wake.set()
+
+    async def _push_pending(self) -> None:
+        """Pushes every pending group until none is left.
+
+        Raises:
+            EtcdError: etcd failed (what is left stays pending).
+            _Contended: one key kept changing under the writes.
+            sqlite3.Error: the outbox cannot be read or cleared.
+        """
+        assert self._host is not None
+        while True:
+            pending = self._host.pending_replication()
+            self.metrics.pending.set(len(pending))
+            if not pending:
+                return
+            for name, seq in pending:
+                await self._push(name)
+                self._host.replicated(name, seq)
+
+    async def _read(self, key: bytes) -> _Known:
+        got = await self._client.get(key)
+        self._up()
+        return _ABSENT if got is None else self._decode(key, got.value, got.mod_revision)
+
+    async def _push(self, name: str) -> None:
+        """Makes etcd's document of ``name`` cover the node's group.
+
+        Raises:
+            EtcdError: etcd failed; whether a write happened is unknown (a
+                retry finds out: it loses its race to its own write).
+            _Contended: :data:`MAX_CAS_ATTEMPTS` races lost in a row.
+        """
+        host = self._host
+        assert host is not None
+        key = group_key(self._prefix, name)
+        known = self._known.get(key)
+        for _ in range(MAX_CAS_ATTEMPTS):
+            doc = host.cluster_plan(name)
+            if doc is None:
+                return
+            if known is None:
+                known = await self._read(key)
+            if not known.readable:
+                return  # reported when read; never overwritten
+            remote = known.doc
+            if remote is not None and covers(remote, doc):
+                self._merge(key, remote)
+                return
+            try:
+                value = (
+                    doc
+                    if remote is None
+                    else join_cluster_plans(doc, remote, node=host.node, now=host.now())
+                )
+                check_cluster_plan(value)
+            except (LayoutMismatch, ShapeMismatch) as error:
+                self._reject(key, f"cannot join this node's group: {error}")
+                return
+            except InvalidArgument as error:
+                self._reject(key, f"its join with this node's group is out of range: {error}")
+                return
+            try:
+                result = await self._client.put_if(key, encode_cluster_plan(value), known.revision)
+            except EtcdUnavailable:
+                self._known.pop(key, None)
+                raise
+            self._up()
+            current = result.current
+            if result.succeeded:
+                assert current is not None
+                self.metrics.writes.labels("written").inc()
+                self._known[key] = _Known(current.mod_revision, value)
+                if value is not doc:
+                    self._merge(key, value)  # the join holds another node's growths
+                return
+            self.metrics.writes.labels("conflict").inc()
+            known = (
+                _ABSENT
+                if current is None
+                else self._decode(key, current.value, current.mod_revision)
+            )
+            self._known[key] = known
+        raise _Contended(key.decode("utf-8", "replace"))
