@@ -24,13 +24,14 @@ groups are built.
 
 from __future__ import annotations
 
-import logging
 import os
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from tests.build_log import recording_builds
 
 # --- vLLM's helper, tests/distributed/test_mnnvl_alltoall.py ---------------------
 
@@ -199,37 +200,16 @@ def _one_sided_workspace_grow_worker_v030(rank, world_size):
 # --- what the tests run in each rank ----------------------------------------------
 
 
-class _Builds(logging.Handler):
-    """The manager's own build lines (``... %s at %d bytes/rank ...``), as data.
-
-    Reading the log keeps vLLM's test bodies verbatim: they keep no sizes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.builds: list[tuple[str, int, int]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "bytes/rank" in record.msg and isinstance(record.args, tuple):
-            args: tuple[Any, ...] = record.args
-            _, _, _, action, workspace, tokens, _, _ = args
-            self.builds.append((str(action), int(workspace), int(tokens)))
-
-
 def _part(results: dict[str, Any], name: str, run: Callable[[], Any]) -> None:
-    """Runs one part; keeps its value or its traceback (and goes on: the other
-    rank runs the same parts in the same order, so nothing waits alone)."""
-    builds = _Builds()
-    logger = logging.getLogger("moe_sidecar.client.manager")
-    logger.addHandler(builds)
-    logger.setLevel(logging.INFO)
-    try:
-        value = run()
-        results[name] = {"ok": True, "value": value, "builds": builds.builds}
-    except Exception:
-        results[name] = {"ok": False, "error": traceback.format_exc(), "builds": builds.builds}
-    finally:
-        logger.removeHandler(builds)
+    """Runs one part; keeps its value or its traceback, and its builds (and
+    goes on: the other rank runs the same parts in the same order, so
+    nothing waits alone)."""
+    with recording_builds() as log:
+        try:
+            results[name] = {"ok": True, "value": run()}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    results[name]["builds"] = log.builds
 
 
 def _with_group(name: str | None, run: Callable[[], Any]) -> Callable[[], Any]:
