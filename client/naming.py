@@ -192,4 +192,6 @@ def resolve(
     Raises:
         InvalidArgument: see :func:`group_name`.
     """
-    return group_name(explicit, os.environ, vllm_layout(cpu_group), global_ranks, embedded=embedded)
+    named = explicit or os.environ.get(ENV_GROUP, "").strip()
+    layout = None if named else vllm_layout(cpu_group)  # vLLM is read only when needed
+    return group_name(explicit, os.environ, layout, global_ranks, embedded=embedded)
