@@ -3,7 +3,11 @@
 ``WorkspaceManager`` sizes, builds, grows and frees one EP group's FlashInfer
 MoE all-to-all workspace, deciding through the node's sidecar
 (``MOE_SIDECAR_TARGET``) or, without one, through the same decision core
-in-process. ``sizing`` is FlashInfer's workspace arithmetic in pure Python.
+in-process. It takes the ``initialize()`` arguments of every generation of
+vLLM's ``FlashInferNVLinkOneSidedManager`` (``vllm_sizing``), and
+``vllm_plugin`` puts it in vLLM's place (the ``[vllm]`` extra's
+``vllm.general_plugins`` entry point). ``sizing`` is FlashInfer's workspace
+arithmetic in pure Python.
 """
 
 from moe_sidecar.client import sizing

@@ -1,8 +1,17 @@
-"""``WorkspaceManager``: a drop-in for vLLM's ``FlashInferNVLinkOneSidedManager``.
+"""``WorkspaceManager``: a drop-in for every generation of vLLM's ``FlashInferNVLinkOneSidedManager``.
+
+It takes the ``initialize()`` arguments of vLLM PR #42976, 0.30 and 0.33
+(:mod:`moe_sidecar.client.vllm_sizing`) and offers what each generation's
+callers read: ``moe_alltoall`` (FlashInfer's ``MoeAlltoAll``),
+``combine_into()``, ``get_communication()`` (FlashInfer's
+``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` over the same workspace),
+``workspace_size``, ``initialized``, ``checkpoint_prepare/restore()``,
+``get_handle()``, ``cleanup()``, ``rank`` and ``world_size``.
+:mod:`moe_sidecar.client.vllm` makes a subclass of vLLM's own class from it.
 
 Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
 
-1. size the layer as capacities (:mod:`moe_sidecar.client.sizing`) and
+1. size the layer as capacities, with that generation's rule, and
    propose it (one RPC to the node's sidecar, or the in-process core in
    embedded mode); the answer is a decision: BUILD, REUSE or REBUILD and a plan;
 2. when the EP group spans more ranks than one decider sees (``ep_size >
@@ -14,8 +23,8 @@ Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
 3. BUILD/REBUILD: build through the backend at the plan's capacities (the
    backend's size function turns them into bytes), pass a barrier on
    ``cpu_group`` (never the world: pipeline stages rebuild a different
-   number of times), release the superseded workspace, and commit the plan
-   now held.
+   number of times), release the superseded workspace (and destroy the
+   ``moe_ep`` object made over it), and commit the plan now held.
 
 So a REUSE round of a node-local group in sidecar mode costs exactly one RPC
 and no collective.
@@ -28,12 +37,21 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from moe_sidecar.client import naming
 from moe_sidecar.client.agreement import LocalOutcome, agree
-from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec, backend_for
+from moe_sidecar.client.backends import (
+    AlltoAll,
+    AlltoAllBackend,
+    BuildSpec,
+    CommunicationSpec,
+    backend_for,
+)
+from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.errors import (
     BackendError,
     CoordinatorError,
@@ -41,9 +59,17 @@ from moe_sidecar.client.errors import (
     InvalidArgument,
     RankLost,
 )
-from moe_sidecar.client.sizing import layer_capacities
 from moe_sidecar.client.transport import Transport, transport_for
-from moe_sidecar.defaults import ENV_LOCAL_RANKS, ENV_TARGET
+from moe_sidecar.client.vllm_sizing import (
+    DISPATCH_FORMAT_BYTES,
+    UNSET,
+    LayerCall,
+    Layout,
+    classify_call,
+    describe_activation,
+    routing_bytes_per_token,
+)
+from moe_sidecar.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
 from moe_sidecar.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
 from moe_sidecar.identity import new_lifetime_secret
 from moe_sidecar.plan import Action, Plan, decide_action
@@ -90,12 +116,16 @@ class ManagerCounters:
 class WorkspaceManager:
     """Sizes, builds, grows and frees one EP group's MoE all-to-all workspace.
 
-    Drop-in for vLLM's ``FlashInferNVLinkOneSidedManager``: the same
-    ``initialize()`` arguments (``x_bytes_per_token``/``x_sf_bytes_per_token``
-    are the per-token bytes of the dispatched hidden states and of their
-    scales), the same attributes (``initialized``, ``moe_alltoall``,
-    ``workspace_size``, ``max_num_tokens``, ``top_k``, ``num_experts``, plus
-    ``generation``), ``cleanup()`` and ``get_handle()``.
+    Drop-in for every generation of vLLM's ``FlashInferNVLinkOneSidedManager``:
+    constructed as vLLM does (``WorkspaceManager(cpu_group)``), it takes each
+    generation's ``initialize()`` arguments, sized by that generation's rule
+    (:func:`moe_sidecar.client.vllm_sizing.classify_call`), and has the
+    attributes and methods their callers read (``initialized``,
+    ``moe_alltoall``, ``workspace_size``, ``max_num_tokens``, ``top_k``,
+    ``num_experts``, ``rank``, ``world_size``, ``combine_into()``,
+    ``get_communication()``, ``get_handle()``, ``checkpoint_prepare()``,
+    ``checkpoint_restore()``, ``cleanup()``, ``destroy()``), plus
+    ``generation`` (of the plan built) and ``counters``.
 
     Args:
         cpu_group: the EP group's CPU (gloo) process group; ``ep_size`` and
@@ -103,14 +133,16 @@ class WorkspaceManager:
             collective of the manager runs on it and on nothing wider.
         group: the EP group's name on the sidecar: model identity + parallel
             layout + pipeline stage, e.g. ``"deepseek-v3:fp4/tp1-ep8/pp0"``.
-            Required in sidecar mode; embedded mode derives one from the
-            group's global ranks when omitted.
+            None: ``MOE_SIDECAR_GROUP``, else derived from vLLM's config
+            inside vLLM, else (embedded mode only) from the group's global
+            ranks (:mod:`moe_sidecar.client.naming`).
         target: the sidecar's address (``unix:///run/moe-sidecar/sidecar.sock``
             or ``127.0.0.1:50051``). ``None`` reads ``MOE_SIDECAR_TARGET``;
             unset or empty (or ``"embedded"``) means embedded mode.
         backend: ``"flashinfer"`` (FlashInfer's ``MoeAlltoAll``, GPU),
             ``"reference"`` (the CPU copy of its contract over gloo), or an
             object implementing :class:`moe_sidecar.client.backends.AlltoAllBackend`.
+            None reads ``MOE_SIDECAR_BACKEND``, else ``"flashinfer"``.
         local_ranks: how many ranks of this EP group run on this node (i.e.
             talk to the same sidecar). Default: env ``MOE_SIDECAR_LOCAL_RANKS``,
             else counted once at construction by exchanging hostnames on
@@ -121,9 +153,11 @@ class WorkspaceManager:
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else 120.
 
     Raises:
-        InvalidArgument: no ``group`` in sidecar mode, a bad group name, or
-            ``local_ranks`` outside ``[1, ep_size]``.
-        ValueError: an unknown backend name.
+        InvalidArgument: no group name in sidecar mode (see ``group``), a bad
+            group name, ``local_ranks`` outside ``[1, ep_size]``, or an
+            unknown backend name (naming ``MOE_SIDECAR_BACKEND`` when it came
+            from there).
+        ValueError: an unknown backend name passed as ``backend``.
     """
 
     def __init__(
@@ -131,7 +165,7 @@ class WorkspaceManager:
         cpu_group: dist.ProcessGroup,
         group: str | None = None,
         target: str | None = None,
-        backend: str | AlltoAllBackend = "flashinfer",
+        backend: str | AlltoAllBackend | None = None,
         *,
         local_ranks: int | None = None,
         propose_timeout: float | None = None,
@@ -144,23 +178,15 @@ class WorkspaceManager:
         self.world_size = self.ep_size
         self._transport: Transport = transport_for(target, propose_timeout=propose_timeout)
         self._collectives = 0
-        if self._transport.embedded:
-            self.group = group or self._default_group_name()
-            self.local_ranks = 1
-        else:
-            if not group:
-                raise InvalidArgument(
-                    f"sidecar mode ({ENV_TARGET} or target set) needs the EP group's name: "
-                    "WorkspaceManager(cpu_group, group='<model>/<layout>/pp<stage>', ...)",
-                    field="group",
-                    value=group,
-                )
-            self.group = group
-            self.local_ranks = self._local_ranks(local_ranks)
-        validate_group_name(self.group)
-        self.backend: AlltoAllBackend = (
-            backend_for(backend, cpu_group) if isinstance(backend, str) else backend
+        self.group = naming.resolve(
+            group,
+            cpu_group,
+            dist.get_process_group_ranks(cpu_group),
+            embedded=self._transport.embedded,
         )
+        validate_group_name(self.group)
+        self.local_ranks = 1 if self._transport.embedded else self._local_ranks(local_ranks)
+        self.backend: AlltoAllBackend = self._backend(backend)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
         self._round = 0
@@ -173,6 +199,15 @@ class WorkspaceManager:
         self._releases = 0
         self._first_build_seconds: float | None = None
 
+        self._communication: Any = None
+        """The moe_ep object over ``moe_alltoall``, made on first use."""
+        self._layouts: dict[int, Layout] = {}
+        """Per hidden size, the widest dispatch row a layer asked for (what
+        ``get_communication().params`` describes)."""
+        self.last_call: LayerCall | None = None
+        """The latest ``initialize()`` call understood: its vLLM generation,
+        capacities and dispatch row."""
+
         self.initialized = False
         self.moe_alltoall: AlltoAll | None = None
         self.workspace_size = 0
@@ -183,9 +218,16 @@ class WorkspaceManager:
 
     # --- construction helpers --------------------------------------------
 
-    def _default_group_name(self) -> str:
-        ranks = dist.get_process_group_ranks(self.cpu_group)
-        return f"embedded/ep{self.ep_size}/ranks{min(ranks)}-{max(ranks)}"
+    def _backend(self, backend: str | AlltoAllBackend | None) -> AlltoAllBackend:
+        if backend is None:
+            name = os.environ.get(ENV_BACKEND, "").strip() or "flashinfer"
+            try:
+                return backend_for(name, self.cpu_group)
+            except ValueError as error:
+                raise InvalidArgument.of(ENV_BACKEND, name, str(error)) from error
+        if isinstance(backend, str):
+            return backend_for(backend, self.cpu_group)
+        return backend
 
     def _local_ranks(self, explicit: int | None) -> int:
         if explicit is None:
@@ -346,32 +388,47 @@ class WorkspaceManager:
         top_k: int,
         num_experts: int,
         hidden_size: int,
-        x_bytes_per_token: int,
-        x_sf_bytes_per_token: int,
-        *,
+        *payload: object,
         layer: str = "",
+        dispatch_dtype_bytes_per_elem: object = UNSET,
+        dispatch_scale_bytes_per_token: object = UNSET,
+        x_bytes_per_token: object = UNSET,
+        x_sf_bytes_per_token: object = UNSET,
+        dispatch_format: object = UNSET,
+        extra_payload_bytes_per_token: object = UNSET,
     ) -> None:
         """Makes the all-to-all serve this MoE layer; one round of the protocol.
 
         Every rank of the EP group calls it for the same layers in the same
-        order. Afterwards ``moe_alltoall`` serves this layer and every layer
-        initialized before it in this process; it is a new object only when
-        the workspace had to grow.
+        order. Afterwards ``moe_alltoall`` (and ``get_communication()``)
+        serves this layer and every layer initialized before it in this
+        process; it is a new object only when the workspace had to grow.
+
+        The layer's dispatch row comes as one vLLM generation's pair, by
+        keyword or positionally after ``hidden_size`` (the rules:
+        :func:`moe_sidecar.client.vllm_sizing.classify_call`):
+
+        * vLLM 0.33: ``dispatch_format`` (a FlashInfer ``QuantFormat``, its
+          name, or None for bf16 rows; the default) and
+          ``extra_payload_bytes_per_token`` (default 0);
+        * vLLM 0.30: ``x_bytes_per_token`` (bytes of the dispatched hidden
+          states: ``hidden/2`` for NVFP4, ``hidden*2`` for bf16) and
+          ``x_sf_bytes_per_token`` (their scales: ``hidden/16`` for NVFP4);
+        * PR #42976: ``dispatch_dtype_bytes_per_elem`` (0 NVFP4, 1 FP8, 2
+          bf16) and ``dispatch_scale_bytes_per_token``.
 
         Args:
             max_num_tokens: most tokens this rank dispatches in one call.
             top_k: experts per token.
             num_experts: experts of the layer, over all ranks.
             hidden_size: hidden dimension (the combine payload is bf16).
-            x_bytes_per_token: bytes per token of the dispatched hidden
-                states (``hidden/2`` for NVFP4, ``hidden*2`` for bf16).
-            x_sf_bytes_per_token: bytes per token of their scale factors
-                (``hidden/16`` for NVFP4, 0 for bf16).
             layer: a label for the layer (e.g. ``"model.layers.61.mlp"``),
                 used in errors and the sidecar's history.
 
         Raises:
-            InvalidArgument: an argument out of range.
+            InvalidArgument: an argument out of range, a value no generation
+                accepts, or two generations' keywords in one call; the
+                message names the argument and the keyword probably meant.
             PreconditionFailed: another ``top_k``/``num_experts`` than earlier
                 layers, or ranks disagreeing on the layer (an
                 :class:`~moe_sidecar.client.errors.AgreementError` when the
@@ -382,21 +439,31 @@ class WorkspaceManager:
             CoordinatorUnavailable: the sidecar could not be reached.
             BackendError: the backend could not build.
         """
-        self._round += 1
         self._initializes += 1
         failure: BaseException | None = None
         decision: Decision | None = None
+        call: LayerCall | None = None
         try:
-            capacities = layer_capacities(
+            call = classify_call(
                 self.ep_size,
                 max_num_tokens,
                 top_k,
                 num_experts,
                 hidden_size,
-                x_bytes_per_token,
-                x_sf_bytes_per_token,
+                payload,
+                {
+                    "dispatch_dtype_bytes_per_elem": dispatch_dtype_bytes_per_elem,
+                    "dispatch_scale_bytes_per_token": dispatch_scale_bytes_per_token,
+                    "x_bytes_per_token": x_bytes_per_token,
+                    "x_sf_bytes_per_token": x_sf_bytes_per_token,
+                    "dispatch_format": dispatch_format,
+                    "extra_payload_bytes_per_token": extra_payload_bytes_per_token,
+                },
             )
-            decision = self._propose(Requirement(capacities=capacities, layer=layer))
+            # A refused call proposes nothing, so it uses up no round: the
+            # caller may correct it and go on.
+            self._round += 1
+            decision = self._propose(Requirement(capacities=call.capacities, layer=layer))
         except Exception as error:
             if not self.agrees_across_ranks:
                 raise
@@ -404,11 +471,21 @@ class WorkspaceManager:
             # of waiting for this one forever.
             failure = error
         action, plan = self._decide(layer, decision, failure)
+        assert call is not None  # a failure raised in _decide
+        self._remember(call)
         if action is Action.REUSE:
             self._reuses += 1
             _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, plan)
             return
         self._build(plan, action, layer)
+
+    def _remember(self, call: LayerCall) -> None:
+        """Keeps the widest dispatch row per hidden size (for the moe_ep
+        object's description) and the call itself."""
+        self.last_call = call
+        known = self._layouts.get(call.layout.hidden_size)
+        if known is None or call.layout.activation_bytes > known.activation_bytes:
+            self._layouts[call.layout.hidden_size] = call.layout
 
     def _build(self, plan: Plan, action: Action, layer: str) -> None:
         workspace = self.backend.workspace_bytes(plan.capacities, self.ep_size)
@@ -432,6 +509,7 @@ class WorkspaceManager:
             self.backend.release(handle)
             raise self._rank_lost("the post-build barrier", error) from error
         superseded = self.moe_alltoall
+        self._drop_communication()
         self._set_built(handle, plan)
         if superseded is not None:
             self.backend.release(superseded)
@@ -468,6 +546,99 @@ class WorkspaceManager:
         """Returns the manager itself, as vLLM's manager does."""
         return self
 
+    def _communication_spec(self, plan: Plan) -> CommunicationSpec:
+        """How the moe_ep object describes ``plan``: the largest hidden size
+        and the widest dispatch row asked for at it, plus the extra bytes that
+        make up the plan's dispatch bytes (vLLM 0.33's own description of the
+        same union)."""
+        capacities = plan.capacities
+        hidden = capacities.combine_bytes_per_token // 2
+        activation = capacities.dispatch_bytes_per_token - routing_bytes_per_token(capacities.top_k)
+        layout = self._layouts.get(hidden)
+        if layout is not None and layout.format_bytes <= activation:
+            described: object = layout.dispatch_format
+            name = layout.format_name
+            format_bytes = layout.format_bytes
+        else:
+            # A plan wider than any layer of this process (restored from the
+            # sidecar): the format that best describes its bytes.
+            name, _ = describe_activation(hidden, activation)
+            described = name
+            format_bytes = 2 * hidden if name is None else DISPATCH_FORMAT_BYTES[name](hidden)
+        flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
+        try:
+            low_precision = bool(int(flag))
+        except ValueError as error:
+            raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
+        return CommunicationSpec(
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            num_experts=capacities.num_experts,
+            top_k=capacities.top_k,
+            max_tokens_per_rank=capacities.max_tokens,
+            hidden_size=hidden,
+            dispatch_format=described,
+            dispatch_format_name=name,
+            extra_payload_bytes_per_token=max(activation - format_bytes, 0),
+            use_low_precision_combine=low_precision,
+        )
+
+    def get_communication(self) -> Any:
+        """FlashInfer's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` over the
+        current workspace (the reference copy of it with
+        ``backend="reference"``): what vLLM 0.33's prepare/finalize calls
+        ``dispatch``/``combine`` on at every step.
+
+        Made on first use after each build, from the ``moe_alltoall`` built
+        (no allocation, no collective); a new object only after the
+        workspace grew (the superseded one is destroyed, its ``alltoall``
+        raises). ``params.max_tokens_per_rank`` and ``params.hidden_size``
+        are the plan's; ``params.dispatch_format`` is the widest dispatch row
+        a layer of that hidden size asked for and
+        ``config.extra_payload_bytes_per_token`` the rest of the plan's
+        dispatch bytes. Shapes: see :meth:`ReferenceCommunication.dispatch`.
+
+        Raises:
+            BackendError: nothing is built, or the backend cannot make the
+                object (e.g. FlashInfer without ``moe_ep``).
+        """
+        handle, plan = self.moe_alltoall, self._built
+        if handle is None or plan is None:
+            raise BackendError("get_communication() before initialize(): nothing is built")
+        if self._communication is None:
+            self._communication = self.backend.communication(handle, self._communication_spec(plan))
+        return self._communication
+
+    @property
+    def communication(self) -> Any:
+        """:meth:`get_communication`, or None when nothing is built (vLLM 0.33's attribute)."""
+        return None if self.moe_alltoall is None else self.get_communication()
+
+    def _drop_communication(self) -> None:
+        communication, self._communication = self._communication, None
+        if communication is not None:
+            communication.destroy()
+
+    def checkpoint_prepare(self) -> None:
+        """Unmaps the workspace for a checkpoint (vLLM's sleep mode); collective
+        over the EP group. Nothing built: nothing to do.
+
+        Raises:
+            RuntimeError: FlashInfer's: a dispatch is waiting for its combine.
+        """
+        if self.moe_alltoall is not None:
+            self.moe_alltoall.checkpoint_prepare()
+
+    def checkpoint_restore(self) -> None:
+        """Maps the workspace again after :meth:`checkpoint_prepare`, exchanging
+        the memory handles on the EP group's CPU group; collective.
+
+        Raises:
+            RuntimeError: FlashInfer's: the group differs from the allocation's.
+        """
+        if self.moe_alltoall is not None:
+            self.moe_alltoall.checkpoint_restore(GroupCommunicator(self.cpu_group))
+
     def combine_into(
         self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, output: torch.Tensor
     ) -> torch.Tensor:
@@ -493,6 +664,7 @@ class WorkspaceManager:
         (every rank must clean up before) and builds afresh.
         """
         handle = self.moe_alltoall
+        self._drop_communication()
         self._set_built(None, None)
         if handle is not None:
             self.backend.release(handle)
@@ -500,3 +672,9 @@ class WorkspaceManager:
         self._transport.close()
         self.lifetime = new_lifetime_secret()
         self._round = 0
+
+    def destroy(self) -> None:
+        """What vLLM calls when it tears its communicator down
+        (``CudaCommunicator.destroy``): :meth:`cleanup`, so the workspace is
+        freed rather than kept until the process ends."""
+        self.cleanup()

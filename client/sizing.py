@@ -3,7 +3,9 @@
 :func:`layer_capacities` is the per-layer rule of DESIGN section 3, for the
 arguments vLLM 0.30's manager takes: the dispatch payload per token is the
 hidden states, their scale factors and the int32 expert ids plus float32
-weights of the top-k routing; the combine payload is bf16 hidden states.
+weights of the top-k routing; the combine payload is bf16 hidden states. It
+is :func:`moe_sidecar.client.vllm_sizing.classify_call` with 0.30's keywords,
+where the other generations' rules live beside it.
 
 The byte arithmetic itself lives in :mod:`moe_sidecar.sizing` (standard
 library only), because the decision core needs it too and must not import
@@ -12,7 +14,10 @@ torch through this package; it is re-exported here.
 
 from __future__ import annotations
 
-from moe_sidecar.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
+from dataclasses import replace
+
+from moe_sidecar.client.vllm_sizing import classify_call
+from moe_sidecar.limits import check_capacities
 from moe_sidecar.plan import Capacities
 from moe_sidecar.sizing import (
     ALIGNMENT,
@@ -63,23 +68,18 @@ def layer_capacities(
 
     Raises:
         InvalidArgument: an argument out of range, naming it (also when the
-            derived workspace at ``ep_size`` would be absurd).
+            derived workspace at ``ep_size`` would be absurd, or when
+            ``x_bytes_per_token`` is below ``hidden_size // 2``).
     """
-    for name, value in (
-        ("hidden_size", hidden_size),
-        ("x_bytes_per_token", x_bytes_per_token),
-        ("x_sf_bytes_per_token", x_sf_bytes_per_token),
-    ):
-        check_count(name, value, 1 if name == "hidden_size" else 0, MAX_BYTES_PER_TOKEN)
-    capacities = Capacities(
-        max_tokens=max_num_tokens,
-        dispatch_bytes_per_token=dispatch_bytes_per_token(
-            top_k, x_bytes_per_token, x_sf_bytes_per_token
-        ),
-        combine_bytes_per_token=combine_bytes_per_token(hidden_size),
-        top_k=top_k,
-        num_experts=num_experts,
-        eplb_experts=eplb_experts,
+    call = classify_call(
+        ep_size,
+        max_num_tokens,
+        top_k,
+        num_experts,
+        hidden_size,
+        (),
+        {"x_bytes_per_token": x_bytes_per_token, "x_sf_bytes_per_token": x_sf_bytes_per_token},
     )
+    capacities = replace(call.capacities, eplb_experts=eplb_experts)
     check_capacities("layer", capacities, ep_size)
     return capacities

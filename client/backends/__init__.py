@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from moe_sidecar.client.backends.base import AlltoAll, AlltoAllBackend, BuildSpec
+from moe_sidecar.client.backends.base import (
+    AlltoAll,
+    AlltoAllBackend,
+    BuildSpec,
+    CommunicationSpec,
+)
 
-__all__ = ["BACKENDS", "AlltoAll", "AlltoAllBackend", "BuildSpec", "backend_for"]
+__all__ = [
+    "BACKENDS",
+    "AlltoAll",
+    "AlltoAllBackend",
+    "BuildSpec",
+    "CommunicationSpec",
+    "backend_for",
+]
 
 BACKENDS = ("flashinfer", "reference")
 

@@ -2,20 +2,22 @@
 
 A backend builds an all-to-all object (FlashInfer's ``MoeAlltoAll`` or the
 reference copy of its contract) at a plan's size, collectively over the EP
-group, and releases a superseded one. The manager decides when; the backend
-knows how.
+group, and releases a superseded one. It also wraps a built one in the
+``flashinfer.moe_ep`` communication object vLLM 0.33 calls
+(``NVLinkOneSidedAlltoAll``, or the reference copy of it). The manager
+decides when; the backend knows how.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from moe_sidecar.plan import Capacities
 
-__all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec"]
+__all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec", "CommunicationSpec"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,32 @@ class BuildSpec:
         return self.capacities.num_experts
 
 
+@dataclass(frozen=True)
+class CommunicationSpec:
+    """How to describe a built all-to-all as FlashInfer's ``moe_ep`` object.
+
+    The fields are those of FlashInfer's ``MoEEpCommParams`` and
+    ``NVLinkOneSidedConfig`` that vLLM 0.33 sets (``dtype`` is always bf16).
+    They describe; the workspace itself was sized by the plan's capacities,
+    so ``FlashInfer's dispatch bytes of (dispatch_format, hidden_size) +
+    extra_payload_bytes_per_token + 8 * top_k`` equals the plan's dispatch
+    bytes per token whenever some format fits under them.
+    """
+
+    ep_size: int
+    ep_rank: int
+    num_experts: int
+    top_k: int
+    max_tokens_per_rank: int
+    hidden_size: int
+    """The largest hidden size of the plan (its combine rows are bf16)."""
+    dispatch_format: object
+    """A ``QuantFormat`` (or its name), or None for bf16 rows."""
+    dispatch_format_name: str | None
+    extra_payload_bytes_per_token: int
+    use_low_precision_combine: bool
+
+
 class AlltoAll(Protocol):
     """The part of FlashInfer's ``MoeAlltoAll`` contract the client relies on."""
 
@@ -49,11 +77,15 @@ class AlltoAll(Protocol):
         token_selected_experts: torch.Tensor,
         input_payloads: list[torch.Tensor],
         runtime_max_tokens_per_rank: int,
+        invalid_token_expert_id: int | None = None,
+        expert_id_payload_index: int | None = None,
     ) -> list[torch.Tensor]:
         """Sends each token's payloads to the ranks owning its top-k experts.
 
         Returns one ``[ep_size, runtime_max_tokens_per_rank, *]`` tensor per
         payload: row ``[src, i]`` is the i-th token rank ``src`` sent here.
+        With ``invalid_token_expert_id``, the expert ids (payload
+        ``expert_id_payload_index``) of rows that carry no token are set to it.
         """
         ...
 
@@ -68,6 +100,14 @@ class AlltoAll(Protocol):
 
         Returns ``[local_num_tokens, hidden]`` (``output`` when given).
         """
+        ...
+
+    def checkpoint_prepare(self) -> None:
+        """Releases the workspace's backing for a checkpoint; collective."""
+        ...
+
+    def checkpoint_restore(self, comm_backend: Any) -> None:
+        """Maps the workspace again after :meth:`checkpoint_prepare`; collective."""
         ...
 
 
@@ -91,6 +131,18 @@ class AlltoAllBackend(Protocol):
 
         Raises:
             BackendError: the backend cannot build here (e.g. FlashInfer missing).
+        """
+        ...
+
+    def communication(self, handle: AlltoAll, spec: CommunicationSpec) -> Any:
+        """``handle`` as the ``flashinfer.moe_ep`` communication object vLLM 0.33
+        uses (``dispatch(x, topk_ids, topk_weights, hidden_states_scale=,
+        max_tokens_per_rank=)``, ``combine(expert_output, output=)``,
+        ``params``, ``config``, ``alltoall``, ``destroy()``), over the same
+        workspace: nothing is allocated, nothing collective runs.
+
+        Raises:
+            BackendError: the backend cannot describe ``handle`` so.
         """
         ...
 

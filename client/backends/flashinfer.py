@@ -18,7 +18,16 @@ handle's allocation) and drops every reference the instance holds
 releases this rank's allocation. The manager calls it only after the barrier
 that shows every rank holds the replacement.
 
-FlashInfer is imported on first build, never at import time: importing or
+Wrapping for vLLM 0.33 (:meth:`FlashInferBackend.communication`): FlashInfer's
+own ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` whose ``_alltoall`` is the
+``MoeAlltoAll`` this backend built. ``NVLinkOneSidedAlltoAll.__init__`` always
+allocates (it sizes a workspace from its params and asks
+``MoeAlltoAll.get_workspace`` for it), so the object is made without running
+it, with exactly the attributes ``__init__`` and ``MoEEpCommunication.__init__``
+set; its methods read nothing else. Its ``destroy()`` drops the
+``MoeAlltoAll``; the release below then frees the memory.
+
+FlashInfer is imported on first use, never at import time: importing or
 calling it loads its CUDA module, which CPU processes must never do.
 
 JIT cache health: before its first build, the backend has
@@ -39,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
+from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.errors import BackendError
@@ -85,6 +94,28 @@ class _FlashInfer:
         self.MnnvlConfig: Any = mnnvl.MnnvlConfig
         self.MnnvlMemory: Any = mnnvl.MnnvlMemory
         self.Mapping: Any = mapping.Mapping
+        self._moe_ep: tuple[Any, Any] | None = None
+
+    def moe_ep(self) -> tuple[Any, Any]:
+        """``(flashinfer.moe_ep, QuantFormat)``, imported on first use (as vLLM
+        0.33 imports them: ``from flashinfer.moe_ep import ...``, ``from
+        flashinfer.fused_moe import QuantFormat``).
+
+        Raises:
+            BackendError: this FlashInfer has no ``moe_ep`` one-sided API.
+        """
+        if self._moe_ep is None:
+            try:
+                moe_ep = importlib.import_module("flashinfer.moe_ep")
+                quant_format = importlib.import_module("flashinfer.fused_moe").QuantFormat
+                moe_ep.NVLinkOneSidedAlltoAll  # noqa: B018 - fail here, not later
+            except (ImportError, AttributeError) as error:
+                raise BackendError(
+                    "get_communication() needs flashinfer.moe_ep's NVLinkOneSidedAlltoAll "
+                    f"(flashinfer-python {SUPPORTED_FLASHINFER}, what vLLM 0.33 pins): {error}"
+                ) from error
+            self._moe_ep = (moe_ep, quant_format)
+        return self._moe_ep
 
 
 class FlashInferBackend:
@@ -168,6 +199,71 @@ class FlashInferBackend:
             self.first_build_seconds = time.perf_counter() - started
         return handle
 
+    def communication(self, handle: AlltoAll, spec: CommunicationSpec) -> Any:
+        """See :meth:`AlltoAllBackend.communication`: FlashInfer's own
+        ``NVLinkOneSidedAlltoAll`` over ``handle``; no allocation, no collective.
+
+        Raises:
+            BackendError: ``handle`` is not a FlashInfer ``MoeAlltoAll``, this
+                FlashInfer lacks ``moe_ep``, or ``num_experts`` is not a
+                multiple of ``ep_size`` (FlashInfer's wrapper refuses that).
+        """
+        fi = self._flashinfer()
+        if not isinstance(handle, fi.MoeAlltoAll):
+            raise BackendError(f"the flashinfer backend cannot wrap {type(handle).__name__}")
+        moe_ep, quant_format = fi.moe_ep()
+        if spec.num_experts % spec.ep_size:
+            raise BackendError(
+                f"NVLinkOneSidedAlltoAll requires num_experts ({spec.num_experts}) divisible by "
+                f"the EP size ({spec.ep_size})"
+            )
+        # vLLM 0.33 (all2all.py, FlashInferNVLinkOneSidedManager.initialize):
+        #   params = MoEEpCommParams(num_experts=num_experts, top_k=top_k,
+        #       max_tokens_per_rank=max_num_tokens, hidden_size=hidden_size,
+        #       dtype=torch.bfloat16, dispatch_format=dispatch_format)
+        params = moe_ep.MoEEpCommParams(
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            max_tokens_per_rank=spec.max_tokens_per_rank,
+            hidden_size=spec.hidden_size,
+            dtype=torch.bfloat16,
+            dispatch_format=(
+                None
+                if spec.dispatch_format_name is None
+                else quant_format[spec.dispatch_format_name]
+            ),
+        )
+        #   bootstrap = BootstrapConfig(world_size=self.world_size, rank=self.rank,
+        #       device=torch.accelerator.current_device_index(), process_group=self.cpu_group)
+        bootstrap = moe_ep.BootstrapConfig(
+            world_size=spec.ep_size,
+            rank=spec.ep_rank,
+            device=torch.cuda.current_device(),
+            process_group=self._group,
+        )
+        #   config = NVLinkOneSidedConfig(extra_payload_bytes_per_token=extra_payload_bytes_per_token,
+        #       use_low_precision_combine=envs.VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE,
+        #       comm_backend=CustomCommunicator(self.cpu_group))
+        config = moe_ep.NVLinkOneSidedConfig(
+            extra_payload_bytes_per_token=spec.extra_payload_bytes_per_token,
+            use_low_precision_combine=spec.use_low_precision_combine,
+            comm_backend=GroupCommunicator(self._group),
+        )
+        wrapper: Any = object.__new__(moe_ep.NVLinkOneSidedAlltoAll)
+        # What NVLinkOneSidedAlltoAll.__init__ (communication.py:43-102) and
+        # MoEEpCommunication.__init__ (core/comm/communication.py:169-187) set,
+        # with our MoeAlltoAll in place of the one __init__ would allocate.
+        wrapper.config = config
+        wrapper.bootstrap = bootstrap
+        wrapper.params = params
+        wrapper.ep_rank = bootstrap.rank
+        wrapper.ep_size = bootstrap.world_size
+        wrapper.num_local_experts = params.num_experts // bootstrap.world_size
+        wrapper._alltoall = handle
+        wrapper._tokens_per_rank = None
+        wrapper._combine_buffer = None
+        return wrapper
+
     def release(self, handle: AlltoAll) -> None:
         """See :meth:`AlltoAllBackend.release`.
 
@@ -183,16 +279,13 @@ class FlashInferBackend:
             return  # released before
         # No kernel of this rank may still touch the memory being unmapped.
         torch.cuda.synchronize()
-        key = (
-            state["workspace_size_per_rank"],
-            state["ep_rank"],
-            state["ep_size"],
-            state["max_num_tokens"],
-            state.get("eplb_stats_num_experts", 0),
-            state.get("_backend", "trtllm"),
-        )
         cache: dict[Any, dict[str, Any]] = fi.MoeAlltoAll._WORKSPACE_CACHE
-        entry = cache.get(key)
+        # The entry of this allocation, found by identity: its key is a 6-tuple
+        # in 0.7.2.post1 and a 5-tuple (no backend) in 0.6.18.post1, the
+        # FlashInfer vLLM 0.30 pins.
+        key, entry = next(
+            ((k, e) for k, e in cache.items() if e.get("mnnvl_mem") is mnnvl_mem), (None, None)
+        )
         # FlashInfer wraps the workspace as a tensor through a DLPack capsule
         # whose DLManagedTensor lives in a Python object attached to that one
         # tensor. Views of it (the receive-view cache) share its storage, and
@@ -206,7 +299,7 @@ class FlashInferBackend:
             for tensor in (state.get("workspace"), (entry or {}).get("workspace"))
             if (wrapper := getattr(tensor, "_capsule_wrapper", None)) is not None
         )
-        if entry is not None and entry.get("mnnvl_mem") is mnnvl_mem:
+        if key is not None:
             del cache[key]
         ptr = int(mnnvl_mem.ptr)
         del entry, mnnvl_mem
@@ -220,5 +313,5 @@ class FlashInferBackend:
                 "superseded FlashInfer workspace at 0x%x (%d bytes per rank) is still mapped: "
                 "something outside the manager keeps its MnnvlMemory alive",
                 ptr,
-                key[0],
+                state.get("workspace_size_per_rank", 0),
             )

@@ -23,24 +23,38 @@ The one-sided NVLink writes become ``all_to_all_single`` on the EP group's
 gloo group. A released workspace's memory is returned at once (its storage is
 shrunk to zero bytes, so a stale view fails loudly rather than reading freed
 memory, as on a GPU); :func:`live_workspace_bytes` counts what is held.
+``checkpoint_prepare``/``checkpoint_restore`` give the memory back and take it
+again, as FlashInfer's unmap and remap do.
+
+:class:`ReferenceCommunication` is the same copy of FlashInfer's
+``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` (the object vLLM 0.33 dispatches
+and combines through), over a :class:`ReferenceAlltoAll`, with ``params`` and
+``config`` holding the fields of FlashInfer's ``MoEEpCommParams`` and
+``NVLinkOneSidedConfig``.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moe_sidecar.client.backends.base import AlltoAll, BuildSpec
+from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
+from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES, dispatch_format_name
 from moe_sidecar.plan import Capacities
 
 __all__ = [
     "ReferenceAlltoAll",
     "ReferenceBackend",
+    "ReferenceCommParams",
+    "ReferenceCommunication",
+    "ReferenceDispatchResult",
+    "ReferenceOneSidedConfig",
     "expert_owner",
     "live_workspace_bytes",
 ]
@@ -137,14 +151,17 @@ class ReferenceAlltoAll:
             spec.workspace_size_per_rank, dtype=torch.uint8
         )
         _account(spec.workspace_size_per_rank)
+        self._released = False
         self._dispatched: _Dispatched | None = None
+        self.eplb_gathered_stats: torch.Tensor | None = None
+        """FlashInfer's attribute; EPLB statistics are not gathered here."""
 
     # --- state ---------------------------------------------------------
 
     @property
     def released(self) -> bool:
         """True once :meth:`release` returned the workspace."""
-        return self._buffer is None
+        return self._released
 
     @property
     def workspace(self) -> torch.Tensor:
@@ -152,24 +169,77 @@ class ReferenceAlltoAll:
 
         Raises:
             BackendError: after :meth:`release`.
+            RuntimeError: between :meth:`checkpoint_prepare` and
+                :meth:`checkpoint_restore` (FlashInfer's words).
         """
-        if self._buffer is None:
+        if self._released:
             raise BackendError(
                 f"reference all-to-all of {self.workspace_size_per_rank} bytes was released; "
                 "use the manager's current moe_alltoall"
             )
+        if self._buffer is None:
+            raise RuntimeError("MNNVL handles are unmapped")
         return self._buffer
 
-    def release(self) -> None:
-        """Returns the workspace memory now; later use raises BackendError."""
+    def _free_buffer(self) -> None:
         buffer, self._buffer = self._buffer, None
         if buffer is None:
             return
         # Shrinking the storage frees it even if views of it are still around,
         # so a stale view fails instead of silently keeping the memory.
         buffer.untyped_storage().resize_(0)
-        self._dispatched = None
         _account(-self.workspace_size_per_rank)
+
+    def release(self) -> None:
+        """Returns the workspace memory now; later use raises BackendError."""
+        self._released = True
+        self._dispatched = None
+        self._free_buffer()
+
+    def checkpoint_prepare(self) -> None:
+        """FlashInfer's ``MoeAlltoAll.checkpoint_prepare``: gives the workspace
+        memory back until :meth:`checkpoint_restore`; collective over the EP
+        group; a repeated call does nothing.
+
+        Raises:
+            RuntimeError: a dispatch is waiting for its combine.
+            BackendError: after :meth:`release`.
+        """
+        if self._released:
+            raise BackendError("checkpoint_prepare() of a released reference all-to-all")
+        if self._buffer is None:
+            return
+        if self._dispatched is not None:
+            raise RuntimeError("Cannot unmap MNNVL handles during an active all-to-all phase")
+        # Every rank stops using the workspace before any gives it back.
+        dist.barrier(group=self._group)
+        self._free_buffer()
+        dist.barrier(group=self._group)
+
+    def checkpoint_restore(self, comm_backend: Any) -> None:
+        """FlashInfer's ``MoeAlltoAll.checkpoint_restore``: takes the workspace
+        memory again (zeroed, as FlashInfer re-initializes it) and waits on
+        ``comm_backend``'s barrier; a repeated call does nothing.
+
+        Raises:
+            RuntimeError: ``comm_backend``'s rank or size differs from the
+                allocation's.
+            BackendError: after :meth:`release`.
+        """
+        if self._released:
+            raise BackendError("checkpoint_restore() of a released reference all-to-all")
+        if self._buffer is not None:
+            return
+        size, rank = comm_backend.Get_size(), comm_backend.Get_rank()
+        if (size, rank) != (self.ep_size, self.ep_rank):
+            raise RuntimeError(
+                "Cannot remap MNNVL handles because the communicator does not match the "
+                f"graph-visible allocation layout: rank/size {rank}/{size} != "
+                f"{self.ep_rank}/{self.ep_size}"
+            )
+        self._buffer = torch.zeros(self.workspace_size_per_rank, dtype=torch.uint8)
+        _account(self.workspace_size_per_rank)
+        comm_backend.barrier()
 
     # --- dispatch ------------------------------------------------------
 
@@ -283,11 +353,17 @@ class ReferenceAlltoAll:
         token_selected_experts: torch.Tensor,
         input_payloads: list[torch.Tensor],
         runtime_max_tokens_per_rank: int,
+        invalid_token_expert_id: int | None = None,
+        expert_id_payload_index: int | None = None,
     ) -> list[torch.Tensor]:
         """FlashInfer's ``MoeAlltoAll.dispatch``; collective over the EP group.
 
         Returns one ``[ep_size, runtime_max_tokens_per_rank, *]`` view of this
-        rank's workspace per payload, of the payload's dtype.
+        rank's workspace per payload, of the payload's dtype. With
+        ``invalid_token_expert_id``, the expert ids (payload
+        ``expert_id_payload_index``) of every received row beyond what its
+        source rank sent are set to it, as FlashInfer's sanitize kernel does
+        (``moeA2ASanitizeExpertIdsKernel``).
 
         Raises:
             RuntimeError: FlashInfer's checks, among them ``workspace size per
@@ -324,6 +400,15 @@ class ReferenceAlltoAll:
             runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
             combine_payload_offset=align(self.metainfo.payload_data + sum(sizes)),
         )
+        if invalid_token_expert_id is not None:
+            if expert_id_payload_index is None:
+                raise ValueError(
+                    "expert_id_payload_index required when invalid_token_expert_id is set"
+                )
+            counts = _int32_region(buffer, self.metainfo.recv_counters, self.ep_size)
+            ids = received[expert_id_payload_index]
+            for source in range(self.ep_size):
+                ids[source, int(counts[source]) :] = invalid_token_expert_id
         return received
 
     # --- combine -------------------------------------------------------
@@ -416,6 +501,207 @@ class ReferenceAlltoAll:
         return output
 
 
+# --- FlashInfer's moe_ep communication object, over the reference ----------
+
+
+@dataclass(frozen=True)
+class ReferenceCommParams:
+    """The fields of FlashInfer's ``MoEEpCommParams``
+    (``flashinfer/moe_ep/core/comm/communication.py:71``)."""
+
+    num_experts: int
+    top_k: int
+    max_tokens_per_rank: int
+    hidden_size: int
+    dtype: torch.dtype | None = None
+    dispatch_format: object = None
+    invalid_expert_id: int = -1
+
+    @property
+    def token_dtype(self) -> torch.dtype:
+        """``dtype``, defaulting to bf16."""
+        return torch.bfloat16 if self.dtype is None else self.dtype
+
+    @property
+    def dispatch_bytes_per_token(self) -> int:
+        """Bytes of one token's dispatched activations, scale factors included."""
+        name = dispatch_format_name(self.dispatch_format)
+        if name is None:
+            return self.hidden_size * self.token_dtype.itemsize
+        return DISPATCH_FORMAT_BYTES[name](self.hidden_size)
+
+
+@dataclass
+class ReferenceOneSidedConfig:
+    """The fields of FlashInfer's ``NVLinkOneSidedConfig``
+    (``flashinfer/moe_ep/backends/split/comm/nvlink_one_sided/config.py:12``)."""
+
+    backend_name: str = "nvlink_one_sided"
+    extra_payload_bytes_per_token: int = 0
+    eplb_stats_num_experts: int = 0
+    enable_rank_mask: bool = False
+    use_low_precision_combine: bool = False
+    comm_backend: Any = None
+
+
+@dataclass(frozen=True)
+class ReferenceDispatchResult:
+    """The fields of FlashInfer's ``MoEEpDispatchResult``: rank-major receive
+    rows, ``[ep_size * tokens_per_rank, *]`` each."""
+
+    hidden_states: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor | None
+    tokens_per_rank: int
+    hidden_states_scale: torch.Tensor | None = None
+    eplb_gathered_stats: torch.Tensor | None = None
+
+
+class ReferenceCommunication:
+    """FlashInfer 0.7.2.post1's ``NVLinkOneSidedAlltoAll`` over a
+    :class:`ReferenceAlltoAll`: the same ``dispatch``/``combine`` (the method
+    bodies follow ``moe_ep/backends/split/comm/nvlink_one_sided/communication.py``
+    line by line), ``params``, ``config``, ``alltoall`` and ``destroy()``.
+    """
+
+    backend_name = "nvlink_one_sided"
+
+    def __init__(
+        self,
+        alltoall: ReferenceAlltoAll,
+        params: ReferenceCommParams,
+        config: ReferenceOneSidedConfig,
+    ) -> None:
+        self.params = params
+        self.config = config
+        self.ep_rank = alltoall.ep_rank
+        self.ep_size = alltoall.ep_size
+        self.num_local_experts = params.num_experts // self.ep_size
+        self._alltoall: ReferenceAlltoAll | None = alltoall
+        self._tokens_per_rank: int | None = None
+
+    @property
+    def alltoall(self) -> ReferenceAlltoAll:
+        """The underlying all-to-all.
+
+        Raises:
+            RuntimeError: after :meth:`destroy` (FlashInfer's words).
+        """
+        if self._alltoall is None:
+            raise RuntimeError("NVLinkOneSidedAlltoAll has been destroyed")
+        return self._alltoall
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        hidden_states_scale: torch.Tensor | None = None,
+        max_tokens_per_rank: int | None = None,
+        eplb_local_stats: torch.Tensor | None = None,
+        active_rank_mask: torch.Tensor | None = None,
+    ) -> ReferenceDispatchResult:
+        """Sends each token to the ranks owning its experts; collective.
+
+        ``hidden_states`` ``[local_T, *]``, ``topk_ids`` ``[local_T, top_k]``
+        (global expert ids, cast to int32), ``topk_weights`` ``[local_T,
+        top_k]`` float32, ``hidden_states_scale`` ``[local_T, *]``. Every
+        received tensor is ``[ep_size * tokens_per_rank, *]``.
+
+        Raises:
+            RuntimeError: a dispatch without its combine, or after destroy.
+            ValueError: ``max_tokens_per_rank`` outside ``(0, params.max_tokens_per_rank]``.
+            BackendError: EPLB statistics or a rank mask (not in the reference).
+        """
+        if eplb_local_stats is not None or active_rank_mask is not None:
+            raise BackendError("the reference backend supports neither EPLB stats nor rank masks")
+        alltoall = self.alltoall
+        if self._tokens_per_rank is not None:
+            raise RuntimeError("dispatch called twice without an intervening combine")
+        tokens_per_rank = (
+            self.params.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
+        )
+        if not 0 < tokens_per_rank <= self.params.max_tokens_per_rank:
+            raise ValueError(
+                f"max_tokens_per_rank={tokens_per_rank} must be in "
+                f"(0, {self.params.max_tokens_per_rank}]"
+            )
+        if topk_ids.dtype != torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        payloads = [hidden_states]
+        if hidden_states_scale is not None:
+            payloads.append(hidden_states_scale)
+        expert_id_index = len(payloads)
+        payloads.append(topk_ids)
+        if topk_weights is not None:
+            payloads.append(topk_weights)
+        recv = alltoall.dispatch(
+            topk_ids,
+            payloads,
+            tokens_per_rank,
+            invalid_token_expert_id=self.params.invalid_expert_id,
+            expert_id_payload_index=expert_id_index,
+        )
+        self._tokens_per_rank = tokens_per_rank
+        recv = [t.flatten(0, 1) for t in recv]
+        return ReferenceDispatchResult(
+            hidden_states=recv[0],
+            hidden_states_scale=recv[1] if hidden_states_scale is not None else None,
+            topk_ids=recv[expert_id_index],
+            topk_weights=recv[expert_id_index + 1] if topk_weights is not None else None,
+            tokens_per_rank=tokens_per_rank,
+            eplb_gathered_stats=None,
+        )
+
+    def get_combine_input_buffer(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """None: the reference has no zero-copy combine buffer (allowed by
+        FlashInfer's ``MoEEpCommunication`` contract)."""
+        return None
+
+    def combine(
+        self,
+        expert_output: torch.Tensor,
+        *,
+        output: torch.Tensor | None = None,
+        active_rank_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Sums each token's expert outputs back on its source rank; collective.
+
+        ``expert_output`` ``[ep_size * tokens_per_rank, hidden]`` (or 3-D);
+        returns ``[local_T, hidden]`` (``output`` when given).
+
+        Raises:
+            RuntimeError: before dispatch, or after destroy.
+            ValueError: ``expert_output`` neither 2-D nor 3-D.
+            BackendError: low-precision combine or a rank mask (not in the reference).
+        """
+        if active_rank_mask is not None or self.config.use_low_precision_combine:
+            raise BackendError(
+                "the reference backend supports neither low-precision combine nor rank masks"
+            )
+        alltoall = self.alltoall
+        tokens_per_rank = self._tokens_per_rank
+        if tokens_per_rank is None:
+            raise RuntimeError("combine called before dispatch")
+        if expert_output.dim() == 2:
+            payload = expert_output.view(self.ep_size, tokens_per_rank, -1)
+        elif expert_output.dim() == 3:
+            payload = expert_output
+        else:
+            raise ValueError(
+                f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}"
+            )
+        combined = alltoall.combine(payload, tokens_per_rank, output=output)
+        self._tokens_per_rank = None
+        return combined
+
+    def destroy(self) -> None:
+        """Drops the all-to-all (FlashInfer's ``destroy()``: frees nothing itself)."""
+        self._alltoall = None
+        self._tokens_per_rank = None
+
+
 class ReferenceBackend:
     """Builds :class:`ReferenceAlltoAll` objects on one EP group's gloo group."""
 
@@ -437,6 +723,28 @@ class ReferenceBackend:
             RuntimeError: ranks asked for different sizes.
         """
         return ReferenceAlltoAll(self._group, spec)
+
+    def communication(self, handle: AlltoAll, spec: CommunicationSpec) -> ReferenceCommunication:
+        """See :meth:`AlltoAllBackend.communication`.
+
+        Raises:
+            BackendError: ``handle`` is not a reference all-to-all.
+        """
+        if not isinstance(handle, ReferenceAlltoAll):
+            raise BackendError(f"the reference backend cannot wrap {type(handle).__name__}")
+        params = ReferenceCommParams(
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            max_tokens_per_rank=spec.max_tokens_per_rank,
+            hidden_size=spec.hidden_size,
+            dtype=torch.bfloat16,
+            dispatch_format=spec.dispatch_format,
+        )
+        config = ReferenceOneSidedConfig(
+            extra_payload_bytes_per_token=spec.extra_payload_bytes_per_token,
+            use_low_precision_combine=spec.use_low_precision_combine,
+        )
+        return ReferenceCommunication(handle, params, config)
 
     def release(self, handle: AlltoAll) -> None:
         """See :meth:`AlltoAllBackend.release`.

@@ -547,3 +547,118 @@ def client_surface_worker(rank: int, world: int) -> dict[str, Any]:
     out["handle_serves_the_layer"] = exchange(handle.moe_alltoall, layer, rank, world, seed=5)
     manager.cleanup()
     return out
+
+
+# --- every vLLM generation through one manager ------------------------------
+
+
+def _destroyed(communication: Any) -> bool:
+    try:
+        communication.alltoall  # noqa: B018 - raises once destroyed
+    except RuntimeError:
+        return True
+    return False
+
+
+def generations_worker(rank: int, world: int, target: str, group: str) -> dict[str, Any]:
+    """vLLM 0.33's capacity contract through get_communication(), exact round
+    trips at the full token count of every layer it initialized, checkpoint,
+    destroy; then PR #42976's and 0.30's call styles on a second group."""
+    from moe_sidecar.client import WorkspaceManager
+    from moe_sidecar.client.backends.reference import live_workspace_bytes
+    from moe_sidecar.client.errors import BackendError, InvalidArgument
+    from tests.contracts import QuantFormat, v033_capacity_contract
+    from tests.exchange import round_trip
+
+    cpu_group = dist.new_group(backend="gloo")
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {}
+    manager = WorkspaceManager(cpu_group, group=f"{group}/v033", target=target, backend="reference")
+    try:
+        manager.get_communication()
+    except BackendError as error:
+        out["before_initialize"] = str(error)
+    contract = v033_capacity_contract(manager, world, QuantFormat)
+    objects = contract["objects"]
+    shared = contract["shared"]
+    out["destroyed"] = [_destroyed(o) for o in objects]
+    out["workspace_size"] = manager.workspace_size
+    out["live"] = live_workspace_bytes()
+    out["max_num_tokens"] = manager.max_num_tokens
+    out["params"] = (shared.params.hidden_size, shared.params.max_tokens_per_rank)
+    layers = [  # (hidden, quantized, scale bytes): every layer the contract initialized
+        (4096, True, None),
+        (4096, False, None),
+        (4096, False, 256),
+        (2048, False, None),
+        (8192, True, None),
+        (6144, False, None),
+    ]
+    trips = {}
+    for i, (hidden, quantized, scales) in enumerate(layers):
+        trips[f"{hidden}/{'nvfp4' if quantized else 'bf16'}/{scales}"] = round_trip(
+            shared,
+            rank=rank,
+            ep_size=world,
+            hidden=hidden,
+            top_k=4,
+            num_experts=world * 8,
+            tokens=2048,
+            quantized=quantized,
+            device=cpu,
+            seed=i,
+            scale_bytes=scales,
+        )
+    out["trips"] = trips
+
+    # vLLM's sleep mode: the workspace given back and taken again.
+    manager.checkpoint_prepare()
+    out["live_unmapped"] = live_workspace_bytes()
+    try:
+        shared.dispatch(torch.zeros(1, 8), torch.zeros(1, 4, dtype=torch.int32))
+    except RuntimeError as error:
+        out["unmapped_dispatch"] = str(error)
+    manager.checkpoint_restore()
+    out["live_restored"] = live_workspace_bytes()
+    out["after_restore"] = round_trip(
+        manager.get_communication(),
+        rank=rank,
+        ep_size=world,
+        hidden=4096,
+        top_k=4,
+        num_experts=world * 8,
+        tokens=64,
+        quantized=True,
+        device=cpu,
+        seed=99,
+    )
+    out["same_after_restore"] = manager.get_communication() is shared
+    manager.destroy()
+    out["live_after_destroy"] = live_workspace_bytes()
+    out["shared_destroyed"] = _destroyed(shared)
+
+    # The older generations' call styles, on their own group (top_k 2).
+    older = WorkspaceManager(cpu_group, group=f"{group}/older", target=target, backend="reference")
+    sizes = []
+    refusals = []
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((0, HIDDEN // 16), {}),  # PR #42976 positional: NVFP4
+        ((), {"x_bytes_per_token": HIDDEN // 2, "x_sf_bytes_per_token": HIDDEN // 16}),
+        ((2,), {"dispatch_scale_bytes_per_token": 0}),  # PR #42976: bf16
+        ((HIDDEN * 2, 0), {}),  # 0.30 positional: bf16
+    ]
+    for positional, keywords in calls:
+        older.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, *positional, **keywords)
+        sizes.append(older.workspace_size)
+        # A refused call uses up no round: the next one goes on as if it never was.
+        try:
+            older.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, 100, 0)
+        except InvalidArgument as error:
+            refusals.append(str(error))
+    out["older_sizes"] = sizes
+    out["older_refusals"] = refusals
+    out["older_generation"] = older.generation
+    out["older_exchange"] = exchange(older.moe_alltoall, bf16_layer("x"), rank, world, seed=5)
+    older.cleanup()
+    dist.barrier()
+    return out

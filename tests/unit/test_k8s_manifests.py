@@ -14,6 +14,9 @@ and against ``docker/Dockerfile.inference``; the seeding script runs for real
 (as the kubelet would pass it) on a cache laid out in a temporary directory.
 
 
+The inference container is vLLM with the plugin (``docker/Dockerfile.inference``)
+started with the one-sided all-to-all the plugin replaces, with the plugin on.
+
 The kustomize layout is checked too: the base needs no CRD, every optional
 part is a component, and the etcd component's URL names the example etcd.
 """
@@ -25,6 +28,7 @@ import os
 import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +44,17 @@ from moe_sidecar.client.prewarm import (
     make_plan,
     parse_arch_flags,
 )
+from moe_sidecar.client.vllm_plugin import plugin_mode
 from moe_sidecar.config import SidecarConfig, SqliteStore, config_from_flags
 from moe_sidecar.defaults import (
     CLIENT_ENV_KEYS,
+    ENV_BACKEND,
+    ENV_GROUP,
     ENV_LOCAL_RANKS,
     ENV_PREFIX,
     ENV_PROPOSE_TIMEOUT,
     ENV_TARGET,
+    ENV_VLLM,
 )
 from moe_sidecar.etcd_url import EtcdTarget
 from moe_sidecar.servicer import SERVICE_NAME
@@ -261,7 +269,11 @@ def test_the_inference_container_reaches_the_sidecar_socket() -> None:
     assert sidecar_gid in groups
     # Client settings: the client's own names, and consistent with the sidecar.
     client_keys = {k for k in env if k.startswith(ENV_PREFIX)}
-    assert client_keys <= {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT} <= CLIENT_ENV_KEYS
+    assert (
+        client_keys
+        <= {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP}
+        <= CLIENT_ENV_KEYS
+    )
     assert float(env[ENV_PROPOSE_TIMEOUT]) > config.round_timeout
     gpus = inference["resources"]["limits"]["nvidia.com/gpu"]
     assert int(env[ENV_LOCAL_RANKS]) == int(gpus), "every GPU of the pod is one local rank"
@@ -613,3 +625,45 @@ def test_the_etcd_component_points_the_sidecar_at_the_example_etcd() -> None:
     assert etcd["securityContext"]["allowPrivilegeEscalation"] is False
     assert etcd["securityContext"]["readOnlyRootFilesystem"] is True
     assert etcd["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+# --- vLLM with the plugin -------------------------------------------------------------
+
+
+def _flag(args: list[str], name: str) -> str:
+    assert name in args, f"vllm serve needs {name}"
+    return args[args.index(name) + 1]
+
+
+def test_the_inference_image_is_vllm_with_the_plugin_extra() -> None:
+    [stage] = parse_dockerfile(INFERENCE_DOCKERFILE)
+    # The vLLM release whose code the CPU tests run (tests/vllm).
+    assert stage.base == "vllm/vllm-openai:v0.33.0"
+    runs = [i.arguments for i in stage.all("RUN")]
+    assert "pip install --no-cache-dir '.[vllm]'" in runs
+    assert "nvcc --version" in runs, "FlashInfer's JIT needs nvcc in the image"
+    with open(REPO / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert "vllm" in project["optional-dependencies"]
+    plugins = project["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"moe_sidecar": "moe_sidecar.client.vllm_plugin:register"}
+
+
+def test_vllm_serves_with_the_one_sided_all_to_all_and_the_plugin_on() -> None:
+    inference = _inference()
+    assert inference["image"].rsplit("/", 1)[-1].startswith("vllm-moe-sidecar:")
+    assert inference["command"] == ["vllm", "serve"]
+    args = [str(a) for a in inference["args"]]
+    assert not args[0].startswith("-"), "the model comes first"
+    assert _flag(args, "--all2all-backend") == "flashinfer_nvlink_one_sided"
+    assert "--enable-expert-parallel" in args
+    env = _env(inference)
+    # The plugin acts in sidecar mode, with FlashInfer's backend (the default).
+    assert plugin_mode(env) == "sidecar"
+    assert env.get(ENV_VLLM, "1") != "0" and env.get(ENV_BACKEND, "flashinfer") == "flashinfer"
+    # One DP rank per GPU, all in this pod: the EP group is the pod's GPUs.
+    gpus = int(inference["resources"]["limits"]["nvidia.com/gpu"])
+    assert int(_flag(args, "--data-parallel-size")) == gpus == int(env[ENV_LOCAL_RANKS])
+    # The model's weights come from a read-only volume.
+    [model_mount] = [m for m in inference["volumeMounts"] if args[0].startswith(m["mountPath"])]
+    assert model_mount["readOnly"] is True
