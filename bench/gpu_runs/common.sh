@@ -1,0 +1,20 @@
+# Sourced by the GPU run scripts: installs what the GPU machine lacks (the
+# wheels of ../shared/gpu/prepare-wheels.sh, carried as .gpu/wheels) and the
+# project beside them, as ../shared/gpu/README.md's install line does, and
+# puts FlashInfer's module compiled earlier (.gpu/aot) where FlashInfer finds
+# an ahead-of-time module. Logs go to $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi NCCL_NVLS_ENABLE=0
+if [ -f .gpu/aot/mnnvl_moe_alltoall.so ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot/mnnvl_moe_alltoall
+  cp .gpu/aot/mnnvl_moe_alltoall.so /tmp/site/flashinfer/data/aot/mnnvl_moe_alltoall/
+fi
+moe_sidecar() { python3 -c 'import sys; from moe_sidecar.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi -L
+  python3 -c 'import sys, torch, flashinfer, grpc, google.protobuf as pb; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "flashinfer", flashinfer.__version__, "grpcio", grpc.__version__, "protobuf", pb.__version__)'
+  git log -1 --format='tree: %h %s' 2>/dev/null || true
+} 2>&1 | tee "$OUT/machine.txt"
