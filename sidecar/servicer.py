@@ -34,12 +34,23 @@ from moe_sidecar.wire_codec import (
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-__all__ = ["DEFAULT_PAGE_SIZE", "SERVICE_NAME", "CoordinatorServicer", "coordinator_handler"]
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "MAX_PAGE_BYTES",
+    "SERVICE_NAME",
+    "CoordinatorServicer",
+    "coordinator_handler",
+]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["WorkspaceCoordinator"]
 SERVICE_NAME: str = SERVICE.full_name
 DEFAULT_PAGE_SIZE = 100
 """Groups per ListGroups page when the request names no size."""
+MAX_PAGE_BYTES = 1 << 20
+"""A ListGroups page ends early (with a next_page_token) once it holds this
+many bytes: a group with a full growth history and 64 ranks encodes to about
+100 KB, so a page of --max-page-size such groups would pass gRPC's 4 MiB
+receive limit of every client. A page always holds at least one group."""
 
 _Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -97,10 +108,16 @@ class CoordinatorServicer:
             request, DEFAULT_PAGE_SIZE, self._max_page_size
         )
         groups, last = self._coordinator.groups_page(after, size, idle_for)
-        return pb.ListGroupsResponse(
-            groups=[summary_to_proto(summarize(g)) for g in groups],
-            next_page_token=page_token_to_proto(last),
-        )
+        page: list[pb.Group] = []
+        page_bytes = 0
+        for state in groups:
+            group = summary_to_proto(summarize(state))
+            page_bytes += group.ByteSize()
+            if page and page_bytes > MAX_PAGE_BYTES:
+                last = page[-1].name
+                break
+            page.append(group)
+        return pb.ListGroupsResponse(groups=page, next_page_token=page_token_to_proto(last))
 
     async def GetGroup(self, data: bytes, context: _Context) -> pb.Group:
         return await self._errors.unary(context, "GetGroup", self._get_group(data))
