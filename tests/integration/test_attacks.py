@@ -1173,3 +1173,22 @@ async def test_6_tls_beyond_loopback(tmp_path: Path) -> None:
                         timeout=30,
                     )
                     assert cli.returncode == status, cli.stderr
+
+
+# --- the fuzzer, smaller -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_fuzz_1500_requests_no_internal_error_and_no_refusal_changes_state(tmp_path: Path) -> None:
+    """bench/fuzz_sidecar.py with 1,500 requests (the committed run has 10,000)."""
+    from bench.fuzz_sidecar import format_report, run
+
+    report = run(1500, seed=11, directory=tmp_path)
+    text = "\n".join(format_report(report, "test_attacks.py: run(1500, seed=11)"))
+    assert report.requests >= 1500, text
+    assert report.restarts >= 1, text
+    assert not report.violations, text
+    # Every kind of request was answered, refused and accepted alike.
+    answered = {method for method, _ in report.counts}
+    assert answered == {m.name for m in _METHODS}, text
+    assert {code for _, code in report.counts} >= {"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION"}
