@@ -201,6 +201,10 @@ def _str(d: Any, key: str) -> str:
     value = str(_get(d, key, str))
     if len(value) > 4 * limits.MAX_NAME_LENGTH + 4096:
         raise RowError(f"field {key!r} holds {len(value)} characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # JSON's "\ud800": no answer could carry it
+        raise RowError(f"field {key!r} holds a lone surrogate, which is not UTF-8") from None
     return value
 
 
