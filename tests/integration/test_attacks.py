@@ -36,6 +36,7 @@ from moe_sidecar.row_codec import encode_group
 from moe_sidecar.server import RunningServer, running_server
 from moe_sidecar.store import DATABASE_FILE, StateStore
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT
+from moe_sidecar.wire_codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.integration.helpers import (
@@ -586,20 +587,20 @@ async def test_5_watch_streams_are_bounded_by_max_watchers(tmp_path: Path) -> No
     ):
         streams = [stub.Watch(pb.WatchRequest()) for _ in range(3)]
 
-        async def subscribed(n: int) -> Callable[[], Awaitable[bool]]:
+        def subscribed(n: int) -> Callable[[], Awaitable[bool]]:
             async def check() -> bool:
                 return server.coordinator.watcher_count() == n
 
             return check
 
-        await _until(await subscribed(3))
+        await _until(subscribed(3))
         error = await rpc_error(stub.Watch(pb.WatchRequest()).read())
         assert error.code() == EXHAUSTED
         assert "3 Watch streams are open; --max-watchers is 3" in details(error)
         streams[0].cancel()
-        await _until(await subscribed(2))
+        await _until(subscribed(2))
         streams.append(stub.Watch(pb.WatchRequest()))
-        await _until(await subscribed(3))
+        await _until(subscribed(3))
         for stream in streams:
             stream.cancel()
 
@@ -812,6 +813,11 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
     finally:
         stop_process(process)
     limit_mib = memory_limit / 2**20
+    print(  # shown with -s: the figures behind the limits
+        f"{max_groups} largest groups: {stored / 2**20:.1f} MiB of state (volume "
+        f"{volume_limit / 2**20:.0f} MiB); peak RSS {peak / 2**20:.0f} MiB, "
+        f"{started / 2**20:.0f} MiB at SERVING (limit {limit_mib:.0f} MiB)"
+    )
     assert peak < memory_limit, (
         f"{max_groups} groups: peak RSS {peak / 2**20:.0f} MiB (at SERVING "
         f"{started / 2**20:.0f} MiB) >= the manifest's {limit_mib:.0f} MiB"
@@ -885,15 +891,7 @@ def _small_group(name: str) -> GroupState:
     state = None
     for rnd, need in ((1, NVFP4), (2, BF16)):
         for rank in range(2):
-            requirement = Requirement(
-                Capacities(
-                    **{
-                        f.name: getattr(need.capacities, f.name)
-                        for f in need.capacities.DESCRIPTOR.fields
-                    }
-                ),
-                need.layer,
-            )
+            requirement = Requirement(capacities_from_proto(need.capacities), need.layer)
             proposal = Proposal(name, 2, rank, 2, f"{rank:064x}", rnd, requirement)
             state = policy.propose(state, proposal, 1.8e9 + rnd, 60.0).state
     assert state is not None
@@ -922,6 +920,9 @@ _BAD_ROWS: dict[str, Callable[[str], str]] = {
     "a year past 9999": _edit(lambda d: d["history"][0].__setitem__("at", 1e12)),
     "an integer beyond any double": _edit(
         lambda d: d["ranks"][1].__setitem__("last_seen", 10**400)
+    ),
+    "a lone surrogate in a label": _edit(
+        lambda d: d["ranks"][0].__setitem__("last_layer", "\ud800")
     ),
     "a negative build time": _edit(lambda d: d["ranks"][1].__setitem__("build_seconds", -5.0)),
     "JSON nested 100,000 deep": lambda text: '{"version": 2, "name": ' + _deep(100_000) + "}",
