@@ -86,10 +86,11 @@ def open_call(
     settings = struct.pack(">HI", _SETTINGS_ENABLE_PUSH, 0) + struct.pack(
         ">HI", _SETTINGS_INITIAL_WINDOW_SIZE, window
     )
+    grow = window - 65535  # the connection's window starts at 65,535 bytes
     sock.sendall(
         PREFACE
         + _frame(_SETTINGS, 0, 0, settings)
-        + _frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", window - 65535))
+        + (_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", grow)) if grow > 0 else b"")
     )
     # Acknowledge the server's settings (else it drops the connection), then
     # read nothing more.

@@ -30,6 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar import limits, policy
+from moe_sidecar.config import SidecarConfig
 from moe_sidecar.group import GroupState, Proposal, Requirement
 from moe_sidecar.plan import Capacities
 from moe_sidecar.row_codec import encode_group
@@ -454,19 +455,17 @@ async def _grow_full_history(stub: Any, group: str) -> pb.Group:
     return await _group(stub, group)
 
 
-async def test_5_list_groups_pages_stay_under_the_message_limit(tmp_path: Path) -> None:
-    """Groups whose sum passes gRPC's 4 MiB message limit are listed page by page,
-    each page under the limit whatever the page size asked, and ``moe-sidecar
-    groups`` pages through all of them."""
-    config = make_config(tmp_path, max_groups=100)
+async def _full_history_groups(config: SidecarConfig, total: int) -> tuple[int, int]:
+    """Stores groups "full/000"... of a full history each, more than ``total``
+    bytes of them: one grown by a sidecar, the rest copies of its row.
+    Returns how many, and the size of one."""
     async with (
         running_server(config) as server,
         coordinator_stub(server.addresses.listen[0]) as stub,
     ):
-        full = await _grow_full_history(stub, "full/000")
-    size = full.ByteSize()
+        size = (await _grow_full_history(stub, "full/000")).ByteSize()
     assert size > 64_000
-    count = GRPC_MAX_MESSAGE // size + 8
+    count = total // size + 8
     with contextlib.closing(sqlite3.connect(config.state_dir / DATABASE_FILE)) as db:
         (row,) = db.execute("SELECT state FROM groups WHERE name = 'full/000'").fetchone()
         clones = [
@@ -474,7 +473,15 @@ async def test_5_list_groups_pages_stay_under_the_message_limit(tmp_path: Path) 
         ]
         db.executemany("INSERT INTO groups (name, state) VALUES (?, ?)", clones)
         db.commit()
+    return count, size
 
+
+async def test_5_list_groups_pages_stay_under_the_message_limit(tmp_path: Path) -> None:
+    """Groups whose sum passes gRPC's 4 MiB message limit are listed page by page,
+    each page under the limit whatever the page size asked, and ``moe-sidecar
+    groups`` pages through all of them."""
+    config = make_config(tmp_path, max_groups=100)
+    count, _ = await _full_history_groups(config, GRPC_MAX_MESSAGE)
     async with (
         running_server(config) as server,
         coordinator_stub(server.addresses.listen[0]) as stub,
@@ -496,6 +503,55 @@ async def test_5_list_groups_pages_stay_under_the_message_limit(tmp_path: Path) 
         )
         assert cli.returncode == 0, cli.stderr
         assert len(json.loads(cli.stdout)) == count
+
+
+def _stall(address: str, method: str, request: Any) -> socket.socket:
+    """A call whose caller never reads: a window of 0 bytes, a socket never read."""
+    return open_call(address, f"{SERVICE}/{method}", request.SerializeToString(), window=0)
+
+
+async def test_5_answers_nobody_reads_are_bounded(tmp_path: Path) -> None:
+    """ListGroups calls whose callers never read (a closed HTTP/2 window) hold at
+    most MAX_PENDING_RESPONSE_BYTES of answers: beyond, reads are
+    RESOURCE_EXHAUSTED; once those callers go, reads are answered again."""
+    config = make_config(tmp_path, max_groups=100)
+    count, _ = await _full_history_groups(config, 1 << 20)  # pages of 1 MiB
+    async with (
+        running_server(config) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        path = server.addresses.listen[0].removeprefix("unix://")
+        stalled = [
+            await asyncio.to_thread(_stall, path, "ListGroups", pb.ListGroupsRequest())
+            for _ in range(30)
+        ]
+        try:
+
+            async def refused() -> bool:
+                return (
+                    _counter(server, "moe_sidecar_limit_refusals_total", resource="response_bytes")
+                    > 0
+                )
+
+            await _until(refused)
+            error = await rpc_error(stub.ListGroups(pb.ListGroupsRequest(), timeout=5))
+            assert error.code() == EXHAUSTED
+            assert "bytes of answers wait for clients that do not read them" in details(error)
+            # Proposals and commits do not wait on readers.
+            assert (await stub.Propose(_single("other/ep1"), timeout=5)).action == pb.ACTION_BUILD
+        finally:
+            for connection in stalled:
+                connection.close()
+
+        async def answered() -> bool:
+            try:
+                await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                return False
+            return True
+
+        await _until(answered)
+        assert len(await _snapshot(stub)) == count + 1
 
 
 async def test_5_metric_series_per_group_are_capped(tmp_path: Path) -> None:
@@ -551,11 +607,11 @@ async def test_5_health_port_floods_are_bounded_and_probes_still_answer(tmp_path
             except grpc.aio.AioRpcError as error:
                 return error.code(), details(error)
 
-        replies = [await first_reply(stream) for stream in streams]
-        assert [status for status, _ in replies] == (
-            [health_pb2.HealthCheckResponse.SERVING] * 4 + [EXHAUSTED] * 8
-        )
-        assert all("--max-health-rpcs" in message for _, message in replies[4:])
+        replies = [await first_reply(stream) for stream in streams]  # in any order
+        serving = [r for r in replies if r[0] == health_pb2.HealthCheckResponse.SERVING]
+        refused = [message for status, message in replies if status == EXHAUSTED]
+        assert (len(serving), len(refused)) == (4, 8), replies
+        assert all("--max-health-rpcs" in message for message in refused)
         for service in ("", "moe_workspace.v1.WorkspaceCoordinator"):
             for _ in range(3):
                 reply = await health.Check(
@@ -754,9 +810,10 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
     tmp_path: Path,
 ) -> None:
     """With the Kubernetes manifest's env, memory limit and state volume, a
-    sidecar holding --max-groups of the largest groups starts (peak RSS under
-    the limit, database under the volume's size), serves every group, and
-    refuses one more group with RESOURCE_EXHAUSTED."""
+    sidecar holding --max-groups of the largest groups starts (database under
+    the volume's size), serves every group, refuses one more group with
+    RESOURCE_EXHAUSTED, and its peak RSS stays under the memory limit, also
+    with 100 callers that ask for 1 MiB pages and never read them."""
     from tests.unit.test_k8s_manifests import _env, _quantity, _sidecar, _sidecar_config, _volumes
 
     container = _sidecar()
@@ -790,6 +847,7 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
         MOE_SIDECAR_STATE_DIR=str(state_dir),
     )
     log = tmp_path / "sidecar.log"
+    stalled: list[socket.socket] = []
     with log.open("wb") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "moe_sidecar"], cwd=ROOT, env=env, stderr=stderr
@@ -809,8 +867,22 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
             with pytest.raises(grpc.RpcError) as info:
                 stub.Propose(_single("one-more"), timeout=5)
             assert info.value.code() == EXHAUSTED
+            # And callers that ask for pages and never read them: bounded too.
+            for _ in range(100):
+                stalled.append(_stall(f"{tmp_path}/s.sock", "ListGroups", pb.ListGroupsRequest()))
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
+                except grpc.RpcError as error:
+                    if error.code() == EXHAUSTED:
+                        break
+                assert time.monotonic() < deadline, "answers nobody reads were not bounded"
+                time.sleep(0.05)  # the poll interval of a wait with a deadline
         peak = _vm_peak_bytes(process.pid)
     finally:
+        for connection in stalled:
+            connection.close()
         stop_process(process)
     limit_mib = memory_limit / 2**20
     print(  # shown with -s: the figures behind the limits
