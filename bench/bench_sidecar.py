@@ -192,6 +192,9 @@ def start_sidecar(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             "0",
             "--round-timeout",
             "60",
+            # The memory figure fills 1,000 groups, beyond the default --max-groups.
+            "--max-groups",
+            "1000",
         ],
         cwd=ROOT,
         env=env,

@@ -22,9 +22,11 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "MAX_NUM_EXPERTS",
     "MAX_ROUND",
+    "MAX_TIME",
     "MAX_TOKENS",
     "MAX_TOP_K",
     "MAX_WORKSPACE_BYTES",
+    "MIN_TIME",
     "check_capacities",
     "check_count",
     "check_name",
@@ -49,6 +51,10 @@ MAX_ROUND: Final = (1 << 31) - 1
 MAX_NAME_LENGTH: Final = 256
 """Longest group name, layer label or lifetime token."""
 MAX_BUILD_SECONDS: Final = 86400.0
+MIN_TIME: Final = -62135596800.0
+MAX_TIME: Final = 253402300799.0
+"""Seconds since the epoch that a protobuf Timestamp holds (years 1 to 9999):
+every stored time must be one, or no answer that shows it can be encoded."""
 
 
 def check_count(field: str, value: int, low: int, high: int, why: str = "") -> None:

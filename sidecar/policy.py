@@ -437,6 +437,13 @@ def _admit_known(state: GroupState, p: Proposal, record: RankRecord) -> _Admitte
                 f"rank {p.ep_rank} of group {p.group!r} retries round {p.round}, which "
                 f"closed long ago (latest closed round: {state.last_closed_round})"
             )
+        if isinstance(outcome, Decision) and not outcome.plan.covers(p.requirement.capacities):
+            # A retry proposes what it proposed, which its round's decision covers.
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
+                f"{p.requirement} after the round was decided with {outcome.plan}, which does "
+                "not serve it; a retry must propose what the rank proposed"
+            )
         return Step(state, reply=outcome)
     if p.round > state.last_closed_round + 1:
         raise PreconditionFailed(

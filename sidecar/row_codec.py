@@ -223,10 +223,24 @@ def _int(d: Any, key: str, low: int = 0, high: int = limits.MAX_GENERATION) -> i
     return value
 
 
-def _float(d: Any, key: str) -> float:
-    value = float(_get(d, key, (int, float)))
-    if value != value or value in (float("inf"), float("-inf")):
-        raise RowError(f"field {key!r} holds {value}")
+def _float(d: Any, key: str, low: float, high: float) -> float:
+    raw = _get(d, key, (int, float))
+    try:
+        value = float(raw)
+    except OverflowError:  # an integer beyond any double
+        raise RowError(f"field {key!r} holds an integer of {len(str(raw))} digits") from None
+    if not low <= value <= high:  # also refuses NaN
+        raise RowError(f"field {key!r} holds {value}, outside [{low:g}, {high:g}]")
+    return value
+
+
+def _time(d: Any, key: str) -> float:
+    return _float(d, key, limits.MIN_TIME, limits.MAX_TIME)
+
+
+def _build_seconds(d: Any, key: str) -> float:
+    value = _float(d, key, 0.0, limits.MAX_BUILD_SECONDS)
+    _checked(limits.check_seconds, key, value)
     return value
 
 
@@ -234,11 +248,23 @@ def _str(d: Any, key: str) -> str:
     value = str(_get(d, key, str))
     if len(value) > 4 * limits.MAX_NAME_LENGTH + 4096:
         raise RowError(f"field {key!r} holds {len(value)} characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # JSON's "\ud800": no answer could carry it
+        raise RowError(f"field {key!r} holds a lone surrogate, which is not UTF-8") from None
     return value
 
 
 def _list(d: Any, key: str) -> list[Any]:
     return list(_get(d, key, list))
+
+
+def _rank_numbers(d: Any, key: str, ep_size: int) -> list[int]:
+    ranks = _list(d, key)
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep_size:
+            raise RowError(f"field {key!r} holds {rank!r}, not a rank below ep_size={ep_size}")
+    return ranks
 
 
 def _checked(check: Any, *args: Any) -> None:
@@ -298,7 +324,7 @@ def _decode_outcome(d: Any, ep_size: int) -> Outcome:
             round=_int(d, "round", 1, limits.MAX_ROUND),
             code=ErrorCode(_str(d, "code")),
             message=_str(d, "message"),
-            missing_ranks=tuple(int(r) for r in _list(d, "missing_ranks")),
+            missing_ranks=tuple(_rank_numbers(d, "missing_ranks", ep_size)),
         )
     raise RowError(f"unknown outcome kind {kind!r}")
 
@@ -326,9 +352,9 @@ def _decode_rank(r: Any) -> RankRecord:
         lifetime_index=_int(r, "lifetime_index"),
         last_round=_int(r, "last_round", 0, limits.MAX_ROUND),
         last_layer=_str(r, "last_layer"),
-        last_seen=_float(r, "last_seen"),
+        last_seen=_time(r, "last_seen"),
         committed_generation=_int(r, "committed_generation"),
-        build_seconds=_float(r, "build_seconds"),
+        build_seconds=_build_seconds(r, "build_seconds"),
         # Rows written before sessions have no "left".
         left=_str(r, "left") if isinstance(r, dict) and "left" in r else "",
     )
@@ -341,8 +367,8 @@ def _decode_round(d: Any, key: str, ep_size: int) -> OpenRound | None:
     need = _get(rnd, "need", (dict, type(None)))
     return OpenRound(
         number=_int(rnd, "number", 1, limits.MAX_ROUND),
-        opened_at=_float(rnd, "opened_at"),
-        deadline=_float(rnd, "deadline"),
+        opened_at=_time(rnd, "opened_at"),
+        deadline=_time(rnd, "deadline"),
         proposals=tuple(_decode_proposal(p, ep_size) for p in _list(rnd, "proposals")),
         need=None if need is None else _decode_capacities(need, ep_size, f"{key}.need"),
     )
@@ -354,7 +380,7 @@ def _decode_growth(g: Any, ep_size: int, *, with_node: bool) -> Growth:
         layer=_str(g, "layer"),
         ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
         round=_int(g, "round", 0, limits.MAX_ROUND),
-        at=_float(g, "at"),
+        at=_time(g, "at"),
         node=_str(g, "node") if with_node else "",
     )
 
@@ -448,7 +474,7 @@ def _decode_v1(d: Any) -> GroupState:
                 layer=_str(g, "layer"),
                 ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
                 round=_int(g, "round", 0, limits.MAX_ROUND),
-                at=_float(g, "at"),
+                at=_time(g, "at"),
             )
         )
     return GroupState(
@@ -489,7 +515,7 @@ def decode_group(text: str) -> GroupState:
         raise RowError(f"row version {version!r}; this release reads versions {sorted(_DECODERS)}")
     try:
         return decoder(document)
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, OverflowError) as error:
         raise RowError(f"malformed: {error!r}") from None
     except ValueError as error:
         if isinstance(error, RowError):
@@ -526,7 +552,7 @@ def _typed_growth(g: Any) -> Growth:
         layer=_str(g, "layer"),
         ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
         round=_int(g, "round", 0, limits.MAX_ROUND),
-        at=_float(g, "at"),
+        at=_time(g, "at"),
         node=_str(g, "node"),
     )
 

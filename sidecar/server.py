@@ -25,10 +25,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from moe_sidecar.config import LIMIT_FIELDS, ListenAddress, SidecarConfig, SqliteStore
 from moe_sidecar.etcd_client import EtcdClient
@@ -283,20 +284,90 @@ async def _start_coordinator_server(
     return server, bound
 
 
+class _StreamSlots:
+    """The long-lived streams of the health port (Health.Watch, reflection):
+    at most ``limit`` at once, so that a flood of them leaves the rest of the
+    port's RPC limit to kubelet's probes (Health.Check)."""
+
+    def __init__(self, limit: int, metrics: SidecarMetrics) -> None:
+        self.limit = limit
+        self.open = 0
+        self._metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        if self.open >= self.limit:
+            self._metrics.refused("health_streams")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.open} streams are open on the health port; at most {self.limit} (half "
+                "of --max-health-rpcs, the rest is kept for Health.Check probes)",
+            )
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
+class _HealthPortHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """The shared health statuses, with Watch streams counted in ``slots``."""
+
+    def __init__(self, shared: HealthServicer, slots: _StreamSlots) -> None:
+        self._shared = shared
+        self._slots = slots
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthCheckResponse:
+        return await self._shared.Check(request, context)
+
+    async def List(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        return await self._shared.List(request, context)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        async with self._slots.slot(context):
+            await self._shared.Watch(request, context)
+
+
+class _HealthPortReflection(reflection.aio.ReflectionServicer):  # type: ignore[misc]
+    """Reflection of the health port, its streams counted in ``slots``."""
+
+    def __init__(self, names: tuple[str, ...], slots: _StreamSlots) -> None:
+        super().__init__(names)
+        self._slots = slots
+
+    async def ServerReflectionInfo(
+        self,
+        request_iterator: AsyncIterator[reflection_pb2.ServerReflectionRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
+        async with self._slots.slot(context):
+            async for response in super().ServerReflectionInfo(request_iterator, context):
+                yield response
+
+
 async def _start_health_server(
-    port: int, health_servicer: HealthServicer, max_rpcs: int
+    port: int, health_servicer: HealthServicer, max_rpcs: int, metrics: SidecarMetrics
 ) -> tuple[grpc.aio.Server, int]:
     """The plain-TCP health port for kubelet probes: Health and reflection only,
-    at most ``max_rpcs`` calls (probes, Health.Watch streams) at once.
+    at most ``max_rpcs`` calls at once, of which at most half long-lived
+    streams (Health.Watch, reflection), so probes are answered under a flood
+    of streams.
 
     Raises:
         StartupError: the port cannot be bound.
     """
     server = grpc.aio.server(options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_rpcs)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    slots = _StreamSlots(max(1, max_rpcs // 2), metrics)
+    health_pb2_grpc.add_HealthServicer_to_server(_HealthPortHealth(health_servicer, slots), server)
     # grpcurl (and anything else without the .proto) finds Health/Check
     # through reflection; only the health service is listed here.
-    reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        _HealthPortReflection((health.SERVICE_NAME, reflection.SERVICE_NAME), slots), server
+    )
     address = ListenAddress(target=f"{HEALTH_HOST}:{port}", host=HEALTH_HOST, port=port)
     bound = int(_bind(server, address).rpartition(":")[2])
     await server.start()
@@ -392,7 +463,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         health_port: int | None = None
         if config.health_port is not None:
             health_server, health_port = await _start_health_server(
-                config.health_port, health_servicer, config.max_health_rpcs
+                config.health_port, health_servicer, config.max_health_rpcs, metrics
             )
             started.append(health_server)
         if config.metrics_port is not None:

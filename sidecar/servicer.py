@@ -13,15 +13,18 @@ logged, instead of grpc's own UNKNOWN before any code of ours runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import Message
 
-from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.errors import InvalidArgument, ResourceExhausted
 from moe_sidecar.group import summarize
 from moe_sidecar.identity import lifetime_id
+from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.wire_codec import (
@@ -39,14 +42,77 @@ from moe_sidecar.wire_codec import (
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
 
-__all__ = ["DEFAULT_PAGE_SIZE", "SERVICE_NAME", "CoordinatorServicer", "coordinator_handler"]
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "MAX_PAGE_BYTES",
+    "MAX_PENDING_RESPONSE_BYTES",
+    "SERVICE_NAME",
+    "CoordinatorServicer",
+    "coordinator_handler",
+]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["WorkspaceCoordinator"]
 SERVICE_NAME: str = SERVICE.full_name
 DEFAULT_PAGE_SIZE = 100
 """Groups per ListGroups page when the request names no size."""
+MAX_PAGE_BYTES = 1 << 20
+"""A ListGroups page ends early (with a next_page_token) once it holds this
+many bytes: a group with a full growth history and 64 ranks encodes to about
+100 KB, so a page of --max-page-size such groups would pass gRPC's 4 MiB
+receive limit of every client. A page always holds at least one group."""
+
+MAX_PENDING_RESPONSE_BYTES = 16 << 20
+"""Bytes of ListGroups, GetGroup and ResetGroup answers that may wait for
+their readers at once. A client that asks and never reads (a closed HTTP/2
+window) leaves its answer in the sidecar's memory, about three times its
+size, until it goes: 50 such ListGroups calls of 1 MiB pages took 162 MiB.
+Beyond this, such calls are RESOURCE_EXHAUSTED until readers catch up."""
 
 _Context = grpc.aio.ServicerContext[Any, Any]
+_Response = TypeVar("_Response", bound=Message)
+
+
+class _PendingResponses:
+    """The bytes of answers not yet delivered, released as each call ends."""
+
+    def __init__(self, limit: int, metrics: SidecarMetrics) -> None:
+        self.limit = limit
+        self.held = 0
+        self._metrics = metrics
+
+    def check(self, size: int = 0) -> None:
+        """Refuses an answer when others wait already and it would pass the limit
+        (with ``size`` 0: when the limit is reached, before making the answer).
+
+        Raises:
+            ResourceExhausted: naming the bytes waiting and the limit.
+        """
+        if self.held and self.held + max(size, 1) > self.limit:
+            self._metrics.refused("response_bytes")
+            raise ResourceExhausted(
+                f"{self.held} bytes of answers wait for clients that do not read them; at "
+                f"most {self.limit} may: retry once they are read"
+            )
+
+    def admit(self, context: _Context, response: _Response, *, refuse: bool = True) -> _Response:
+        """Counts ``response`` until its call ends.
+
+        Raises:
+            ResourceExhausted: (unless ``refuse`` is False, for an answer to a
+                call that already changed state) answers of others wait
+                already, and this one would take them past the limit.
+        """
+        size = response.ByteSize()
+        if refuse:
+            self.check(size)
+        self.held += size
+        # (grpc-stubs type the callback as a class of their own; any callable does.)
+        release: Any = functools.partial(self._release, size)
+        context.add_done_callback(release)
+        return response
+
+    def _release(self, size: int, _context: object) -> None:
+        self.held -= size
 
 
 class CoordinatorServicer:
@@ -59,11 +125,17 @@ class CoordinatorServicer:
     """
 
     def __init__(
-        self, coordinator: Coordinator, errors: ErrorTranslator, *, max_page_size: int = 500
+        self,
+        coordinator: Coordinator,
+        errors: ErrorTranslator,
+        *,
+        max_page_size: int = 500,
+        max_pending_response_bytes: int = MAX_PENDING_RESPONSE_BYTES,
     ) -> None:
         self._coordinator = coordinator
         self._errors = errors
         self._max_page_size = max_page_size
+        self._pending = _PendingResponses(max_pending_response_bytes, coordinator.metrics)
 
     async def Propose(self, data: bytes, context: _Context) -> pb.ProposeResponse:
         return await self._errors.unary(context, "Propose", self._propose(data))
@@ -150,32 +222,44 @@ class CoordinatorServicer:
             self._coordinator.unwatch(subscription)
 
     async def ListGroups(self, data: bytes, context: _Context) -> pb.ListGroupsResponse:
-        return await self._errors.unary(context, "ListGroups", self._list_groups(data))
+        return await self._errors.unary(context, "ListGroups", self._list_groups(data, context))
 
-    async def _list_groups(self, data: bytes) -> pb.ListGroupsResponse:
+    async def _list_groups(self, data: bytes, context: _Context) -> pb.ListGroupsResponse:
         request = decode_request(pb.ListGroupsRequest, data)
+        self._pending.check()
         size, after, idle_for = page_token_from_proto(
             request, DEFAULT_PAGE_SIZE, self._max_page_size
         )
         groups, last = self._coordinator.groups_page(after, size, idle_for)
-        return pb.ListGroupsResponse(
-            groups=[summary_to_proto(summarize(g)) for g in groups],
-            next_page_token=page_token_to_proto(last),
-        )
+        page: list[pb.Group] = []
+        page_bytes = 0
+        for state in groups:
+            group = summary_to_proto(summarize(state))
+            page_bytes += group.ByteSize()
+            if page and page_bytes > MAX_PAGE_BYTES:
+                last = page[-1].name
+                break
+            page.append(group)
+        response = pb.ListGroupsResponse(groups=page, next_page_token=page_token_to_proto(last))
+        return self._pending.admit(context, response)
 
     async def GetGroup(self, data: bytes, context: _Context) -> pb.Group:
-        return await self._errors.unary(context, "GetGroup", self._get_group(data))
+        return await self._errors.unary(context, "GetGroup", self._get_group(data, context))
 
-    async def _get_group(self, data: bytes) -> pb.Group:
+    async def _get_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.GetGroupRequest, data)
-        return summary_to_proto(summarize(self._coordinator.group(request.group)))
+        self._pending.check()
+        group = summary_to_proto(summarize(self._coordinator.group(request.group)))
+        return self._pending.admit(context, group)
 
     async def ResetGroup(self, data: bytes, context: _Context) -> pb.Group:
-        return await self._errors.unary(context, "ResetGroup", self._reset_group(data))
+        return await self._errors.unary(context, "ResetGroup", self._reset_group(data, context))
 
-    async def _reset_group(self, data: bytes) -> pb.Group:
+    async def _reset_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.ResetGroupRequest, data)
-        return summary_to_proto(summarize(self._coordinator.reset(request.group)))
+        self._pending.check()  # before the reset: a refusal changes nothing
+        group = summary_to_proto(summarize(self._coordinator.reset(request.group)))
+        return self._pending.admit(context, group, refuse=False)
 
     async def RemoveGroup(self, data: bytes, context: _Context) -> pb.RemoveGroupResponse:
         return await self._errors.unary(context, "RemoveGroup", self._remove_group(data))

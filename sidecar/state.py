@@ -113,7 +113,7 @@ class Coordinator:
         metrics: SidecarMetrics | None = None,
         clock: Clock = time.time,
         watch_queue_limit: int = WATCH_QUEUE_LIMIT,
-        max_groups: int = 1024,
+        max_groups: int = 128,
         max_watchers: int = 64,
         replica: Replica | None = None,
         node: str = "",

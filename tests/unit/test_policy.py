@@ -307,6 +307,14 @@ def test_retry_while_round_open_keeps_waiting() -> None:
         policy.propose(again.state, prop(0, 1, BF16), 1.0, TIMEOUT)
 
 
+def test_a_retry_of_a_closed_round_needing_more_than_its_decision_is_refused() -> None:
+    # Found by bench/fuzz_sidecar.py: it was answered with the round's decision,
+    # a plan that does not serve what the "retry" proposed.
+    state, _ = run_sequence([NVFP4])
+    with pytest.raises(PreconditionFailed, match=r"re-proposed round 1 .* does not serve it"):
+        policy.propose(state, prop(0, 1, BF16), 1.0, TIMEOUT)
+
+
 def test_round_past_deadline_names_missing_ranks_and_their_last_layer() -> None:
     state, _ = run_sequence([NVFP4])
     waiting = policy.propose(state, prop(0, 2, BF16), 10.0, TIMEOUT)
