@@ -601,7 +601,6 @@ async def test_5_health_port_floods_are_bounded_and_probes_still_answer(tmp_path
         grpc.aio.insecure_channel(f"127.0.0.1:{server.addresses.health_port}") as channel,
     ):
         health = health_pb2_grpc.HealthStub(channel)
-        streams = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(12)]
 
         async def first_reply(stream: Any) -> tuple[Any, str]:
             try:
@@ -609,7 +608,13 @@ async def test_5_health_port_floods_are_bounded_and_probes_still_answer(tmp_path
             except grpc.aio.AioRpcError as error:
                 return error.code(), details(error)
 
-        replies = [await first_reply(stream) for stream in streams]  # in any order
+        # One after another: opened all at once, the refused ones may still be
+        # in flight when the next arrive, and gRPC's own limit of 8 calls
+        # refuses those before our code sees them (without our message).
+        streams, replies = [], []
+        for _ in range(12):
+            streams.append(health.Watch(health_pb2.HealthCheckRequest(service="")))
+            replies.append(await first_reply(streams[-1]))
         serving = [r for r in replies if r[0] == health_pb2.HealthCheckResponse.SERVING]
         refused = [message for status, message in replies if status == EXHAUSTED]
         assert (len(serving), len(refused)) == (4, 8), replies
