@@ -916,9 +916,13 @@ def reuse_checks(ranks: Sequence[dict[str, Any]], rounds: int) -> list[Check]:
 
 
 def exit_status(checks: Sequence[Check], skipped: Sequence[str]) -> int:
-    if not checks or not all(c.ok for c in checks):
+    """1 when a check failed; else 3 when the budget cut sections short; else 0
+    (1 too when nothing at all was checked)."""
+    if not all(c.ok for c in checks):
         return EXIT_FAILED
-    return EXIT_BUDGET if skipped else 0
+    if skipped:
+        return EXIT_BUDGET
+    return 0 if checks else EXIT_FAILED
 
 
 # --- parent side ---------------------------------------------------------------------------
@@ -1250,6 +1254,8 @@ def _stats(samples: Sequence[float]) -> dict[str, float]:
 def section_reuse(run: Run) -> dict[str, Any]:
     s1 = run.sections.get("1") or {}
     first = s1.get("first_lifetime")
+    if "skipped" in s1:
+        raise BudgetExhausted("it measures in section 1's rank processes, which did not run")
     if not first:
         raise RuntimeError(
             "section 3 measures in section 1's first rank processes, which did not finish"
