@@ -220,6 +220,8 @@ def _start_rank(rank: int, cfg: RankConfig) -> tuple[dict[str, float], dict[str,
         stream=sys.stderr,
         force=True,
     )
+    # N ranks share the host's cores (the exact checks' CPU side is heavy at 8192 tokens).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ep))
     if cfg.backend != "flashinfer":
         t["cuda_ready"] = t["flashinfer_imported"] = t["module_ready"] = time.time()
         return t, None
@@ -248,6 +250,9 @@ def _formats(cfg: RankConfig) -> dict[str, object]:
     the GPU (as vLLM 0.33 passes it), its name with the reference backend."""
     if cfg.backend != "flashinfer":
         return {name: name for name in FORMATS}
+    # Imported here, before any memory mark: moe_ep is what get_communication()
+    # and vLLM 0.33's sequence build on.
+    importlib.import_module("flashinfer.moe_ep")
     quant_format = importlib.import_module("flashinfer.fused_moe").QuantFormat
     return {name: quant_format[name] for name in FORMATS}
 
@@ -553,7 +558,7 @@ def memory_rank(rank: int, world_size: int, cfg: RankConfig, side: str) -> dict[
     from moe_sidecar.client import WorkspaceManager
 
     _start_rank(rank, cfg)
-    formats = _formats(cfg)
+    formats = _formats(cfg)  # FlashInfer's moe_ep imported before the mark
     memory = _Memory(cfg)
     steps: list[dict[str, Any]] = []
     manager: Any
