@@ -1463,6 +1463,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out is None:
         parser.error("--out DIR (or $OUT) is required")
+    if args.backend == "flashinfer" and torch.cuda.device_count() == 0:
+        parser.error("no CUDA GPU visible (the CPU smoke run is --backend reference)")
     if args.ep is None:
         args.ep = torch.cuda.device_count() if args.backend == "flashinfer" else 2
     if args.ep < 1 or NUM_EXPERTS % args.ep:
