@@ -31,6 +31,7 @@ repository root (README, "GPU tests" has the install line)::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -74,45 +75,67 @@ def _exact_bf16_step(communication: Any, rank: int, world_size: int, tokens: int
     )
 
 
-def _vllm_rank(rank: int, world_size: int, tokens: int) -> dict[str, Any]:
-    """vLLM 0.33's FlashInferNVLinkOneSidedManager.initialize, twice, with FlashInfer's API."""
-    from dataclasses import replace
+class Vllm033Manager:
+    """vLLM 0.33's ``FlashInferNVLinkOneSidedManager`` (``all2all.py``), its
+    ``initialize()`` line for line (quoted where mirrored; vLLM itself cannot
+    travel to the GPU machine), over FlashInfer's ``flashinfer.moe_ep``.
 
-    import torch
-    import torch.distributed as dist
-    from flashinfer.fused_moe import QuantFormat
-    from flashinfer.moe_ep import (
-        BootstrapConfig,
-        MoEEpCommParams,
-        NVLinkOneSidedAlltoAll,
-        NVLinkOneSidedConfig,
-        create_communication,
-    )
+    ``moe_ep``: the module whose ``BootstrapConfig``, ``MoEEpCommParams``,
+    ``NVLinkOneSidedAlltoAll``, ``NVLinkOneSidedConfig`` and
+    ``create_communication`` it calls (default: FlashInfer's, imported on
+    first use); a CPU run may pass a stand-in with the same names.
+    ``initialize()`` returns True when it made a new communication object
+    (vLLM's returns None), False on vLLM's early return.
+    """
 
-    from moe_sidecar.client.backends.communicator import GroupCommunicator
+    def __init__(self, cpu_group: Any, moe_ep: Any = None) -> None:
+        import torch.distributed as dist
 
-    workers.warm_up_cuda(rank)
-    cpu_group = world()
-    unit = workers.granularity()
-    start = workers.memory_mark()
-    communication: Any = None
-    steps = []
-    # vLLM's names for initialize()'s arguments, so the mirrored lines read as vLLM's.
-    max_num_tokens, hidden_size = tokens, HIDDEN
-    for label, fmt in LAYERS:
-        dispatch_format = QuantFormat[fmt]
-        extra_payload_bytes_per_token = 0
+        self.cpu_group = cpu_group
+        self.world_size = dist.get_world_size(cpu_group)
+        self.rank = dist.get_rank(cpu_group)
+        self._moe_ep = moe_ep
+        self.initialized = False
+        self.communication: Any = None
+        self.top_k = 0
+        self.num_experts = 0
+
+    def initialize(
+        self,
+        max_num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        hidden_size: int,
+        dispatch_format: Any = None,
+        extra_payload_bytes_per_token: int = 0,
+    ) -> bool:
+        from dataclasses import replace
+
+        import torch
+        import torch.distributed as dist
+
+        from moe_sidecar.client.backends.communicator import GroupCommunicator
+
+        # vLLM: from flashinfer.moe_ep import BootstrapConfig, MoEEpCommParams,
+        #     NVLinkOneSidedAlltoAll, NVLinkOneSidedConfig, create_communication
+        moe_ep = self._moe_ep or importlib.import_module("flashinfer.moe_ep")
+        if self.initialized:
+            assert top_k == self.top_k, "heterogeneous top_k"
+            assert num_experts == self.num_experts, "heterogeneous num_experts"
+        if extra_payload_bytes_per_token < 0:
+            raise ValueError("extra_payload_bytes_per_token must be non-negative")
         # params = MoEEpCommParams(num_experts=num_experts, top_k=top_k,
         #     max_tokens_per_rank=max_num_tokens, hidden_size=hidden_size,
         #     dtype=torch.bfloat16, dispatch_format=dispatch_format)
-        params = MoEEpCommParams(
-            num_experts=NUM_EXPERTS,
-            top_k=TOP_K,
+        params = moe_ep.MoEEpCommParams(
+            num_experts=num_experts,
+            top_k=top_k,
             max_tokens_per_rank=max_num_tokens,
             hidden_size=hidden_size,
             dtype=torch.bfloat16,
             dispatch_format=dispatch_format,
         )
+        communication = self.communication
         if communication is not None:
             # previous_max = communication.params.max_tokens_per_rank
             # previous_extra = communication.config.extra_payload_bytes_per_token
@@ -129,7 +152,7 @@ def _vllm_rank(rank: int, world_size: int, tokens: int) -> dict[str, Any]:
                 and hidden_size <= communication.params.hidden_size
                 and dispatch_bytes <= previous_bytes
             ):
-                raise AssertionError("the bf16 layer must grow the NVFP4 workspace")
+                return False
             # if hidden_size < communication.params.hidden_size or (hidden_size ==
             #         communication.params.hidden_size and dispatch_bytes < previous_bytes):
             #     params = communication.params
@@ -146,42 +169,83 @@ def _vllm_rank(rank: int, world_size: int, tokens: int) -> dict[str, Any]:
             )
         # bootstrap = BootstrapConfig(world_size=self.world_size, rank=self.rank,
         #     device=torch.accelerator.current_device_index(), process_group=self.cpu_group)
-        bootstrap = BootstrapConfig(
-            world_size=world_size,
-            rank=rank,
-            device=torch.cuda.current_device(),
-            process_group=cpu_group,
+        bootstrap = moe_ep.BootstrapConfig(
+            world_size=self.world_size,
+            rank=self.rank,
+            device=torch.cuda.current_device() if torch.cuda.is_available() else None,
+            process_group=self.cpu_group,
         )
         # config = NVLinkOneSidedConfig(extra_payload_bytes_per_token=extra_payload_bytes_per_token,
         #     use_low_precision_combine=envs.VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE,
         #     comm_backend=CustomCommunicator(self.cpu_group))
         # (vLLM's CustomCommunicator, vllm/distributed/device_communicators/mnnvl_compat.py,
         # is the same mpi4py-like surface over the gloo group as GroupCommunicator.)
-        config = NVLinkOneSidedConfig(
+        config = moe_ep.NVLinkOneSidedConfig(
             extra_payload_bytes_per_token=extra_payload_bytes_per_token,
             use_low_precision_combine=False,
-            comm_backend=GroupCommunicator(cpu_group),
+            comm_backend=GroupCommunicator(self.cpu_group),
         )
         if communication is not None:
             # torch.accelerator.synchronize(); dist.barrier(group=self.cpu_group)
             # self.cleanup()   # -> self.communication.destroy(); self.communication = None
             # dist.barrier(group=self.cpu_group)
-            torch.cuda.synchronize()
-            dist.barrier(group=cpu_group)
-            communication.destroy()
-            communication = None
-            dist.barrier(group=cpu_group)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dist.barrier(group=self.cpu_group)
+            self.cleanup()
+            dist.barrier(group=self.cpu_group)
         # torch.accelerator.empty_cache()
         # with torch.device("cpu"):
         #     replacement = create_communication(bootstrap, params, backend=config)
         # assert isinstance(replacement, NVLinkOneSidedAlltoAll)
         torch.cuda.empty_cache()
         with torch.device("cpu"):
-            replacement = create_communication(bootstrap, params, backend=config)
-        assert isinstance(replacement, NVLinkOneSidedAlltoAll)
-        communication = replacement
+            replacement = moe_ep.create_communication(bootstrap, params, backend=config)
+        assert isinstance(replacement, moe_ep.NVLinkOneSidedAlltoAll)
+        self.communication = replacement
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.initialized = True
         # dist.barrier(group=self.cpu_group)
-        dist.barrier(group=cpu_group)
+        dist.barrier(group=self.cpu_group)
+        return True
+
+    def get_communication(self) -> Any:
+        assert self.communication is not None, "One-sided communication not initialized"
+        return self.communication
+
+    def cleanup(self) -> None:
+        # if self.communication is not None:
+        #     self.communication.destroy(); self.communication = None
+        # self.initialized = False
+        if self.communication is not None:
+            self.communication.destroy()
+            self.communication = None
+        self.initialized = False
+
+
+def _vllm_rank(rank: int, world_size: int, tokens: int) -> dict[str, Any]:
+    """vLLM 0.33's FlashInferNVLinkOneSidedManager.initialize, twice, with FlashInfer's API."""
+    import torch.distributed as dist
+    from flashinfer.fused_moe import QuantFormat
+
+    workers.warm_up_cuda(rank)
+    unit = workers.granularity()
+    start = workers.memory_mark()
+    manager = Vllm033Manager(world())
+    steps = []
+    for label, fmt in LAYERS:
+        # The first layer creates; the second must grow (vLLM would return early otherwise).
+        if not manager.initialize(
+            tokens,
+            TOP_K,
+            NUM_EXPERTS,
+            HIDDEN,
+            dispatch_format=QuantFormat[fmt],
+            extra_payload_bytes_per_token=0,
+        ):
+            raise AssertionError("the bf16 layer must grow the NVFP4 workspace")
+        communication = manager.get_communication()
         steps.append(
             {
                 "layer": label,
@@ -190,7 +254,7 @@ def _vllm_rank(rank: int, world_size: int, tokens: int) -> dict[str, Any]:
                 "cache_entries": len(_cache()),
             }
         )
-    exact = _exact_bf16_step(communication, rank, world_size, tokens)
+    exact = _exact_bf16_step(manager.get_communication(), rank, world_size, tokens)
     dist.barrier()
     return {"steps": steps, "granularity": unit, "exact_bf16_after_growth": exact}
 
