@@ -1357,7 +1357,7 @@ def section_cold(run: Run, sidecar: Sidecar) -> dict[str, Any]:
         print(
             f"   {name}: spawn -> ready {summary['spawn_to_ready_s']:.2f} s (process start -> ready "
             f"{summary['process_start_to_ready_s']:.2f} s); {summary['actions']}; module "
-            f"{summary['module_source']} {summary['module_compiled']}\n     rank 0: "
+            f"{summary['module_source']}, compiled by a rank: {summary['module_compiled']}\n     rank 0: "
             + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in r0.items())
         )
         if a.backend == "flashinfer":
