@@ -153,3 +153,29 @@ def test_simulate_flags() -> None:
     assert "unknown --model 'gpt-5'; presets: deepseek-v3, qwen3-30b-a3b" in unknown.stderr
     too_many = simulate("--ranks", "65")
     assert too_many.returncode == 2 and "--ranks 65: must be in [1, 64]" in too_many.stderr
+
+
+def test_simulate_one_rank_counts_in_the_singular(sidecar: Sidecar) -> None:
+    # One rank against a sidecar: its only collective is the post-build barrier.
+    run = subprocess.run(
+        [
+            *_command(),
+            "simulate",
+            "--ranks",
+            "1",
+            "--model",
+            "qwen3-30b-a3b",
+            "--max-tokens",
+            "8",
+            "--no-check",
+            "--target",
+            sidecar.target,
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "generation 1; 49 RPCs, 1 collective\n" in run.stdout, run.stdout
+    assert "collectives" not in run.stdout

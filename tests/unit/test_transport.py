@@ -165,6 +165,20 @@ def test_transport_for_picks_by_target(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(grpc_transport, GrpcTransport) and grpc_transport.propose_timeout == 90.0
 
 
+@pytest.mark.parametrize("bad", ["localhost", "tcp://1.2.3.4:5", "unix://relative.sock"])
+def test_a_bad_target_in_the_environment_is_invalid_argument_naming_it(
+    monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    monkeypatch.setenv("MOE_SIDECAR_TARGET", bad)
+    with pytest.raises(InvalidArgument) as caught:
+        transport_for(None)
+    assert str(caught.value).startswith(f"MOE_SIDECAR_TARGET={bad!r}: ")
+    assert caught.value.field == "MOE_SIDECAR_TARGET"
+    assert caught.value.__cause__ is None  # one line: no ConfigError chained
+    with pytest.raises(InvalidArgument, match=rf"^target={bad!r}: "):
+        transport_for(bad)
+
+
 def test_embedded_transport_decides_like_the_core() -> None:
     transport = EmbeddedTransport()
     first = transport.propose(proposal("e"))
