@@ -129,8 +129,8 @@ def sidecars() -> Iterator[list[SidecarProcess]]:
 class Rank:
     """One rank: a GrpcTransport with its own lifetime; calls run on a thread."""
 
-    def __init__(self, target: str, group: str, rank: int, ranks: int, **kw: float) -> None:
-        self.transport = GrpcTransport(target, propose_timeout=60.0, **kw)
+    def __init__(self, target: str, group: str, rank: int, ranks: int) -> None:
+        self.transport = GrpcTransport(target, propose_timeout=60.0)
         self.group, self.rank, self.ranks = group, rank, ranks
         self.lifetime = new_lifetime_secret()
         self._pool = concurrent.futures.ThreadPoolExecutor(1)

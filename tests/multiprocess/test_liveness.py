@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,7 @@ def _first_round(ranks: RankProcesses) -> None:
     assert {d["action"] for d in decided.values()} == {"build"}
 
 
-def _assert_names_the_killed_rank(failure: dict, rnd: int) -> None:
+def _assert_names_the_killed_rank(failure: dict[str, Any], rnd: int) -> None:
     assert failure["type"] == "RoundAborted", failure
     assert failure["grpc_code"] == "ABORTED", failure
     assert failure["round"] == rnd
