@@ -336,7 +336,8 @@ def _rank_process(rank: int, ranks: int, commands: Any, results: Any) -> None:
     """One rank: runs ``count`` REUSE rounds per ``(mode, target, group, count)``
     command through a synchronous GrpcTransport (Session streams, or unary
     calls for ``"unary"``), one transport per mode for the process's life.
-    Puts ``(rank, [(sent, answered), ...])`` (CLOCK_MONOTONIC) per command."""
+    Puts ``(rank, [(sent, answered), ...], cpu_seconds)`` (CLOCK_MONOTONIC; the
+    process's CPU time over the command, every thread) per command."""
     try:
         from moe_sidecar.client.transport import GrpcTransport
 
@@ -355,6 +356,7 @@ def _rank_process(rank: int, ranks: int, commands: Any, results: Any) -> None:
                 rounds[mode] = 0
             transport = transports[mode]
             times = []
+            cpu = time.process_time()
             for _ in range(count):
                 rounds[mode] += 1
                 proposal = Proposal(group, ranks, rank, ranks, lifetime, rounds[mode], NEED)
@@ -363,11 +365,11 @@ def _rank_process(rank: int, ranks: int, commands: Any, results: Any) -> None:
                 times.append((sent, time.monotonic()))
                 if rounds[mode] > 1 and decision.action is not Action.REUSE:
                     raise AssertionError(f"{mode} round {rounds[mode]}: {decision}")
-            results.put((rank, times))
+            results.put((rank, times, time.process_time() - cpu))
         for transport in transports.values():
             transport.close()
     except BaseException as error:
-        results.put((rank, f"{type(error).__name__}: {error}"))
+        results.put((rank, f"{type(error).__name__}: {error}", 0.0))
 
 
 def _floor_server(path: str, ranks: int, ready: Any) -> None:
@@ -430,6 +432,7 @@ class ProcessRounds:
     rounds: list[float]
     calls: list[float]
     server_cpu: float = 0.0
+    client_cpu: float = 0.0
 
     def pct(self, q: float, values: list[float] | None = None) -> float:
         ordered = sorted(self.rounds if values is None else values)
@@ -466,19 +469,21 @@ def process_rounds(
         process.start()
     targets = {"session": target, "floor": f"unix://{floor_path}", "unary": target}
 
-    def run(mode: str, count: int) -> list[list[tuple[float, float]]]:
+    def run(mode: str, count: int) -> tuple[list[list[tuple[float, float]]], float]:
         for r in range(PROCESS_RANKS):
             commands[r].put((mode, targets[mode], f"bench-{mode}/ep{PROCESS_RANKS}", count))
         got: dict[int, Any] = {}
+        cpu = 0.0
         while len(got) < PROCESS_RANKS:
             try:
-                rank, times = results.get(timeout=300)
+                rank, times, seconds = results.get(timeout=300)
             except queue.Empty:
                 raise SystemExit(f"{mode}: the rank processes did not answer") from None
             if isinstance(times, str):
                 raise SystemExit(f"{mode}: rank {rank} failed: {times}")
             got[rank] = times
-        return [got[r] for r in range(PROCESS_RANKS)]
+            cpu += seconds
+        return [got[r] for r in range(PROCESS_RANKS)], cpu
 
     measured = {mode: ProcessRounds([], []) for mode in modes}
     try:
@@ -492,8 +497,9 @@ def process_rounds(
         for _ in range(blocks):
             for mode in modes:
                 cpu = _cpu_seconds(servers[mode])
-                per_rank = run(mode, rounds)
+                per_rank, client_cpu = run(mode, rounds)
                 measured[mode].server_cpu += _cpu_seconds(servers[mode]) - cpu
+                measured[mode].client_cpu += client_cpu
                 for rnd in range(rounds):
                     sent = [times[rnd][0] for times in per_rank]
                     answered = [times[rnd][1] for times in per_rank]
@@ -559,11 +565,14 @@ async def run(quick: bool) -> int:
             print("  unary:   Propose calls to the sidecar (old clients, grpcurl)")
             print(
                 f"{'mode':<8} | {'round p50':>9} {'p99 ms':>8} | {'call p50':>8} {'p99 ms':>8} | "
-                f"{'server CPU us/message':>21}"
+                f"{'CPU us/message: server':>22} {'rank':>5}"
             )
             for mode in _MODES:
                 m = by_mode[mode]
-                cpu = f"{m.server_cpu / len(m.calls) * 1e6:>21.0f}"
+                cpu = (
+                    f"{m.server_cpu / len(m.calls) * 1e6:>22.0f} "
+                    f"{m.client_cpu / len(m.calls) * 1e6:>5.0f}"
+                )
                 print(
                     f"{mode:<8} | {_ms(m.pct(50)):>9} {_ms(m.pct(99)):>8} | "
                     f"{_ms(m.pct(50, m.calls)):>8} {_ms(m.pct(99, m.calls)):>8} | {cpu}"
