@@ -88,6 +88,7 @@ def test_unavailable_is_retried_until_the_sidecar_starts(tmp_path: Path) -> None
         decision = transport.propose(proposal("t-late"))
         assert decision.action is Action.BUILD
         assert transport.rpc_count > 1
+        transport.close()
     finally:
         starter.join()
         late.stop()
@@ -102,6 +103,7 @@ def test_unavailable_gives_up_with_a_typed_error(tmp_path: Path) -> None:
     status = rpc_status(caught.value)
     assert status is not None and status.code is grpc.StatusCode.UNAVAILABLE
     assert transport.rpc_count > 1
+    transport.close()
 
 
 def test_client_deadline(sidecar: Sidecar) -> None:
@@ -129,6 +131,8 @@ def test_pickled_transport_opens_its_own_channel(sidecar: Sidecar) -> None:
     transport.propose(proposal("t-pickle"))
     clone = pickle.loads(pickle.dumps(transport))
     assert clone.propose(proposal("t-pickle")).round == 1
+    clone.close()
+    transport.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
