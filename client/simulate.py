@@ -799,6 +799,11 @@ def _run_ranks(
     _settle(result, processes)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 collective``, ``2 collectives``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_summary(result: SimulationResult) -> str:
     """The summary printed at the end of a run."""
     lines = [""]
@@ -824,8 +829,8 @@ def format_summary(result: SimulationResult) -> str:
             lines.append(
                 f"  rank {report.ep_rank}: {format_bytes(report.workspace_bytes)} "
                 f"({report.workspace_bytes} B), max_num_tokens {report.max_num_tokens}, "
-                f"generation {report.generation}; {report.rpcs} RPCs, "
-                f"{report.collectives} collectives"
+                f"generation {report.generation}; {_count(report.rpcs, 'RPC')}, "
+                f"{_count(report.collectives, 'collective')}"
             )
         checked = result.reports[0].checked_layers
         if checked:

@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar import policy
 from moe_sidecar.client.errors import (
@@ -259,12 +260,21 @@ class GrpcTransport:
         return self._stream
 
     def _wait_ready(self, deadline: float) -> None:
-        """Waits until the channel is connected again, or ``deadline``."""
+        """Waits until the sidecar answers again, or ``deadline``: one health
+        check that waits for the channel to (re)connect, whatever it answers.
+
+        Not ``grpc.channel_ready_future``: its connectivity-polling thread
+        outlives the wait, and closing the transport right after a retry made
+        it raise "Channel closed!" in that thread (a traceback in the rank's
+        output at cleanup).
+        """
         remaining = deadline - time.monotonic()
         if remaining <= 0 or self._channel is None:
             return
-        with contextlib.suppress(grpc.FutureTimeoutError):
-            grpc.channel_ready_future(self._channel).result(timeout=remaining)
+        with contextlib.suppress(grpc.RpcError):
+            health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=remaining, wait_for_ready=True
+            )
 
     def _call(self, method: str, timeout: float, send: Callable[[float], _Reply]) -> _Reply:
         deadline = time.monotonic() + self.unavailable_retry

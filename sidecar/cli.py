@@ -295,6 +295,9 @@ def _add_remove_arguments(parser: argparse.ArgumentParser) -> None:
 def _remove(args: argparse.Namespace) -> int:
     if bool(args.groups) == (args.idle_for is not None):
         raise _CliError("name the groups to remove, or give --idle-for SECONDS (not both)", 2)
+    if args.idle_for is not None and not args.idle_for > 0:
+        # ListGroups reads 0 as "no filter": every group, busy or not.
+        raise _CliError(f"--idle-for {args.idle_for:g}: give a positive number of seconds", 2)
     with _stub(args) as (target, stub):
         names = args.groups or [g.name for g in _list_all(stub, args.timeout, args.idle_for)]
         for name in names:

@@ -365,8 +365,9 @@ _OPTIONS = (
         "--listen",
         "listen",
         _listen,
-        "address to serve on: unix:///path/sock or host:port; repeatable "
-        f"(default {DEFAULT_LISTEN[0]}; env: comma-separated)",
+        "address to serve on: unix:///path/sock or host:port; repeatable. Any --listen "
+        f"replaces the default listener {DEFAULT_LISTEN[0]}: give it too to keep it "
+        "(env: comma-separated)",
         "ADDR",
     ),
     _Option(
@@ -558,6 +559,8 @@ def _from_env(option: _Option, text: str) -> object:
         raw = text.split(",")
         if any(not t.strip() for t in text.split(",")):
             raise ConfigError(f"{option.env_key}={text!r}: empty address in the list")
+        for address in raw:
+            parse_listen_address(address.strip(), option.env_key)  # errors name the variable
     if option.choices is not None and text not in option.choices:
         raise ConfigError(f"{option.env_key}={text!r}: must be one of {option.choices}")
     try:
@@ -569,6 +572,9 @@ def _from_env(option: _Option, text: str) -> object:
 def _from_flag(option: _Option, value: object) -> object:
     if isinstance(value, bool):
         return value
+    if option.dest == "listen" and isinstance(value, list):
+        for text in value:
+            parse_listen_address(text.strip(), option.flag)  # errors name the flag
     try:
         return option.convert(value)
     except ValueError as error:

@@ -31,6 +31,7 @@ nothing else takes a maximum of capacities.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, fields, replace
 from typing import Final
 
@@ -102,13 +103,22 @@ class Capacities:
         Raises:
             ValueError: ``ep_size`` below 1 or a negative field.
         """
-        return workspace_size_per_rank(
+        return _workspace_bytes(
             ep_size,
             self.max_tokens,
             self.dispatch_bytes_per_token,
             self.combine_bytes_per_token,
             self.eplb_experts,
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _workspace_bytes(
+    ep_size: int, max_tokens: int, dispatch: int, combine: int, eplb_experts: int
+) -> int:
+    """:func:`~moe_sidecar.sizing.workspace_size_per_rank`, remembered: a round
+    asks it for the same plan many times (limits, every answer, gauges, logs)."""
+    return workspace_size_per_rank(ep_size, max_tokens, dispatch, combine, eplb_experts)
 
 
 SHAPE_FIELDS: Final = ("top_k", "num_experts")

@@ -22,7 +22,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from moe_sidecar.errors import InvalidArgument, ResourceExhausted
-from moe_sidecar.group import summarize
+from moe_sidecar.group import Decision, summarize
 from moe_sidecar.identity import lifetime_id
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.state import Coordinator
@@ -136,6 +136,16 @@ class CoordinatorServicer:
         self._errors = errors
         self._max_page_size = max_page_size
         self._pending = _PendingResponses(max_pending_response_bytes, coordinator.metrics)
+        self._encoded: tuple[Decision, int, pb.ProposeResponse] | None = None
+
+    def _decision_proto(self, decision: Decision, ep_size: int) -> pb.ProposeResponse:
+        """The wire form of ``decision``, encoded once per round: every rank
+        of a round is answered with the same Decision object. Read-only: the
+        callers copy it into their answer or hand it to gRPC to serialize."""
+        encoded = self._encoded
+        if encoded is None or encoded[0] is not decision or encoded[1] != ep_size:
+            encoded = self._encoded = (decision, ep_size, decision_to_proto(decision, ep_size))
+        return encoded[2]
 
     async def Propose(self, data: bytes, context: _Context) -> pb.ProposeResponse:
         return await self._errors.unary(context, "Propose", self._propose(data))
@@ -143,7 +153,7 @@ class CoordinatorServicer:
     async def _propose(self, data: bytes) -> pb.ProposeResponse:
         request = decode_request(pb.ProposeRequest, data)
         decision = await self._coordinator.propose(proposal_from_proto(request))
-        return decision_to_proto(decision, request.ep_size)
+        return self._decision_proto(decision, request.ep_size)
 
     async def Session(
         self, requests: AsyncIterator[bytes], context: _Context
@@ -196,7 +206,9 @@ class CoordinatorServicer:
 
     async def _propose_message(self, request: pb.SessionRequest) -> pb.SessionResponse:
         decision = await self._coordinator.propose(proposal_from_proto(request.propose))
-        return session_decision_to_proto(request.id, decision, request.propose.ep_size)
+        return session_decision_to_proto(
+            request.id, self._decision_proto(decision, request.propose.ep_size)
+        )
 
     async def Commit(self, data: bytes, context: _Context) -> pb.CommitResponse:
         return await self._errors.unary(context, "Commit", self._commit_bytes(data))

@@ -446,11 +446,9 @@ def session_commit_to_proto(message_id: int, group: str, record: CommitRecord) -
     return pb.SessionRequest(id=message_id, commit=commit_to_proto(group, record))
 
 
-def session_decision_to_proto(
-    message_id: int, decision: Decision, ep_size: int
-) -> pb.SessionResponse:
-    """The answer to a session's proposal."""
-    return pb.SessionResponse(id=message_id, decision=decision_to_proto(decision, ep_size))
+def session_decision_to_proto(message_id: int, decision: pb.ProposeResponse) -> pb.SessionResponse:
+    """The answer to a session's proposal: its decision (see :func:`decision_to_proto`)."""
+    return pb.SessionResponse(id=message_id, decision=decision)
 
 
 def session_committed_to_proto(message_id: int) -> pb.SessionResponse:

@@ -91,6 +91,7 @@ def run_ranks(
     tmp_path: Path,
     args: tuple[Any, ...] = (),
     envs: Sequence[dict[str, str]] | None = None,
+    dies: dict[int, int] | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` spawned ranks.
 
@@ -98,7 +99,11 @@ def run_ranks(
     the variable). Returns the values in rank order; raises AssertionError
     with every rank's traceback (or watchdog stack dump) if any rank failed
     or the ranks did not finish within ``timeout`` seconds.
+
+    ``dies`` maps ranks that are meant to die (``os._exit``) to the exit
+    status they must end with; their value is None.
     """
+    dies = dies or {}
     tmp_path.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -123,7 +128,7 @@ def run_ranks(
     # The parent waits a little longer than the watchdogs, so a hung rank has
     # time to write its stacks.
     deadline = time.monotonic() + timeout + 15
-    while len(collected) < world_size and time.monotonic() < deadline:
+    while len(collected) < world_size - len(dies) and time.monotonic() < deadline:
         try:
             rank, ok, value = results.get(timeout=0.2)
         except queue.Empty:
@@ -139,7 +144,14 @@ def run_ranks(
 
     problems = []
     for rank in range(world_size):
-        if rank not in collected:
+        if rank in dies:
+            if rank in collected or processes[rank].exitcode != dies[rank]:
+                problems.append(
+                    f"--- rank {rank} was to die with status {dies[rank]}: exit code "
+                    f"{processes[rank].exitcode}, result {collected.get(rank)}"
+                )
+            collected[rank] = (True, None)
+        elif rank not in collected:
             stacks = Path(stack_files[rank]).read_text() if Path(stack_files[rank]).exists() else ""
             problems.append(
                 f"--- rank {rank}: no result (exit code {processes[rank].exitcode}); "
@@ -150,6 +162,83 @@ def run_ranks(
     if problems:
         raise AssertionError("rank processes failed:\n" + "\n".join(problems))
     return [collected[rank][1] for rank in range(world_size)]
+
+
+class RankProcesses:
+    """Spawned rank processes driven by commands, for tests that kill some of them.
+
+    Rank ``r`` runs ``fn(r, count, commands, results, *args)``: it reads
+    commands from its own queue and puts ``(rank, kind, payload)`` on the
+    shared results queue. No process group: these ranks only talk to the
+    sidecar. A context manager; every process still alive at the end is killed.
+    """
+
+    def __init__(self, fn: Callable[..., Any], count: int, args: tuple[Any, ...] = ()) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.results: Any = context.Queue()
+        self.commands: list[Any] = [context.Queue() for _ in range(count)]
+        self.processes = [
+            context.Process(
+                target=fn,
+                args=(rank, count, self.commands[rank], self.results, *args),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            for rank in range(count)
+        ]
+        self._early: list[tuple[int, str, Any]] = []
+
+    def __enter__(self) -> RankProcesses:
+        for process in self.processes:
+            process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+
+    def send(self, rank: int, *command: Any) -> None:
+        self.commands[rank].put(command)
+
+    def expect(self, ranks: Sequence[int], kind: str, timeout: float) -> dict[int, Any]:
+        """The payloads of one ``kind`` result from each of ``ranks`` (an
+        AssertionError naming what came instead, or who did not answer in time)."""
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        pending = [r for r in self._early if r[0] in ranks]
+        self._early = [r for r in self._early if r[0] not in ranks]
+        while len(got) < len(ranks):
+            if pending:
+                rank, what, payload = pending.pop(0)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(
+                        f"no {kind!r} from ranks {sorted(set(ranks) - set(got))} in {timeout}s; "
+                        f"exit codes {[p.exitcode for p in self.processes]}"
+                    )
+                try:
+                    rank, what, payload = self.results.get(timeout=min(remaining, 0.5))
+                except queue.Empty:
+                    continue
+            if rank not in ranks:
+                self._early.append((rank, what, payload))
+                continue
+            assert what == kind, f"rank {rank}: expected {kind!r}, got {what!r}: {payload}"
+            got[rank] = payload
+        return got
+
+    def kill(self, rank: int) -> float:
+        """SIGKILLs ``rank``; returns the CLOCK_MONOTONIC time of the kill
+        (the clock every process of the machine shares)."""
+        pid = self.processes[rank].pid
+        assert pid is not None
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        self.processes[rank].join(timeout=10)
+        return killed_at
 
 
 class Sidecar:

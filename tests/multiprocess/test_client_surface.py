@@ -29,3 +29,17 @@ def test_backend_error_without_flashinfer_and_get_handle(tmp_path: Path) -> None
     # get_handle() is the manager itself, as vLLM's manager returns itself.
     assert out["handle_before_build"] is True and out["handle_is_manager"] is True
     assert out["handle_serves_the_layer"] == 0.0
+
+
+def test_a_bad_sidecar_target_in_the_environment_fails_the_manager(tmp_path: Path) -> None:
+    [out] = run_ranks(
+        workers.bad_target_worker,
+        1,
+        timeout=60,
+        tmp_path=tmp_path,
+        envs=[{"MOE_SIDECAR_TARGET": "localhost"}],
+    )
+    assert out["type"] == "InvalidArgument", out
+    assert out["field"] == "MOE_SIDECAR_TARGET"
+    assert out["message"].startswith("MOE_SIDECAR_TARGET='localhost': expected "), out
+    assert "'host:port'" in out["message"]

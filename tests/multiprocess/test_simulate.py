@@ -180,3 +180,29 @@ def test_simulate_two_nodes_on_one_etcd_second_run_builds_once(etcd_server: Etcd
 def test_simulate_nodes_needs_an_etcd_store() -> None:
     run = simulate("--nodes", "2")
     assert run.returncode == 2 and "--nodes 2 needs --store etcd://" in run.stderr
+
+
+def test_simulate_one_rank_counts_in_the_singular(sidecar: Sidecar) -> None:
+    # One rank against a sidecar: its only collective is the post-build barrier.
+    run = subprocess.run(
+        [
+            *_command(),
+            "simulate",
+            "--ranks",
+            "1",
+            "--model",
+            "qwen3-30b-a3b",
+            "--max-tokens",
+            "8",
+            "--no-check",
+            "--target",
+            sidecar.target,
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "generation 1; 49 RPCs, 1 collective\n" in run.stdout, run.stdout
+    assert "collectives" not in run.stdout

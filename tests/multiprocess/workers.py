@@ -7,6 +7,7 @@ the tests assert on it in the parent.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -662,3 +663,133 @@ def generations_worker(rank: int, world: int, target: str, group: str) -> dict[s
     older.cleanup()
     dist.barrier()
     return out
+
+
+# --- liveness: ranks that die ---------------------------------------------------------
+
+
+def _failure(error: BaseException) -> dict[str, Any]:
+    from moe_sidecar.client.errors import rpc_status
+
+    status = rpc_status(error)
+    return {
+        "type": type(error).__name__,
+        "mro": [c.__name__ for c in type(error).__mro__],
+        "message": str(error),
+        "grpc_code": status.code.name if status else None,
+        "ranks": list(getattr(error, "ranks", ())),
+        "at": time.monotonic(),
+    }
+
+
+def session_rank(
+    rank: int, ranks: int, commands: Any, results: Any, target: str, group: str
+) -> None:
+    """A rank that only talks to the sidecar (GrpcTransport over its Session
+    stream), one round per ``("propose", round)`` command, until ``("exit",)``.
+
+    Puts ``(rank, "decided", {...})`` or ``(rank, "failed", {...})`` per round,
+    with CLOCK_MONOTONIC times, so the parent can time what happened in here.
+    """
+    try:
+        from moe_sidecar.client.transport import GrpcTransport
+        from moe_sidecar.group import Proposal, Requirement
+        from moe_sidecar.identity import new_lifetime_secret
+        from moe_sidecar.plan import Capacities
+
+        transport = GrpcTransport(target, propose_timeout=60.0)
+        lifetime = new_lifetime_secret()
+        capacities = Capacities(MAX_TOKENS, 200, 400, TOP_K, NUM_EXPERTS)
+        results.put((rank, "started", None))
+        while True:
+            command = commands.get()
+            if command[0] == "exit":
+                transport.close()
+                results.put((rank, "exited", None))
+                return
+            rnd = command[1]
+            proposal = Proposal(
+                group, ranks, rank, ranks, lifetime, rnd, Requirement(capacities, f"layer.{rnd}")
+            )
+            started = time.monotonic()
+            try:
+                decision = transport.propose(proposal)
+            except Exception as error:
+                results.put((rank, "failed", {**_failure(error), "round": rnd, "started": started}))
+            else:
+                results.put(
+                    (
+                        rank,
+                        "decided",
+                        {
+                            "round": rnd,
+                            "action": decision.action.value,
+                            "started": started,
+                            "at": time.monotonic(),
+                        },
+                    )
+                )
+    except BaseException:
+        import traceback
+
+        results.put((rank, "crashed", traceback.format_exc()))
+
+
+DEATH_STATUS = 17
+"""The exit status of a rank that dies in its build (os._exit)."""
+
+
+def barrier_death_worker(
+    rank: int, world: int, target: str, group: str, dying_rank: int
+) -> dict[str, Any]:
+    """Round 1 builds; ``dying_rank`` dies right after its build (every rank's
+    build collective has completed), so the others wait for it in the
+    post-build barrier. Returns a survivor's error."""
+    from moe_sidecar.client.backends import BuildSpec
+    from moe_sidecar.client.backends.reference import ReferenceAlltoAll, ReferenceBackend
+
+    class DyingBackend(ReferenceBackend):
+        def build(self, spec: BuildSpec) -> ReferenceAlltoAll:
+            handle = super().build(spec)
+            if spec.ep_rank == dying_rank:
+                os._exit(DEATH_STATUS)  # the crash: no cleanup, no goodbye
+            return handle
+
+    from moe_sidecar.client import WorkspaceManager
+
+    cpu_group = dist.new_group(backend="gloo")
+    manager = WorkspaceManager(
+        cpu_group, group=group, target=target, backend=DyingBackend(cpu_group), local_ranks=world
+    )
+    layer = nvfp4_layer("model.layers.0.mlp")
+    started = time.monotonic()
+    try:
+        manager.initialize(
+            MAX_TOKENS,
+            TOP_K,
+            NUM_EXPERTS,
+            HIDDEN,
+            layer.x_bytes,
+            layer.x_sf_bytes,
+            layer=layer.name,
+        )
+    except Exception as error:
+        out = _failure(error)
+        out["seconds"] = out["at"] - started
+        out["cause"] = type(error.__cause__).__name__
+        out["initialized"] = manager.initialized
+        out["embedded"] = manager.embedded
+        return out
+    return {"type": None}
+
+
+def bad_target_worker(rank: int, world: int) -> dict[str, Any]:
+    """A WorkspaceManager built with MOE_SIDECAR_TARGET set to a bad address."""
+    from moe_sidecar.client import WorkspaceManager
+
+    cpu_group = dist.new_group(backend="gloo")
+    try:
+        WorkspaceManager(cpu_group, group="bad-target/ep1", backend="reference")
+    except Exception as error:
+        return {**_failure(error), "field": getattr(error, "field", None)}
+    return {"type": None}

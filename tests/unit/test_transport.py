@@ -88,6 +88,7 @@ def test_unavailable_is_retried_until_the_sidecar_starts(tmp_path: Path) -> None
         decision = transport.propose(proposal("t-late"))
         assert decision.action is Action.BUILD
         assert transport.rpc_count > 1
+        transport.close()
     finally:
         starter.join()
         late.stop()
@@ -102,6 +103,7 @@ def test_unavailable_gives_up_with_a_typed_error(tmp_path: Path) -> None:
     status = rpc_status(caught.value)
     assert status is not None and status.code is grpc.StatusCode.UNAVAILABLE
     assert transport.rpc_count > 1
+    transport.close()
 
 
 def test_client_deadline(sidecar: Sidecar) -> None:
@@ -129,6 +131,8 @@ def test_pickled_transport_opens_its_own_channel(sidecar: Sidecar) -> None:
     transport.propose(proposal("t-pickle"))
     clone = pickle.loads(pickle.dumps(transport))
     assert clone.propose(proposal("t-pickle")).round == 1
+    clone.close()
+    transport.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -163,6 +167,20 @@ def test_transport_for_picks_by_target(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_SIDECAR_PROPOSE_TIMEOUT", "90")
     grpc_transport = transport_for("127.0.0.1:1")
     assert isinstance(grpc_transport, GrpcTransport) and grpc_transport.propose_timeout == 90.0
+
+
+@pytest.mark.parametrize("bad", ["localhost", "tcp://1.2.3.4:5", "unix://relative.sock"])
+def test_a_bad_target_in_the_environment_is_invalid_argument_naming_it(
+    monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    monkeypatch.setenv("MOE_SIDECAR_TARGET", bad)
+    with pytest.raises(InvalidArgument) as caught:
+        transport_for(None)
+    assert str(caught.value).startswith(f"MOE_SIDECAR_TARGET={bad!r}: ")
+    assert caught.value.field == "MOE_SIDECAR_TARGET"
+    assert caught.value.__cause__ is None  # one line: no ConfigError chained
+    with pytest.raises(InvalidArgument, match=rf"^target={bad!r}: "):
+        transport_for(bad)
 
 
 def test_embedded_transport_decides_like_the_core() -> None:
