@@ -89,7 +89,8 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
 
     In the ranks table, ``current`` says whether the rank belongs to the
     group's current lifetime (``no``: a rank of an earlier lifetime, i.e. a
-    process that has since restarted).
+    process that has since restarted; ``left``: a rank of the current
+    lifetime whose session ended, with why on the next line).
     """
     if not groups:
         return "no groups\n"
@@ -107,16 +108,22 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
         origin = plan_origin(g.history, g.plan)
         if origin is not None:
             lines.append(f"  plan from: {_origin_text(origin)}")
-        lines.append("  ranks (current: the rank belongs to the group's current lifetime):")
+        lines.append(
+            "  ranks (current: yes, the rank belongs to the group's current lifetime; no, to an "
+            "earlier one; left, its session ended):"
+        )
         lines.append(
             "    rank  current  last round  last layer            committed gen  build s  lifetime"
         )
         for r in g.ranks:
+            current = "left" if r.left and r.current else ("yes" if r.current else "no")
             lines.append(
-                f"    {r.ep_rank:>4}  {'yes' if r.current else 'no':<7}  {r.last_round:>10}  "
+                f"    {r.ep_rank:>4}  {current:<7}  {r.last_round:>10}  "
                 f"{(r.last_layer or '-'):<20}  {r.committed_generation:>13}  "
                 f"{r.build_seconds:>7.3f}  {r.lifetime}"
             )
+            if r.left and r.current:
+                lines.append(f"          gone: {r.left}")
         lines.append("  growth history:")
         if not g.history:
             lines.append("    (none)")
@@ -177,6 +184,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
                     "ep_rank": r.ep_rank,
                     "lifetime": r.lifetime,
                     "current": r.current,
+                    "left": r.left,
                     "last_round": r.last_round,
                     "last_layer": r.last_layer,
                     "committed_generation": r.committed_generation,

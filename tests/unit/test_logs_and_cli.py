@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import logging
@@ -101,6 +102,20 @@ def test_groups_show_where_and_when_each_plan_was_made() -> None:
     # A plan made before nodes were recorded (a version 2 row) says so.
     old = summarize(decode_group((DATA / "group-row-v2.json").read_text()))
     assert "plan from: an unrecorded node at" in display.format_groups([old])
+
+
+def test_groups_show_a_rank_whose_session_ended_and_why() -> None:
+    state = decode_group((DATA / "group-row-v3.json").read_text())
+    gone = "its session stream closed (the process exited, was killed, or lost its connection)"
+    ranks = tuple(dataclasses.replace(r, left=gone) if r.ep_rank == 3 else r for r in state.ranks)
+    summary = summarize(dataclasses.replace(state, ranks=ranks))
+    assert [r.current for r in summary.ranks] == [True, True]
+    rows = display.format_groups([summary]).splitlines()
+    [left] = [i for i, line in enumerate(rows) if line.lstrip().startswith("3  left")]
+    assert rows[left + 1] == f"          gone: {gone}"
+    assert any(line.lstrip().startswith("2  yes") for line in rows)
+    [document] = display.groups_as_json([summary])
+    assert [r["left"] for r in document["ranks"]] == ["", gone]
 
 
 def test_a_subcommand_is_one_command_entry(capsys: pytest.CaptureFixture[str]) -> None:
