@@ -25,7 +25,7 @@ The join is commutative and idempotent, and its result covers both inputs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Final
 
 from moe_sidecar import limits
@@ -86,7 +86,6 @@ def cluster_plan_of(state: GroupState) -> ClusterPlan:
 
 
 def _history_key(g: Growth) -> tuple[object, ...]:
-    c = g.plan.capacities
     return (
         g.at,
         g.plan.epoch,
@@ -95,12 +94,8 @@ def _history_key(g: Growth) -> tuple[object, ...]:
         g.layer,
         g.ep_rank,
         g.round,
-        c.max_tokens,
-        c.dispatch_bytes_per_token,
-        c.combine_bytes_per_token,
-        c.top_k,
-        c.num_experts,
-        c.eplb_experts,
+        # Every capacity, in declaration order: a new field needs no change here.
+        *astuple(g.plan.capacities),
     )
 
 
