@@ -74,6 +74,10 @@ class SidecarProcess:
             self.target,
             "--state-dir",
             str(directory / "state"),
+            # No fixed ports (another sidecar on this machine may hold 50052);
+            # a test that needs the health port gives it in ``flags`` (the last wins).
+            "--health-port",
+            "0",
             "--metrics-port",
             "0",
             *flags,

@@ -505,15 +505,17 @@ def test_a_build_past_its_timeout_is_stopped_with_all_it_started(
     ).targets
     progress = io.StringIO()
     started = time.monotonic()
-    with pytest.raises(BuildFailed, match="ran past --timeout 3 s"):
+    # 8 s: the build process (a Python that imports the project) must have
+    # started its "compiler" before the timeout, also on a loaded machine.
+    with pytest.raises(BuildFailed, match="ran past --timeout 8 s"):
         build_target(
             target,
             env={**os.environ, "PREWARM_TEST_PIDFILE": str(pidfile)},
-            timeout=3.0,
+            timeout=8.0,
             progress=progress,
             progress_every=0.5,
         )
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 30
     lines = progress.getvalue().splitlines()
     assert len(lines) >= 3 and all("9.0a: compiling mnnvl_moe_alltoall ..." in x for x in lines)
     # The process group went with it: the "compiler" is gone too (or a zombie
