@@ -1,9 +1,10 @@
 """A hostile HTTP/2 peer for the tests: it starts one gRPC call, built with
 the ``h2`` library, and then never takes what the server sends.
 
-grpc's own client cannot be made to misbehave like this: it reads the socket
-whatever the application does, and it grants flow-control credit as its
-messages are consumed, so a server never sees a caller that does not read.
+grpc's own client cannot be made to misbehave like this: its transport reads
+the socket whatever the application does, and it announces and re-opens its
+flow-control windows by its own rules, so a server never meets a caller that
+does not read.
 Here the peer chooses the window it announces and never grants more:
 
 * the largest window HTTP/2 allows, with a socket never read again (and a
