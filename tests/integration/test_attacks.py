@@ -58,7 +58,7 @@ from tests.integration.helpers import (
     wait_until_serving,
     workspace_bytes,
 )
-from tests.integration.raw_http2 import open_call
+from tests.integration.raw_http2 import RawCall, open_call
 
 pytestmark = [pytest.mark.attack, pytest.mark.timeout(60)]
 
@@ -507,7 +507,7 @@ async def test_5_list_groups_pages_stay_under_the_message_limit(tmp_path: Path) 
         assert len(json.loads(cli.stdout)) == count
 
 
-def _stall(address: str, method: str, request: Any) -> socket.socket:
+def _stall(address: str, method: str, request: Any) -> RawCall:
     """A call whose caller never reads: a window of 0 bytes, a socket never read."""
     return open_call(address, f"{SERVICE}/{method}", request.SerializeToString(), window=0)
 
@@ -859,7 +859,7 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
         MOE_SIDECAR_STATE_DIR=str(state_dir),
     )
     log = tmp_path / "sidecar.log"
-    stalled: list[socket.socket] = []
+    stalled: list[RawCall] = []
     with log.open("wb") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "moe_sidecar"], cwd=ROOT, env=env, stderr=stderr

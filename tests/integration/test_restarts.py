@@ -25,17 +25,11 @@ import concurrent.futures
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -54,6 +48,7 @@ from tests.integration.helpers import (
     stop_process,
     wait_until_serving,
 )
+from tests.integration.raw_http2 import open_call
 from tests.multiprocess.harness import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -289,62 +284,6 @@ def test_a_client_waits_out_a_25_s_outage_and_reaches_the_sidecar_within_a_secon
     assert gap < 2.0, gap
 
 
-class ZeroWindowWatcher:
-    """A real HTTP/2 client calling ``grpc.health.v1.Health/Watch`` with
-    SETTINGS_INITIAL_WINDOW_SIZE=0 that never opens its window: the server
-    can send the response headers but never a message.
-
-    A thread reads the socket only to acknowledge the server's SETTINGS and
-    PINGs (as any HTTP/2 peer must), never granting any flow-control credit.
-    """
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.sock.settimeout(None)
-        self.headers = threading.Event()
-        self.closed = threading.Event()
-        self.data_received = 0
-        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
-        self.conn = h2.connection.H2Connection(config=config)
-        self.conn.initiate_connection()
-        self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
-        stream = self.conn.get_next_available_stream_id()
-        self.conn.send_headers(
-            stream,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", "/grpc.health.v1.Health/Watch"),
-                (":authority", f"127.0.0.1:{port}"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
-        body = health_pb2.HealthCheckRequest(service="").SerializeToString()
-        self.conn.send_data(stream, b"\0" + len(body).to_bytes(4, "big") + body, end_stream=True)
-        self.sock.sendall(self.conn.data_to_send())
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            while data := self.sock.recv(65536):
-                for event in self.conn.receive_data(data):
-                    if isinstance(event, h2.events.ResponseReceived):
-                        self.headers.set()
-                    elif isinstance(event, h2.events.DataReceived):
-                        self.data_received += event.flow_controlled_length
-                # SETTINGS and PING acknowledgements only: no WINDOW_UPDATE.
-                self.sock.sendall(self.conn.data_to_send())
-        except (OSError, h2.exceptions.ProtocolError):
-            pass  # the server went away (a PING after its GOAWAY, a reset)
-        finally:
-            self.closed.set()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 GRACE_S = 3.0
 WAITING_RANKS = 7
 
@@ -363,10 +302,18 @@ def test_a_zero_window_health_watch_does_not_hang_sigterm(
         "60",
     )
     sidecars.append(sidecar.start())
-    watcher = ZeroWindowWatcher(port)
+    # A real HTTP/2 peer that never opens its window: the server can send the
+    # response headers but never a message. It answers SETTINGS and PINGs.
+    watcher = open_call(
+        ("127.0.0.1", port),
+        "/grpc.health.v1.Health/Watch",
+        health_pb2.HealthCheckRequest(service="").SerializeToString(),
+        window=0,
+    )
+    watcher.keep_acknowledging()
     try:
         # The Watch is being served: its headers came, its first message cannot.
-        assert watcher.headers.wait(timeout=10)
+        assert watcher.headers_received.wait(timeout=10)
         with grpc.insecure_channel(sidecar.target) as channel:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
             waiting = [
