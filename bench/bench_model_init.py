@@ -106,7 +106,7 @@ def main() -> None:
     added = through_sidecar - embedded
     print()
     print(f"model initialisation, rank 0's time in initialize() (median of {args.repeats}):")
-    print(f"  embedded (in-process core + one all-reduce per layer): {embedded:.3f} s")
+    print(f"  embedded (in-process core + one all-gather per layer): {embedded:.3f} s")
     print(f"  sidecar  (one RPC per layer, node-local group):        {through_sidecar:.3f} s")
     print(
         f"  added by the sidecar: {added:+.3f} s (ratio {through_sidecar / embedded:.2f}); "

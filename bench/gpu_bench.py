@@ -15,7 +15,7 @@ It spawns 2 ranks and prints, from rank 0:
 * rebuild time at the union size, and the release of the superseded one;
 * per-layer coordination overhead of a REUSE round: through the sidecar
   (Unix socket, node-local group: one RPC, no collective), in embedded mode
-  (in-process core + the EP all-reduce), next to the bare in-process
+  (in-process core + the EP all-gather), next to the bare in-process
   decision (the pure core alone) measured in the same run, as ratios;
 * dispatch + combine time of the NVFP4 layer on its own workspace and on the
   grown union workspace (ratio), and of the bf16 layer after growth.

@@ -67,7 +67,7 @@ class RankFailure:
 class AgreementError(PreconditionFailed):
     """Ranks of one EP group disagree on the layer shape.
 
-    Found by the cross-rank all-reduce (``top_k`` or ``num_experts`` differs
+    Found by the cross-rank all-gather (``top_k`` or ``num_experts`` differs
     between ranks in one round). A :class:`PreconditionFailed`, as the same
     disagreement found by one sidecar is, so one ``except`` serves both.
     ``failures`` holds every rank's shape, so the message names who differs.

@@ -147,7 +147,7 @@ class WorkspaceManager:
             talk to the same sidecar). Default: env ``MOE_SIDECAR_LOCAL_RANKS``,
             else counted once at construction by exchanging hostnames on
             ``cpu_group``. Ignored in embedded mode, where every rank decides
-            alone. When it is below ``ep_size`` every round adds one all-reduce.
+            alone. When it is below ``ep_size`` every round adds one all-gather.
         propose_timeout: seconds one Propose may wait for its round; must
             exceed the sidecar's ``--round-timeout``. Default: env
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else 120.
@@ -257,7 +257,7 @@ class WorkspaceManager:
 
     @property
     def agrees_across_ranks(self) -> bool:
-        """True when every round adds the cross-rank all-reduce."""
+        """True when every round adds the cross-rank all-gather."""
         return self._transport.embedded or self.ep_size > self.local_ranks
 
     @property

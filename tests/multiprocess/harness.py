@@ -168,25 +168,27 @@ class RankProcesses:
     """Spawned rank processes driven by commands, for tests that kill some of them.
 
     Rank ``r`` runs ``fn(r, count, commands, results, *args)``: it reads
-    commands from its own queue and puts ``(rank, kind, payload)`` on the
-    shared results queue. No process group: these ranks only talk to the
-    sidecar. A context manager; every process still alive at the end is killed.
+    commands from its own queue and puts ``(rank, kind, payload)`` on its own
+    results queue. Nothing is shared between ranks: a rank killed while its
+    queue's feeder thread holds the queue's write lock would otherwise block
+    every other rank's results forever. No process group: these ranks only
+    talk to the sidecar. A context manager; every process still alive at the
+    end is killed.
     """
 
     def __init__(self, fn: Callable[..., Any], count: int, args: tuple[Any, ...] = ()) -> None:
         context = multiprocessing.get_context("spawn")
-        self.results: Any = context.Queue()
+        self.results: list[Any] = [context.Queue() for _ in range(count)]
         self.commands: list[Any] = [context.Queue() for _ in range(count)]
         self.processes = [
             context.Process(
                 target=fn,
-                args=(rank, count, self.commands[rank], self.results, *args),
+                args=(rank, count, self.commands[rank], self.results[rank], *args),
                 name=f"rank{rank}",
                 daemon=True,
             )
             for rank in range(count)
         ]
-        self._early: list[tuple[int, str, Any]] = []
 
     def __enter__(self) -> RankProcesses:
         for process in self.processes:
@@ -203,31 +205,27 @@ class RankProcesses:
         self.commands[rank].put(command)
 
     def expect(self, ranks: Sequence[int], kind: str, timeout: float) -> dict[int, Any]:
-        """The payloads of one ``kind`` result from each of ``ranks`` (an
-        AssertionError naming what came instead, or who did not answer in time)."""
+        """The payloads of the next result of each of ``ranks``, which must be
+        of ``kind`` (an AssertionError naming what came instead, or who did not
+        answer in time)."""
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
-        pending = [r for r in self._early if r[0] in ranks]
-        self._early = [r for r in self._early if r[0] not in ranks]
         while len(got) < len(ranks):
-            if pending:
-                rank, what, payload = pending.pop(0)
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(
-                        f"no {kind!r} from ranks {sorted(set(ranks) - set(got))} in {timeout}s; "
-                        f"exit codes {[p.exitcode for p in self.processes]}"
-                    )
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"no {kind!r} from ranks {sorted(set(ranks) - set(got))} in {timeout}s; "
+                    f"exit codes {[p.exitcode for p in self.processes]}"
+                )
+            for rank in ranks:
+                if rank in got:
+                    continue
                 try:
-                    rank, what, payload = self.results.get(timeout=min(remaining, 0.5))
+                    sender, what, payload = self.results[rank].get(timeout=0.05)
                 except queue.Empty:
                     continue
-            if rank not in ranks:
-                self._early.append((rank, what, payload))
-                continue
-            assert what == kind, f"rank {rank}: expected {kind!r}, got {what!r}: {payload}"
-            got[rank] = payload
+                assert sender == rank, (sender, rank)
+                assert what == kind, f"rank {rank}: expected {kind!r}, got {what!r}: {payload}"
+                got[rank] = payload
         return got
 
     def kill(self, rank: int) -> float:

@@ -1,4 +1,5 @@
-"""The README's metrics reference lists exactly what the sidecar exports."""
+"""The README's metrics reference lists exactly what the sidecar exports
+(with ``--store etcd://``, which adds the cluster store's series)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import pytest
 
 from moe_sidecar.metrics import SidecarMetrics
+from moe_sidecar.replica import StoreMetrics
 from tests.dockerfile import REPO
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,6 +34,8 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
     metrics.refused("groups")
     metrics.round_latency.observe(0.001)
     metrics.groups.set(1)
+    store = StoreMetrics(metrics.registry)  # registered with --store etcd:// only
+    store.writes.labels("written").inc()
     exported = {}
     for family in metrics.registry.collect():
         name = family.name + ("_total" if family.type == "counter" else "")
