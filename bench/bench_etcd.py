@@ -46,8 +46,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_sidecar.plan import Capacities
-from moe_sidecar.wire_codec import capacities_to_proto
+from moe_sidecar.core.plan import Capacities
+from moe_sidecar.wire.codec import capacities_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.etcd_server import EtcdServer, etcd_binary

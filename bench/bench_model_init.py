@@ -1,6 +1,6 @@
 """A whole model's initialisation through the sidecar, against embedded mode.
 
-DESIGN section 7: initialising a model (8 ranks x 62 MoE layers) through
+Initialising a model (8 ranks x 62 MoE layers) through
 the sidecar adds at most 0.1 s over embedded mode. Both modes run here, in
 the same process, alternately, on the same CPU ranks::
 

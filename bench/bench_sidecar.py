@@ -19,7 +19,7 @@ the common case. In one run it measures:
   <= 1.2x, session p99 <= 1.5 ms on a 2-core machine.
 * Rounds of Propose calls from simulated ranks in this process (grpc.aio, one
   channel per rank) at 1, 8 and 64 local ranks, next to the same rounds
-  through :func:`moe_sidecar.policy.propose` (the core) and to empty health
+  through :func:`moe_sidecar.core.policy.propose` (the core) and to empty health
   Checks; the in-process state holder (Coordinator) alone.
 * Proposals per second with many groups in flight; the sidecar's RSS with
   1,000 groups next to the bare core's heap for the same groups.
@@ -49,14 +49,14 @@ import grpc
 import psutil  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_sidecar import policy
-from moe_sidecar.group import Decision, GroupState, Proposal, Requirement
+from moe_sidecar.core import policy
+from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
+from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.logs import configure_logging
-from moe_sidecar.plan import Action, Capacities, Plan
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_sidecar.state import Coordinator
 from moe_sidecar.store import StateStore
-from moe_sidecar.wire_codec import capacities_to_proto, decision_to_proto
+from moe_sidecar.wire.codec import capacities_to_proto, decision_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 

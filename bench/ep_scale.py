@@ -1,4 +1,4 @@
-"""EP N on one node, the deployment shape, measured (issue 14): four measurements in one run.
+"""EP N on one node, the deployment shape, measured: four measurements in one run.
 
 DeepSeek-V3's shapes (hidden 7168, top_k 8, 256 experts): ``--layers`` MoE
 layers (default 62: 61 NVFP4 layers, then the bf16 MTP layer), every rank
@@ -38,8 +38,9 @@ the whole run; rank processes are spawned per step (``spawn``, gloo on
    to a ready all-to-all (a first dispatch + combine of each layer kind at
    ``--tokens``), through the sidecar that remembers the plan, and embedded.
 
-Run on the GPU machine after the install line of ``../shared/gpu/README.md``
-(with ``.gpu`` carried), from the repository root::
+Run on a GPU machine with the project, torch and flashinfer-python installed
+(``bench/gpu_runs/common.sh`` installs them from carried wheels), from the
+repository root::
 
     python3 bench/ep_scale.py --out "$OUT"             # EP = every visible GPU
     python3 bench/ep_scale.py --ep 2 --tokens 2048 --layers 16 --out "$OUT"   # shrunk
@@ -99,7 +100,7 @@ from moe_sidecar.client.backends.reference import (  # noqa: E402
     live_workspace_bytes,
 )
 from moe_sidecar.client.vllm_sizing import classify_call  # noqa: E402
-from moe_sidecar.plan import Capacities, join_capacities  # noqa: E402
+from moe_sidecar.core.plan import Capacities, join_capacities  # noqa: E402
 from tests.exchange import round_trip  # noqa: E402
 from tests.gpu import workers  # noqa: E402
 from tests.gpu.workers import world  # noqa: E402
@@ -402,8 +403,8 @@ def _reuse_rounds(manager: Any, cfg: RankConfig, formats: dict[str, object]) -> 
 def _bare_rounds(cfg: RankConfig) -> dict[str, Any]:
     """The bare decision: ``policy.propose`` for each of the N ranks of a round,
     in this process (the sidecar's core without gRPC, asyncio or a store)."""
-    from moe_sidecar import policy
-    from moe_sidecar.group import Decision, GroupState, Proposal, Requirement
+    from moe_sidecar.core import policy
+    from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
 
     requirement = Requirement(layer_capacities(cfg.ep, cfg.tokens, "NVFP4"), "model.layers.0.mlp")
     state: GroupState | None = None
@@ -1306,7 +1307,7 @@ def section_reuse(run: Run) -> dict[str, Any]:
         )
     if summary["whole_model_init_ratio"] is not None:
         print(
-            f"   sidecar / embedded: {summary['whole_model_init_ratio']:.2f} (DESIGN target at 8 ranks: <= 0.5)"
+            f"   sidecar / embedded: {summary['whole_model_init_ratio']:.2f} (target at 8 ranks: <= 0.5)"
         )
     run.record(reuse_checks(first, a.reuse_rounds))
     return summary

@@ -1,4 +1,4 @@
-"""Seeded, bounded fuzzing of a real sidecar (issue 11).
+"""Seeded, bounded fuzzing of a real sidecar.
 
     .venv/bin/python bench/fuzz_sidecar.py [--requests 10000] [--seed N] [--out FILE]
 
@@ -48,7 +48,7 @@ import grpc
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_sidecar import limits
+from moe_sidecar.core import limits
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 

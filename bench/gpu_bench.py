@@ -101,9 +101,9 @@ def _reuse_round_seconds(manager: Any, rounds: int) -> list[float]:
 
 def _bare_core_seconds(rounds: int) -> list[float]:
     """The in-process decision alone: policy.propose for a 1-rank group."""
-    from moe_sidecar import policy
-    from moe_sidecar.group import GroupState, Proposal, Requirement
-    from moe_sidecar.plan import Capacities
+    from moe_sidecar.core import policy
+    from moe_sidecar.core.group import GroupState, Proposal, Requirement
+    from moe_sidecar.core.plan import Capacities
 
     requirement = Requirement(
         Capacities(workers.TOKENS, 100, 200, workers.TOP_K, workers.NUM_EXPERTS)

@@ -1,5 +1,5 @@
 """Cold start of the all-to-all, measured: from a fresh rank process to a first
-dispatch+combine of a whole model (issue 13, item 3). 2 GPUs.
+dispatch+combine of a whole model. 2 GPUs.
 
 Run on the two-GPU machine (README, "GPU tests", has the install line), from
 the repository root::

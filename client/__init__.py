@@ -10,24 +10,31 @@ vLLM's ``FlashInferNVLinkOneSidedManager`` (``vllm_sizing``), and
 arithmetic in pure Python.
 """
 
-from moe_sidecar.client import sizing
-from moe_sidecar.client.errors import (
-    AdminDisabled,
-    AgreementError,
-    BackendError,
-    CoordinatorError,
-    CoordinatorUnavailable,
-    GroupNotFound,
-    InternalError,
-    InvalidArgument,
-    PreconditionFailed,
-    RankLost,
-    ResourceExhausted,
-    RoundAborted,
-    RoundTimedOut,
-)
-from moe_sidecar.client.manager import ManagerCounters, WorkspaceManager
-from moe_sidecar.defaults import EMBEDDED, ENV_TARGET
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET
+
+if TYPE_CHECKING:
+    from moe_sidecar.client import sizing
+    from moe_sidecar.client.errors import (
+        AdminDisabled,
+        AgreementError,
+        BackendError,
+        CoordinatorError,
+        CoordinatorUnavailable,
+        GroupNotFound,
+        InternalError,
+        InvalidArgument,
+        PreconditionFailed,
+        RankLost,
+        ResourceExhausted,
+        RoundAborted,
+        RoundTimedOut,
+    )
+    from moe_sidecar.client.manager import ManagerCounters, WorkspaceManager
 
 __all__ = [
     "EMBEDDED",
@@ -49,3 +56,20 @@ __all__ = [
     "WorkspaceManager",
     "sizing",
 ]
+
+_HOME = {
+    "ManagerCounters": "moe_sidecar.client.manager",
+    "WorkspaceManager": "moe_sidecar.client.manager",
+}
+"""Where each lazily loaded name lives; the rest are errors (``moe_sidecar.client.errors``)."""
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing a pure module of the client (sizing, naming, the tools'
+    # commands) must not load torch, which only the manager needs.
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "sizing":
+        return importlib.import_module("moe_sidecar.client.sizing")
+    module = importlib.import_module(_HOME.get(name, "moe_sidecar.client.errors"))
+    return getattr(module, name)

@@ -5,12 +5,12 @@ ranks it sees. When an EP group spans more ranks than one decider sees, its
 ranks agree with ONE ``all_gather`` of a small int64 row per rank::
 
     failed | epoch | generation | capacities (one slot per field, in
-    moe_sidecar.plan.Capacities' order)
+    moe_sidecar.core.plan.Capacities' order)
 
 and every rank then folds the gathered plans with the decision core's own
-:func:`moe_sidecar.plan.join`. The same rows in, the same join, so every rank
+:func:`moe_sidecar.core.plan.join`. The same rows in, the same join, so every rank
 holds the same plan, and the manager derives the same action from it with
-:func:`moe_sidecar.plan.decide_action`. Nothing here takes a maximum.
+:func:`moe_sidecar.core.plan.decide_action`. Nothing here takes a maximum.
 
 A rank whose proposal failed still joins the collective, so every rank takes
 the same branch: either all proceed with the same plan, or all raise. Only
@@ -36,8 +36,8 @@ from moe_sidecar.client.errors import (
     InvalidArgument,
     RankFailure,
 )
-from moe_sidecar.errors import error_for_code
-from moe_sidecar.plan import Capacities, Plan, ShapeMismatch, join
+from moe_sidecar.core.errors import error_for_code
+from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch, join
 
 __all__ = ["LocalOutcome", "agree", "failure_code"]
 
@@ -138,7 +138,7 @@ def _raise_disagreement(
 def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
     """Makes every rank of ``group`` hold the same plan, or raise the same error.
 
-    The agreed plan is the join (:func:`moe_sidecar.plan.join`) of every
+    The agreed plan is the join (:func:`moe_sidecar.core.plan.join`) of every
     rank's local plan.
 
     Args:

@@ -1,7 +1,7 @@
 """The errors a rank sees, and the one place gRPC status codes become them.
 
 A caller catches the same classes in sidecar mode and in embedded mode: the
-typed errors of :mod:`moe_sidecar.errors`, re-exported here, plus two that only
+typed errors of :mod:`moe_sidecar.core.errors`, re-exported here, plus two that only
 the client raises (:class:`AgreementError`, :class:`BackendError`).
 
 :func:`error_from_rpc` is the only code that turns a ``grpc.RpcError`` into a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from moe_sidecar.errors import (
+from moe_sidecar.core.errors import (
     AdminDisabled,
     CoordinatorError,
     CoordinatorUnavailable,

@@ -9,7 +9,7 @@ callers read: ``moe_alltoall`` (FlashInfer's ``MoeAlltoAll``),
 ``get_handle()``, ``cleanup()``, ``rank`` and ``world_size``.
 :mod:`moe_sidecar.client.vllm` makes a subclass of vLLM's own class from it.
 
-Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
+Each ``initialize()`` of an MoE layer:
 
 1. size the layer as capacities, with that generation's rule, and
    propose it (one RPC to the node's sidecar, or the in-process core in
@@ -18,7 +18,7 @@ Each ``initialize()`` of an MoE layer (DESIGN sections 4 and 5):
    local_ranks``), and always in embedded mode, agree across the EP group with
    one all-gather on ``cpu_group`` (:mod:`moe_sidecar.client.agreement`): the
    plans are folded with the core's join and the action is derived from the
-   agreed plan with the core's own :func:`~moe_sidecar.plan.decide_action`;
+   agreed plan with the core's own :func:`~moe_sidecar.core.plan.decide_action`;
    otherwise the manager executes the action it received, as it is;
 3. BUILD/REBUILD: build through the backend at the plan's capacities (the
    backend's size function turns them into bytes), pass a barrier on
@@ -69,11 +69,11 @@ from moe_sidecar.client.vllm_sizing import (
     describe_activation,
     routing_bytes_per_token,
 )
-from moe_sidecar.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
-from moe_sidecar.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
-from moe_sidecar.identity import new_lifetime_secret
-from moe_sidecar.plan import Action, Plan, decide_action
-from moe_sidecar.policy import validate_group_name
+from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
+from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
+from moe_sidecar.core.identity import new_lifetime_secret
+from moe_sidecar.core.plan import Action, Plan, decide_action
+from moe_sidecar.core.policy import validate_group_name
 
 __all__ = ["ManagerCounters", "WorkspaceManager"]
 

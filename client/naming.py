@@ -36,9 +36,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moe_sidecar.defaults import ENV_GROUP
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.limits import MAX_NAME_LENGTH
+from moe_sidecar.core.defaults import ENV_GROUP
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.limits import MAX_NAME_LENGTH
 
 __all__ = [
     "VllmLayout",

@@ -1,13 +1,13 @@
 """What one MoE layer needs, as capacities; FlashInfer's arithmetic, as the client names it.
 
-:func:`layer_capacities` is the per-layer rule of DESIGN section 3, for the
+:func:`layer_capacities` is the per-layer rule, for the
 arguments vLLM 0.30's manager takes: the dispatch payload per token is the
 hidden states, their scale factors and the int32 expert ids plus float32
 weights of the top-k routing; the combine payload is bf16 hidden states. It
 is :func:`moe_sidecar.client.vllm_sizing.classify_call` with 0.30's keywords,
 where the other generations' rules live beside it.
 
-The byte arithmetic itself lives in :mod:`moe_sidecar.sizing` (standard
+The byte arithmetic itself lives in :mod:`moe_sidecar.core.sizing` (standard
 library only), because the decision core needs it too and must not import
 torch through this package; it is re-exported here.
 """
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_sidecar.client.vllm_sizing import classify_call
-from moe_sidecar.limits import check_capacities
-from moe_sidecar.plan import Capacities
-from moe_sidecar.sizing import (
+from moe_sidecar.core.limits import check_capacities
+from moe_sidecar.core.plan import Capacities
+from moe_sidecar.core.sizing import (
     ALIGNMENT,
     KMAX_TOP_K,
     AuxOffsets,
@@ -64,7 +64,7 @@ def layer_capacities(
     x_sf_bytes_per_token: int,
     eplb_experts: int = 0,
 ) -> Capacities:
-    """The capacities one layer needs (DESIGN section 3).
+    """The capacities one layer needs.
 
     Raises:
         InvalidArgument: an argument out of range, naming it (also when the

@@ -1,17 +1,17 @@
 """How a rank reaches the decision core: a sidecar over gRPC, or in-process.
 
 Both transports take and return the decision core's own types
-(:class:`moe_sidecar.group.Proposal`, :class:`~moe_sidecar.group.Decision`,
-:class:`~moe_sidecar.group.CommitRecord`) and raise the typed errors of
+(:class:`moe_sidecar.core.group.Proposal`, :class:`~moe_sidecar.core.group.Decision`,
+:class:`~moe_sidecar.core.group.CommitRecord`) and raise the typed errors of
 :mod:`moe_sidecar.client.errors`, so the manager cannot tell them apart.
-Conversions to and from the wire go through :mod:`moe_sidecar.wire_codec`.
+Conversions to and from the wire go through :mod:`moe_sidecar.wire.codec`.
 
 * :class:`GrpcTransport` talks to the node's sidecar. Ranks run synchronous
   code, so it is a synchronous client: every call has a deadline, UNAVAILABLE
   is retried with exponential backoff (proposals and commits are idempotent),
   and the channel is created lazily in the process that uses it, and created
   anew if the object crossed a fork.
-* :class:`EmbeddedTransport` drives :mod:`moe_sidecar.policy` in-process with one
+* :class:`EmbeddedTransport` drives :mod:`moe_sidecar.core.policy` in-process with one
   local rank per group; the manager then agrees across the EP group itself.
 
 :func:`transport_for` picks one: ``MOE_SIDECAR_TARGET`` (or an explicit
@@ -32,7 +32,6 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_sidecar import policy
 from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
     InternalError,
@@ -41,10 +40,10 @@ from moe_sidecar.client.errors import (
     error_from_rpc,
 )
 from moe_sidecar.client.session import SessionStream
-from moe_sidecar.config import ConfigError, parse_listen_address
-from moe_sidecar.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
-from moe_sidecar.effects import Wait
-from moe_sidecar.group import (
+from moe_sidecar.core import policy
+from moe_sidecar.core.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
+from moe_sidecar.core.effects import Wait
+from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
     GroupState,
@@ -52,8 +51,9 @@ from moe_sidecar.group import (
     RankSummary,
     Refusal,
 )
-from moe_sidecar.identity import lifetime_id
-from moe_sidecar.wire_codec import (
+from moe_sidecar.core.identity import lifetime_id
+from moe_sidecar.wire.address import AddressError, parse_listen_address
+from moe_sidecar.wire.codec import (
     commit_to_proto,
     decision_from_proto,
     proposal_to_proto,
@@ -489,7 +489,7 @@ def transport_for(
         return EmbeddedTransport()
     try:
         parse_listen_address(target, source)
-    except ConfigError as error:
+    except AddressError as error:
         raise InvalidArgument(str(error), field=source, value=target) from None
     return GrpcTransport(
         target, propose_timeout=propose_timeout, unavailable_retry=unavailable_retry

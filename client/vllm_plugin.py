@@ -44,8 +44,8 @@ from typing import Any, ClassVar, Final
 
 from moe_sidecar.client.manager import WorkspaceManager
 from moe_sidecar.client.vllm_sizing import KEYWORDS, Generation
-from moe_sidecar.defaults import EMBEDDED, ENV_BACKEND, ENV_TARGET, ENV_VLLM
-from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.core.defaults import EMBEDDED, ENV_BACKEND, ENV_TARGET, ENV_VLLM
+from moe_sidecar.core.errors import InvalidArgument
 
 __all__ = [
     "ALL2ALL_MODULE",

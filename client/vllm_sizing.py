@@ -2,7 +2,7 @@
 
 vLLM's ``FlashInferNVLinkOneSidedManager.initialize(max_num_tokens, top_k,
 num_experts, hidden_size, ...)`` has taken three pairs of trailing arguments
-(DESIGN section 3; /work/notes/vllm.md sections 3-5):
+(``vllm/distributed/device_communicators/all2all.py`` of each release):
 
 ==================  ==============================================  =====================================
 generation          arguments after ``hidden_size``                 activation bytes per token (A)
@@ -42,9 +42,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
+from moe_sidecar.core.plan import Capacities
 
 __all__ = [
     "DISPATCH_FORMAT_BYTES",

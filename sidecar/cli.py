@@ -1,8 +1,10 @@
-"""The ``moe-sidecar`` command: ``serve``, ``groups``, ``simulate`` and ``prewarm``.
+"""The ``moe-sidecar`` command: ``serve``, ``groups``, ``reset``, ``remove``, and the tools.
 
-Each subcommand is one :class:`Command` in :data:`COMMANDS`: a name, a
-function that adds its arguments, and a function that runs it. A new
-subcommand is a new :class:`Command` appended to that tuple.
+Each of the daemon's subcommands is one :class:`Command` in :data:`COMMANDS`:
+a name, a function that adds its arguments, and a function that runs it.
+Tools that live elsewhere (the client's ``simulate`` and ``prewarm``) add
+their subcommands through the ``moe_sidecar.commands`` entry points
+(:data:`TOOL_ENTRY_POINTS`): the daemon never imports the client.
 
 This is the only place (with ``__main__``) that installs signal handlers.
 """
@@ -19,32 +21,32 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import grpc
 
 from moe_sidecar.config import (
-    ADDRESS_FORMS,
     ConfigError,
     SidecarConfig,
     add_serve_arguments,
     config_from_flags,
-    parse_listen_address,
 )
-from moe_sidecar.defaults import DEFAULT_TARGET, ENV_TARGET
-from moe_sidecar.display import format_groups, groups_as_json
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.group import GroupSummary
+from moe_sidecar.core.defaults import DEFAULT_TARGET, ENV_TARGET
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.group import GroupSummary
 from moe_sidecar.logs import configure_logging
 from moe_sidecar.server import StartupError, serve
 from moe_sidecar.store import StoreError
-from moe_sidecar.wire_codec import summary_from_proto
+from moe_sidecar.wire.address import ADDRESS_FORMS, AddressError, parse_listen_address
+from moe_sidecar.wire.codec import summary_from_proto
+from moe_sidecar.wire.display import format_groups, groups_as_json
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "COMMANDS",
-    "PREWARM_DEFAULT_ARCHS",
+    "TOOL_ENTRY_POINTS",
     "Command",
     "build_parser",
     "main",
@@ -156,7 +158,7 @@ def _target(args: argparse.Namespace) -> str:
         source, value = "default target", DEFAULT_TARGET
     try:
         return parse_listen_address(value, source).target
-    except ConfigError as error:
+    except AddressError as error:
         raise _CliError(str(error), status=2) from None
 
 
@@ -316,198 +318,35 @@ REMOVE = Command(
 )
 
 
-# --- simulate ------------------------------------------------------------------------
+COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, RESET, REMOVE)
 
 
-def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--ranks", type=int, default=2, metavar="N", help="rank processes = EP size (default 2)"
-    )
-    parser.add_argument(
-        "--model",
-        default="deepseek-v3",
-        metavar="PRESET",
-        help="model preset (default deepseek-v3; --list-models prints them)",
-    )
-    parser.add_argument("--list-models", action="store_true", help="print the presets and exit")
-    parser.add_argument(
-        "--target",
-        default=None,
-        help=f"sidecar address (default ${ENV_TARGET}; unset, empty or 'embedded': no "
-        "sidecar, the decision core runs inside the ranks)",
-    )
-    parser.add_argument(
-        "--group", default=None, help="EP group name (default simulate:<model>/ep<N>/pp0)"
-    )
-    parser.add_argument(
-        "--nodes",
-        type=int,
-        default=1,
-        metavar="N",
-        help="start N sidecars (node-a, node-b, ...) sharing plans through --store and split "
-        "the ranks between them, so the EP group spans nodes (default 1: no sidecar started)",
-    )
-    parser.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help="with --nodes: the etcd the started sidecars share, "
-        "etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=16,
-        metavar="N",
-        help="max_num_tokens of every layer (default 16: quick on CPU)",
-    )
-    parser.add_argument(
-        "--propose-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="how long a rank waits for one round (default $MOE_SIDECAR_PROPOSE_TIMEOUT, "
-        "else 120); must exceed the sidecar's --round-timeout",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="stop the ranks and fail after this long (default 300)",
-    )
-    parser.add_argument(
-        "--no-check",
-        dest="check",
-        action="store_false",
-        help="skip the dispatch+combine checks",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="summary as JSON on stdout, progress on stderr"
-    )
+TOOL_ENTRY_POINTS = "moe_sidecar.commands"
+"""The entry-point group of the commands other packages add (the client's tools).
+
+Each entry point names a function ``add_command(subparsers)`` that adds its
+subparser and sets ``run`` on it, so the daemon lists a tool without importing
+the tool's implementation (nor the torch it may need).
+"""
 
 
-def _run_simulate(args: argparse.Namespace) -> int:
-    # Imported here: the demo needs torch (the client extra), serve and groups
-    # must not (the sidecar image has no torch).
-    try:
-        from moe_sidecar.client.simulate import run_cli
-    except ModuleNotFoundError as error:
-        if error.name != "torch":
-            raise
-        print(
-            "moe-sidecar simulate: needs torch, i.e. the client extra: "
-            "pip install 'moe-sidecar[client]' (the CPU build of torch is enough)",
-            file=sys.stderr,
+def _add_tool_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for entry_point in sorted(entry_points(group=TOOL_ENTRY_POINTS), key=lambda e: e.name):
+        add_command: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None] = (
+            entry_point.load()
         )
-        return 2
-    return run_cli(args)
+        add_command(subparsers)
 
 
-SIMULATE = Command(
-    name="simulate",
-    help="run a model's MoE layers on N CPU ranks against a sidecar (needs the client extra)",
-    add_arguments=_add_simulate_arguments,
-    run=_run_simulate,
-)
+def build_parser(
+    commands: Sequence[Command] = COMMANDS, *, tools: bool = True
+) -> argparse.ArgumentParser:
+    """The ``moe-sidecar`` parser: one subparser per command, then the installed tools'.
 
-# --- prewarm -------------------------------------------------------------------------
-
-PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
-"""``client.prewarm.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
-
-
-def _add_prewarm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Compile FlashInfer's all-to-all module (mnnvl_moe_alltoall, the one the client's "
-        "flashinfer backend loads) into FlashInfer's JIT cache ahead of time, with nvcc and "
-        "no GPU, so an inference process finds it instead of compiling it for about 3 "
-        "minutes. A module already in the cache is not built again. Needs the client and "
-        "flashinfer extras (pip install 'moe-sidecar[client,flashinfer]'), nvcc, ninja and "
-        "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
-        "flag or a missing prerequisite, 130 interrupted."
-    )
-    parser.add_argument(
-        "--arch",
-        action="append",
-        default=[],
-        metavar="ARCH",
-        help="CUDA architecture to build for (9.0a, 10.0a, 10.3a, 90a, sm_100a; repeat the "
-        "flag or separate with commas). Each is its own build: FlashInfer keeps one cache "
-        "directory per set of architectures a process sees, so join with '+' (9.0a+10.0a) "
-        "only for processes that see GPUs of several kinds at once. Default: "
-        "$FLASHINFER_CUDA_ARCH_LIST as FlashInfer reads it (one set), else the visible "
-        f"GPUs' (one set), else {PREWARM_DEFAULT_ARCHS} (Hopper and Blackwell, one build each)",
-    )
-    parser.add_argument(
-        "--workspace-base",
-        default=None,
-        metavar="DIR",
-        help="FlashInfer's FLASHINFER_WORKSPACE_BASE: the module goes to "
-        "DIR/.cache/flashinfer/<version>/<archs>/cached_ops/. Default: "
-        "$FLASHINFER_WORKSPACE_BASE, else $HOME, as FlashInfer. The inference processes "
-        "must see the same directory at the same path",
-    )
-    parser.add_argument(
-        "--ignore-aot",
-        action="store_true",
-        help="build into the cache even when FlashInfer ships the module ahead of time "
-        "(flashinfer/data/aot), which it would load instead",
-    )
-    parser.add_argument(
-        "--refresh",
-        action="store_true",
-        help="run FlashInfer's build for modules already in the cache too: ninja recompiles "
-        "only what changed (sources, compiler, flags)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print the plan and check the tools; build nothing"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        metavar="SECONDS",
-        help="stop a build that runs longer than this (default 1800)",
-    )
-    parser.add_argument(
-        "--verbose", action="store_true", help="show ninja's and nvcc's output while building"
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="the result as JSON on stdout, the report on stderr"
-    )
-
-
-def _run_prewarm(args: argparse.Namespace) -> int:
-    # Imported here: the client needs torch, which serve and groups must not import.
-    try:
-        from moe_sidecar.client.prewarm import run_cli
-    except ModuleNotFoundError as error:
-        if error.name != "torch":
-            raise
-        message = (
-            "needs torch and flashinfer-python 0.7.2.post1, i.e. the client and flashinfer "
-            "extras: pip install 'moe-sidecar[client,flashinfer]'"
-        )
-        print(f"moe-sidecar prewarm: {message}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"ok": False, "exit_status": 2, "error": message}))
-        return 2
-    return run_cli(args)
-
-
-PREWARM = Command(
-    name="prewarm",
-    help="compile FlashInfer's all-to-all module into its JIT cache ahead of time (no GPU)",
-    add_arguments=_add_prewarm_arguments,
-    run=_run_prewarm,
-)
-
-COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, RESET, REMOVE, SIMULATE, PREWARM)
-
-
-def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
-    """The ``moe-sidecar`` parser with one subparser per command."""
+    Args:
+        commands: the daemon's own commands.
+        tools: also add the commands of the ``moe_sidecar.commands`` entry points.
+    """
     parser = argparse.ArgumentParser(
         prog="moe-sidecar",
         description="Per-node coordinator of FlashInfer MoE all-to-all workspaces.",
@@ -517,6 +356,8 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(sub)
         sub.set_defaults(run=command.run)
+    if tools:
+        _add_tool_commands(subparsers)
     return parser
 
 

@@ -1,7 +1,7 @@
 """The etcd replica: every group's cluster plan in etcd, the join of every node's.
 
 Layout: one key per group, ``PREFIX + "groups/" + quote(name)``, holding the
-group's :class:`~moe_sidecar.cluster.ClusterPlan` as
+group's :class:`~moe_sidecar.core.cluster.ClusterPlan` as
 :func:`~moe_sidecar.row_codec.encode_cluster_plan` writes it.
 
 Writing (the push loop). The node's SQLite is the write-ahead record: a step
@@ -9,7 +9,7 @@ that grew, reset or absorbed a plan recorded its group as pending in the
 same transaction that saved it (the ``outbox``). The loop takes the pending
 groups and, for each, compares-and-swaps on the key's ``mod_revision``: what
 etcd holds joined with what the node holds
-(:func:`~moe_sidecar.cluster.join_cluster_plans`); on a lost race it joins
+(:func:`~moe_sidecar.core.cluster.join_cluster_plans`); on a lost race it joins
 with the winner's value (which the failed transaction returned) and tries
 again, so concurrent writers lose nothing. Nothing is written when etcd
 already covers the node's group. Once written, the group is cleared from the
@@ -22,7 +22,7 @@ Reading (the watch loop). At start and whenever the watch cannot resume
 backwards) the replica reads the whole prefix at one revision, merges every
 document, queues every local group etcd lacks, and watches from that
 revision on. Every document read is untrusted: it is decoded and
-range-checked (:mod:`moe_sidecar.limits`); a bad one is logged, counted
+range-checked (:mod:`moe_sidecar.core.limits`); a bad one is logged, counted
 (``moe_sidecar_store_rejected_documents``) and skipped, never merged and
 never overwritten (a newer release may have written it; delete the key to
 let the nodes write it afresh). A deleted key is not a reset: the nodes
@@ -39,14 +39,15 @@ import sqlite3
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from moe_sidecar.cluster import (
+from moe_sidecar.core.cluster import (
     ClusterPlan,
     LayoutMismatch,
     check_cluster_plan,
     covers,
     join_cluster_plans,
 )
-from moe_sidecar.errors import CoordinatorError, InvalidArgument, PreconditionFailed
+from moe_sidecar.core.errors import CoordinatorError, InvalidArgument, PreconditionFailed
+from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.etcd_client import (
     EtcdClient,
     EtcdClusterReset,
@@ -55,7 +56,6 @@ from moe_sidecar.etcd_client import (
     EtcdUnavailable,
     EventType,
 )
-from moe_sidecar.plan import ShapeMismatch
 from moe_sidecar.replica import ReplicaHost, StoreMetrics
 from moe_sidecar.row_codec import RowError, decode_cluster_plan, encode_cluster_plan
 

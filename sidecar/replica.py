@@ -6,12 +6,12 @@
   database alone (:class:`moe_sidecar.store.StateStore`); no replica runs;
 * ``etcd://...``: the same SQLite database stays the node's write-ahead
   record, and a :class:`Replica` (:class:`moe_sidecar.etcd_replica.EtcdReplica`)
-  keeps every group's :class:`~moe_sidecar.cluster.ClusterPlan` in etcd as
+  keeps every group's :class:`~moe_sidecar.core.cluster.ClusterPlan` in etcd as
   the join of what every node decided, and merges what other nodes decide.
 
 The state holder (:class:`moe_sidecar.state.Coordinator`) calls
 :meth:`Replica.replicate` for every step that carries
-:class:`~moe_sidecar.effects.Replicate`, after the step's SQLite transaction
+:class:`~moe_sidecar.core.effects.Replicate`, after the step's SQLite transaction
 recorded the group as pending; the replica calls back through
 :class:`ReplicaHost` (which the Coordinator is) to read what to push, to
 merge what arrived and to clear what the cluster has. Round state (waiters,
@@ -24,7 +24,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from moe_sidecar.cluster import ClusterPlan
+from moe_sidecar.core.cluster import ClusterPlan
 
 __all__ = ["Replica", "ReplicaHost", "StoreMetrics"]
 

@@ -10,7 +10,7 @@ Two documents, both versioned and both read with the same field checks:
   nodes, so it is untrusted input, checked like a request.
 
 Rows are versioned documents. Every field is read,
-type-checked and range-checked (:mod:`moe_sidecar.limits`) explicitly: a
+type-checked and range-checked (:mod:`moe_sidecar.core.limits`) explicitly: a
 hand-edited, truncated or absurd row fails to load with the reason, never
 half-loads, and never loads a value the sidecar would refuse as input.
 
@@ -30,10 +30,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from moe_sidecar import limits
-from moe_sidecar.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
-from moe_sidecar.errors import ErrorCode, InvalidArgument
-from moe_sidecar.group import (
+from moe_sidecar.core import limits
+from moe_sidecar.core.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument
+from moe_sidecar.core.group import (
     Decision,
     GroupState,
     Growth,
@@ -44,8 +44,8 @@ from moe_sidecar.group import (
     Refusal,
     Requirement,
 )
-from moe_sidecar.plan import Action, Capacities, Plan
-from moe_sidecar.sizing import align, aux_data_size
+from moe_sidecar.core.plan import Action, Capacities, Plan
+from moe_sidecar.core.sizing import align, aux_data_size
 
 __all__ = [
     "CLUSTER_PLAN_KIND",

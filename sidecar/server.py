@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from moe_sidecar.config import LIMIT_FIELDS, ListenAddress, SidecarConfig, SqliteStore
+from moe_sidecar.config import LIMIT_FIELDS, SidecarConfig, SqliteStore
 from moe_sidecar.etcd_client import EtcdClient
 from moe_sidecar.etcd_replica import EtcdReplica
 from moe_sidecar.health import HealthServicer
@@ -41,6 +41,7 @@ from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_
 from moe_sidecar.state import Clock, Coordinator
 from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.store import StateStore
+from moe_sidecar.wire.address import ListenAddress
 
 __all__ = [
     "HEALTH_HOST",

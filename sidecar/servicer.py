@@ -1,6 +1,6 @@
 """The gRPC servicer: converts between the wire and the domain, nothing else.
 
-Every conversion goes through :mod:`moe_sidecar.wire_codec` (shared with the
+Every conversion goes through :mod:`moe_sidecar.wire.codec` (shared with the
 client). Each method decodes its request, calls the
 :class:`~moe_sidecar.state.Coordinator`, and encodes the result;
 :class:`~moe_sidecar.status.ErrorTranslator` turns errors into status codes.
@@ -21,13 +21,13 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from moe_sidecar.errors import InvalidArgument, ResourceExhausted
-from moe_sidecar.group import Decision, summarize
-from moe_sidecar.identity import lifetime_id
+from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted
+from moe_sidecar.core.group import Decision, summarize
+from moe_sidecar.core.identity import lifetime_id
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
-from moe_sidecar.wire_codec import (
+from moe_sidecar.wire.codec import (
     commit_from_proto,
     decision_to_proto,
     decode_request,

@@ -1,20 +1,20 @@
 """The one state holder of the sidecar: :class:`Coordinator`.
 
 It owns every mutable thing the sidecar has: the groups (moved only by the
-pure functions of :mod:`moe_sidecar.policy`), the store they persist to, the
+pure functions of :mod:`moe_sidecar.core.policy`), the store they persist to, the
 futures of Proposes waiting for their round, the round deadline timers, the
 Watch subscribers, and the metrics and logs that describe them. Everything
 runs on one asyncio event loop, so no locks.
 
 Each call applies one policy step and executes its effects
-(:mod:`moe_sidecar.effects`) in order: :class:`~moe_sidecar.effects.Persist`
+(:mod:`moe_sidecar.core.effects`) in order: :class:`~moe_sidecar.core.effects.Persist`
 first (when the write fails, nothing of the step happens and the caller gets
 UNAVAILABLE), then answers, events and timers. It never compares states to
 find out what happened: the step says it.
 
 With a cluster store (:mod:`moe_sidecar.replica`), a step that carries
-:class:`~moe_sidecar.effects.Replicate` records the group as pending in the
-same SQLite transaction as its :class:`~moe_sidecar.effects.Persist`, then
+:class:`~moe_sidecar.core.effects.Replicate` records the group as pending in the
+same SQLite transaction as its :class:`~moe_sidecar.core.effects.Persist`, then
 wakes the replica, which pushes it without holding anyone up; plans decided
 on other nodes come back through :meth:`Coordinator.merge`, one more step of
 the core.
@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable
 from typing import TypeAlias
 
-from moe_sidecar import policy
-from moe_sidecar.cluster import ClusterPlan, cluster_plan_of
-from moe_sidecar.effects import (
+from moe_sidecar.core import policy
+from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
+from moe_sidecar.core.effects import (
     Answer,
     Deadline,
     EventKind,
@@ -49,16 +49,16 @@ from moe_sidecar.effects import (
     Step,
     Wait,
 )
-from moe_sidecar.errors import (
+from moe_sidecar.core.errors import (
     AdminDisabled,
     CoordinatorError,
     CoordinatorUnavailable,
     GroupNotFound,
     ResourceExhausted,
 )
-from moe_sidecar.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
+from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
+from moe_sidecar.core.plan import Action
 from moe_sidecar.metrics import SidecarMetrics
-from moe_sidecar.plan import Action
 from moe_sidecar.replica import Replica
 from moe_sidecar.store import StateStore
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription
@@ -474,7 +474,7 @@ class Coordinator:
     # --- commits, reads, admin ------------------------------------------------------
 
     def depart(self, group: str, ep_rank: int, lifetime: str, why: str) -> None:
-        """A rank's session ended: it is gone (see :func:`moe_sidecar.policy.depart`).
+        """A rank's session ended: it is gone (see :func:`moe_sidecar.core.policy.depart`).
 
         Ignored while the sidecar drains (its own shutdown ends the sessions)
         and for groups or lifetimes it does not know. Never raises: a session's

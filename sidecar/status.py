@@ -1,8 +1,8 @@
 """The one place where coordinator errors become gRPC status codes.
 
 :class:`ErrorTranslator` wraps every servicer method: a
-:class:`~moe_sidecar.errors.CoordinatorError` aborts the call with the code of
-its :class:`~moe_sidecar.errors.ErrorCode` and its message; any other exception
+:class:`~moe_sidecar.core.errors.CoordinatorError` aborts the call with the code of
+its :class:`~moe_sidecar.core.errors.ErrorCode` and its message; any other exception
 is a bug, logged with its traceback and answered INTERNAL, so no request can
 take the server down. Cancellation is never swallowed.
 """
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from moe_sidecar.errors import CoordinatorError, ErrorCode, UndecodableRequest
+from moe_sidecar.core.errors import CoordinatorError, ErrorCode, UndecodableRequest
 from moe_sidecar.metrics import SidecarMetrics
 
 __all__ = ["GRPC_STATUS_FOR", "ErrorTranslator", "OncePerPeer", "grpc_status_for"]

@@ -1,6 +1,6 @@
 """Durable group state: one SQLite database (WAL) in the state directory.
 
-Each group is one row holding its whole :class:`~moe_sidecar.group.GroupState`
+Each group is one row holding its whole :class:`~moe_sidecar.core.group.GroupState`
 as a versioned JSON document (:mod:`moe_sidecar.row_codec`, the one codec of
 this boundary): the stored plan, the generation counter, the growth history, the
 ranks, the open round and the outcomes of recent closed rounds (so that a
@@ -27,7 +27,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from moe_sidecar.group import GroupState
+from moe_sidecar.core.group import GroupState
 from moe_sidecar.row_codec import RowError, decode_group, encode_group
 
 __all__ = [

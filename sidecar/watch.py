@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from moe_sidecar.effects import GroupEvent
-from moe_sidecar.errors import CoordinatorError, CoordinatorUnavailable
+from moe_sidecar.core.effects import GroupEvent
+from moe_sidecar.core.errors import CoordinatorError, CoordinatorUnavailable
 
 __all__ = ["WATCH_QUEUE_LIMIT", "Subscription"]
 

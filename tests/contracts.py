@@ -1,8 +1,8 @@
 """vLLM's own tests of the one-sided manager, as bodies any manager can run.
 
 Shared by the CPU tests (reference backend, with and without vLLM's process
-groups) and the GPU tests (FlashInfer). Their provenance is in
-/work/notes/vllm.md section 5.
+groups) and the GPU tests (FlashInfer). Each one's docstring names
+the vLLM file and test it comes from.
 
 * :func:`v033_capacity_contract` is vLLM 0.33's grow test
   (``tests/distributed/test_mnnvl_alltoall.py``, "Share one workspace across

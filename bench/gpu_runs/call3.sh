@@ -1,4 +1,4 @@
-# GPU call 3 (2 x H200): issue 14's four measurements at EP 2 (bench/ep_scale.py:
+# GPU call 3 (2 x H200): bench/ep_scale.py's four measurements at EP 2 (bench/ep_scale.py:
 # regression through a sidecar, memory vs vLLM 0.33's sequence, REUSE rounds and
 # model init, prewarmed cold start), then every GPU test but prewarm's on the
 # final tree. FlashInfer's module of call 1 is carried as .gpu/aot.

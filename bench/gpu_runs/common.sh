@@ -1,6 +1,6 @@
 # Sourced by the GPU run scripts: installs what the GPU machine lacks (the
-# wheels of ../shared/gpu/prepare-wheels.sh, carried as .gpu/wheels) and the
-# project beside them, as ../shared/gpu/README.md's install line does, and
+# wheels carried as .gpu/wheels: flashinfer-python, grpcio, protobuf and the
+# rest, downloaded with pip on a machine with PyPI) and the project beside them, and
 # puts FlashInfer's module compiled earlier (.gpu/aot) where FlashInfer finds
 # an ahead-of-time module. Logs go to $OUT.
 set -uo pipefail

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core.plan import Capacities
 
 __all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec", "CommunicationSpec"]
 

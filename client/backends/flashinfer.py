@@ -52,7 +52,7 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.errors import BackendError
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core.plan import Capacities
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
 

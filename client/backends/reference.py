@@ -46,7 +46,7 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
 from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES, dispatch_format_name
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core.plan import Capacities
 
 __all__ = [
     "ReferenceAlltoAll",

@@ -5,8 +5,7 @@ tests (tests/vllm) run vLLM's own code against the manager. Here the same
 calls run against FlashInfer's real all-to-all:
 
 * vLLM PR #42976's regression test body (``test_one_sided_manager_workspace_grow``
-  in ``tests/distributed/test_mnnvl_alltoall.py``; text in
-  /work/notes/vllm.md section 5.1), copied below with two lines changed and
+  in vLLM's ``tests/distributed/test_mnnvl_alltoall.py``), copied below with two lines changed and
   marked: the class is the manager (what vLLM's plugin puts in place of
   vLLM's), and the CPU group is the 2-rank world (vLLM's ``get_dp_group()``
   with ``dp_size=2, tp=1`` is those same ranks). Its 0.30 version too. Every

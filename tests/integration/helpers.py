@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.config import SidecarConfig
-from moe_sidecar.wire_codec import capacities_from_proto
+from moe_sidecar.wire.codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 

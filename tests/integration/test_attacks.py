@@ -1,4 +1,4 @@
-"""The attacks of issue 11, each against a real sidecar: a server on real
+"""Attacks on the sidecar, each against a real sidecar: a server on real
 sockets, or ``python -m moe_sidecar`` itself where start-up matters.
 
 One test (or a few) per numbered finding of the issue; each asserts the
@@ -29,15 +29,15 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moe_sidecar import limits, policy
 from moe_sidecar.config import SidecarConfig
-from moe_sidecar.group import GroupState, Proposal, Requirement
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core import limits, policy
+from moe_sidecar.core.group import GroupState, Proposal, Requirement
+from moe_sidecar.core.plan import Capacities
 from moe_sidecar.row_codec import encode_group
 from moe_sidecar.server import RunningServer, running_server
 from moe_sidecar.store import DATABASE_FILE, StateStore
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT
-from moe_sidecar.wire_codec import capacities_from_proto
+from moe_sidecar.wire.codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.integration.helpers import (

@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from moe_sidecar.cluster import ClusterPlan
+from moe_sidecar.core.cluster import ClusterPlan
+from moe_sidecar.core.plan import Capacities, Plan, join
 from moe_sidecar.etcd_client import EtcdClient
 from moe_sidecar.etcd_replica import group_key
-from moe_sidecar.plan import Capacities, Plan, join
 from moe_sidecar.row_codec import decode_cluster_plan
-from moe_sidecar.wire_codec import capacities_from_proto, plan_from_proto
+from moe_sidecar.wire.codec import capacities_from_proto, plan_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.etcd_server import EtcdServer, free_port

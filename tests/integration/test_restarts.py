@@ -35,9 +35,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.client.errors import CoordinatorError
 from moe_sidecar.client.transport import DEFAULT_UNAVAILABLE_RETRY_S, GrpcTransport
-from moe_sidecar.group import CommitRecord, Decision, Proposal, Requirement
-from moe_sidecar.identity import new_lifetime_secret
-from moe_sidecar.plan import Action, Capacities
+from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
+from moe_sidecar.core.identity import new_lifetime_secret
+from moe_sidecar.core.plan import Action, Capacities
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.integration.helpers import (

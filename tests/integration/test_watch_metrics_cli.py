@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from moe_sidecar import cli
-from moe_sidecar.display import format_bytes
 from moe_sidecar.server import RunningServer, StartupError, running_server, start_server
+from moe_sidecar.wire.display import format_bytes
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     BF16,

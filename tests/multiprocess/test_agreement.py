@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core.plan import Capacities
 from tests.multiprocess import workers
 from tests.multiprocess.harness import run_ranks
 

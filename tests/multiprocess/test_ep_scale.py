@@ -1,4 +1,4 @@
-"""``bench/ep_scale.py`` (issue 14) on the CPU: its smoke mode, run as the GPU run is.
+"""``bench/ep_scale.py`` on the CPU: its smoke mode, run as the GPU run is.
 
 The script is run in a subprocess with the reference backend (a CPU copy of
 FlashInfer's all-to-all over gloo): it starts a real sidecar, spawns its rank

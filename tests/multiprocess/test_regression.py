@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from moe_sidecar.plan import Capacities, join_capacities
+from moe_sidecar.core.plan import Capacities, join_capacities
 from tests.multiprocess import workers
 from tests.multiprocess.harness import Sidecar, run_ranks
 

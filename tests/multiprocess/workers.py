@@ -422,7 +422,7 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
     from moe_sidecar.client.backends.reference import ReferenceBackend, live_workspace_bytes
     from moe_sidecar.client.errors import BackendError, PreconditionFailed
     from moe_sidecar.client.sizing import aux_data_size
-    from moe_sidecar.plan import Capacities, Plan
+    from moe_sidecar.core.plan import Capacities, Plan
 
     ep_group = dist.new_group([0, 1], backend="gloo")
     out: dict[str, Any] = {}
@@ -693,9 +693,9 @@ def session_rank(
     """
     try:
         from moe_sidecar.client.transport import GrpcTransport
-        from moe_sidecar.group import Proposal, Requirement
-        from moe_sidecar.identity import new_lifetime_secret
-        from moe_sidecar.plan import Capacities
+        from moe_sidecar.core.group import Proposal, Requirement
+        from moe_sidecar.core.identity import new_lifetime_secret
+        from moe_sidecar.core.plan import Capacities
 
         transport = GrpcTransport(target, propose_timeout=60.0)
         lifetime = new_lifetime_secret()

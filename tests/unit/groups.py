@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moe_sidecar import policy
-from moe_sidecar.group import CommitRecord, Decision, GroupState, Proposal, Requirement
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core import policy
+from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Proposal, Requirement
+from moe_sidecar.core.plan import Capacities
 
 SMALL = Requirement(Capacities(256, 100, 200, 2, 16), "l0")
 BIG = Requirement(Capacities(512, 400, 200, 2, 16, eplb_experts=16), "mtp")

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from moe_sidecar import policy
-from moe_sidecar.cluster import (
+from moe_sidecar.core import policy
+from moe_sidecar.core.cluster import (
     JOINED_LAYER,
     MAX_HISTORY,
     ClusterPlan,
@@ -24,10 +24,10 @@ from moe_sidecar.cluster import (
     join_cluster_plans,
     plan_origin,
 )
-from moe_sidecar.effects import EventKind, Persist, Publish, Replicate, Step
-from moe_sidecar.errors import InvalidArgument, PreconditionFailed
-from moe_sidecar.group import CommitRecord, Decision, GroupState, Growth, Proposal, Requirement
-from moe_sidecar.plan import Capacities, Plan, ShapeMismatch
+from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Step
+from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed
+from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Growth, Proposal, Requirement
+from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch
 
 pytestmark = pytest.mark.timeout(30)
 

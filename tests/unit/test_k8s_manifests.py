@@ -46,7 +46,7 @@ from moe_sidecar.client.prewarm import (
 )
 from moe_sidecar.client.vllm_plugin import plugin_mode
 from moe_sidecar.config import SidecarConfig, SqliteStore, config_from_flags
-from moe_sidecar.defaults import (
+from moe_sidecar.core.defaults import (
     CLIENT_ENV_KEYS,
     ENV_BACKEND,
     ENV_GROUP,

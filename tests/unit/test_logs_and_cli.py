@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar import cli, display
-from moe_sidecar.group import summarize
+from moe_sidecar import cli
+from moe_sidecar.core.group import summarize
 from moe_sidecar.logs import LOGGER_NAME, configure_logging
 from moe_sidecar.row_codec import decode_group
+from moe_sidecar.wire import display
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from moe_sidecar.client.naming import VllmLayout, group_name, ranks_group_name, vllm_group_name
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.limits import MAX_NAME_LENGTH
-from moe_sidecar.policy import validate_group_name
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.limits import MAX_NAME_LENGTH
+from moe_sidecar.core.policy import validate_group_name
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from moe_sidecar import sizing
-from moe_sidecar.plan import (
+from moe_sidecar.core import sizing
+from moe_sidecar.core.plan import (
     Action,
     Capacities,
     Plan,

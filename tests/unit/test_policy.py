@@ -6,14 +6,14 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from moe_sidecar import limits, policy
-from moe_sidecar.effects import Answer, Deadline, EventKind, Persist, Publish, Step, Wait
-from moe_sidecar.errors import (
+from moe_sidecar.core import limits, policy
+from moe_sidecar.core.effects import Answer, Deadline, EventKind, Persist, Publish, Step, Wait
+from moe_sidecar.core.errors import (
     ErrorCode,
     InvalidArgument,
     PreconditionFailed,
 )
-from moe_sidecar.group import (
+from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
     GroupState,
@@ -22,7 +22,7 @@ from moe_sidecar.group import (
     Refusal,
     Requirement,
 )
-from moe_sidecar.plan import Action, Capacities, Plan
+from moe_sidecar.core.plan import Action, Capacities, Plan
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar import cli
 from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
 from moe_sidecar.client.prewarm import (
     DEFAULT_ARCHS,
@@ -43,6 +42,7 @@ from moe_sidecar.client.prewarm import (
     parse_flashinfer_arch_list,
     workspace_base,
 )
+from moe_sidecar.client.prewarm.command import PREWARM_DEFAULT_ARCHS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,7 +159,7 @@ def test_flashinfer_arch_list_is_read_as_flashinfer_reads_it() -> None:
 
 
 def test_cache_path_is_the_one_flashinfer_wrote_on_the_gpu_machine() -> None:
-    # ../shared/gpu/README.md: with FLASHINFER_WORKSPACE_BASE=/tmp/fi on the
+    # bench/results/gpu/prewarm-cold.log: with FLASHINFER_WORKSPACE_BASE=/tmp/fi on the
     # H200 machine, the compiled module landed here.
     paths = cache_paths(Path("/tmp/fi"), SUPPORTED_FLASHINFER, [H])
     assert str(paths.library) == (
@@ -324,7 +324,7 @@ def test_help_lists_prewarm_and_its_flags() -> None:
     assert "Exit status" in run.stdout and "moe-sidecar[client,flashinfer]" in run.stdout
     # The default list in --help (spelled in sidecar/cli.py, which imports no
     # torch) is the one the command uses.
-    assert ",".join(DEFAULT_ARCHS) == cli.PREWARM_DEFAULT_ARCHS
+    assert ",".join(DEFAULT_ARCHS) == PREWARM_DEFAULT_ARCHS
 
 
 @pytest.mark.skipif(

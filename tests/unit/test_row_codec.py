@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar import policy
-from moe_sidecar.cluster import cluster_plan_of
-from moe_sidecar.plan import Plan
+from moe_sidecar.core import policy
+from moe_sidecar.core.cluster import cluster_plan_of
+from moe_sidecar.core.plan import Plan
+from moe_sidecar.core.sizing import workspace_size_per_rank
 from moe_sidecar.row_codec import (
     MAX_DOCUMENT_BYTES,
     ROW_VERSION,
@@ -19,7 +20,6 @@ from moe_sidecar.row_codec import (
     encode_cluster_plan,
     encode_group,
 )
-from moe_sidecar.sizing import workspace_size_per_rank
 from tests.unit.groups import rich_state
 
 pytestmark = pytest.mark.timeout(10)

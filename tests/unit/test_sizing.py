@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from moe_sidecar.client import sizing
-from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.core.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(10)
 

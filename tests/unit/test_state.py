@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.cluster import ClusterPlan
-from moe_sidecar.effects import EventKind
-from moe_sidecar.errors import CoordinatorUnavailable, RoundTimedOut
-from moe_sidecar.group import Growth, Proposal, Requirement
-from moe_sidecar.plan import Action, Capacities, Plan
+from moe_sidecar.core.cluster import ClusterPlan
+from moe_sidecar.core.effects import EventKind
+from moe_sidecar.core.errors import CoordinatorUnavailable, RoundTimedOut
+from moe_sidecar.core.group import Growth, Proposal, Requirement
+from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.state import Coordinator
 from moe_sidecar.store import DATABASE_FILE, StateStore
 

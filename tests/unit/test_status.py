@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from moe_sidecar.errors import ErrorCode, GroupNotFound, RoundTimedOut
+from moe_sidecar.core.errors import ErrorCode, GroupNotFound, RoundTimedOut
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.status import GRPC_STATUS_FOR, ErrorTranslator, grpc_status_for
 

@@ -20,8 +20,8 @@ from moe_sidecar.client.errors import (
     rpc_status,
 )
 from moe_sidecar.client.transport import EmbeddedTransport, GrpcTransport, transport_for
-from moe_sidecar.group import CommitRecord, Proposal, Requirement
-from moe_sidecar.plan import Action, Capacities
+from moe_sidecar.core.group import CommitRecord, Proposal, Requirement
+from moe_sidecar.core.plan import Action, Capacities
 from tests.multiprocess.harness import Sidecar, running_sidecar
 
 pytestmark = pytest.mark.timeout(60)

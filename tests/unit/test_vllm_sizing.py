@@ -1,9 +1,10 @@
 """Every vLLM generation's ``initialize()`` arguments, sized as that generation sizes them.
 
 The expected workspaces are each vLLM version's own arithmetic, written out
-here from its source (the notes quote it: /work/notes/vllm.md sections 3-5),
+here from its source (``vllm/distributed/device_communicators/all2all.py``),
 on FlashInfer's size function; the DeepSeek-shape figures (hidden 7168,
-top_k 8, 128 tokens, EP 2) are the ones DESIGN section 9 measured on 2 x H200.
+top_k 8, 128 tokens, EP 2) are the ones measured on 2 x H200
+(``bench/results/gpu/``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from moe_sidecar.client.vllm_sizing import (
     describe_activation,
     dispatch_format_name,
 )
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.sizing import workspace_size_per_rank
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.sizing import workspace_size_per_rank
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,7 +47,7 @@ class QuantFormat(enum.Enum):
 
 EP, T, K, E, H = 2, 128, 8, 256, 7168
 NVFP4_B, BF16_B, FP8_SCALED_B = 4_741_504, 7_379_328, 5_601_664
-"""DESIGN section 9 / notes section 0: workspace bytes per rank at these shapes."""
+"""Workspace bytes per rank at these shapes, as measured on 2 x H200."""
 
 
 def workspace(positional: tuple[object, ...] = (), hidden: int = H, **keywords: object) -> int:

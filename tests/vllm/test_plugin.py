@@ -19,7 +19,7 @@ import pytest
 
 from moe_sidecar.client.vllm_plugin import detect_generation, manager_class, plugin_mode
 from moe_sidecar.client.vllm_sizing import Generation
-from moe_sidecar.errors import InvalidArgument
+from moe_sidecar.core.errors import InvalidArgument
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 

@@ -5,7 +5,7 @@ Imported only in spawned rank processes (tests/multiprocess/harness.py's
 ``MOE_SIDECAR_BACKEND=reference`` and either ``MOE_SIDECAR_TARGET`` (a real
 sidecar) or ``MOE_SIDECAR_VLLM=1`` (embedded) in the environment.
 
-What is vLLM's, and from where (/work/notes/vllm.md section 5 has the text):
+What is vLLM's, and from where in vLLM's repository:
 
 * ``_init_dp_environment``: vLLM's test helper (``tests/distributed/
   test_mnnvl_alltoall.py``, the copy at PR #42976), with the changes a CPU

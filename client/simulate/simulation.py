@@ -58,12 +58,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe_sidecar.client.backends.reference import expert_owner
 from moe_sidecar.client.errors import CoordinatorError
 from moe_sidecar.client.manager import WorkspaceManager
-from moe_sidecar.cluster import plan_origin
-from moe_sidecar.defaults import EMBEDDED, ENV_TARGET
-from moe_sidecar.display import format_bytes, format_time
-from moe_sidecar.group import Growth
-from moe_sidecar.limits import MAX_EP_SIZE
-from moe_sidecar.wire_codec import summary_from_proto
+from moe_sidecar.core.cluster import plan_origin
+from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET
+from moe_sidecar.core.group import Growth
+from moe_sidecar.core.limits import MAX_EP_SIZE
+from moe_sidecar.wire.codec import summary_from_proto
+from moe_sidecar.wire.display import format_bytes, format_time
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -16,8 +16,8 @@ import hashlib
 import secrets
 from typing import Final
 
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.limits import MAX_NAME_LENGTH
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.limits import MAX_NAME_LENGTH
 
 __all__ = [
     "MIN_SECRET_LENGTH",

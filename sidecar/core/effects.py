@@ -1,6 +1,6 @@
 """What a step of the decision core asks its executor to do, as data.
 
-Every function of :mod:`moe_sidecar.policy` returns a :class:`Step`: the
+Every function of :mod:`moe_sidecar.core.policy` returns a :class:`Step`: the
 group's new state, the reply for the caller, and the effects to carry out in
 order. The sidecar's state holder (:class:`moe_sidecar.state.Coordinator`)
 executes them and never compares states to find out what happened:
@@ -25,8 +25,8 @@ import enum
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from moe_sidecar.group import Decision, GroupState, Outcome, Refusal
-from moe_sidecar.plan import Action, Plan
+from moe_sidecar.core.group import Decision, GroupState, Outcome, Refusal
+from moe_sidecar.core.plan import Action, Plan
 
 __all__ = [
     "Answer",

@@ -1,18 +1,18 @@
 """A group's replicated part and its join: what nodes share through a cluster store. Pure.
 
-A :class:`ClusterPlan` is the part of a :class:`~moe_sidecar.group.GroupState`
+A :class:`ClusterPlan` is the part of a :class:`~moe_sidecar.core.group.GroupState`
 that outlives a node: the group's layout (``ep_size``), its epoch, its stored
 plan, its generation counter and its growth history, each growth naming the
 node that made it. Round state (lifetimes, ranks, open rounds, retained
 outcomes, what a lifetime built) stays on the node that runs the ranks.
 
-Cluster plans form a lattice on top of :func:`moe_sidecar.plan.join`, so
+Cluster plans form a lattice on top of :func:`moe_sidecar.core.plan.join`, so
 stores that exchange them converge whatever the order, and nothing merges by
 any other rule (:func:`join_cluster_plans`):
 
 * the higher epoch wins whole: its plan and its history (a reset is never
   undone by a node that missed it);
-* in one epoch the plans join with :func:`moe_sidecar.plan.join` (no plan is
+* in one epoch the plans join with :func:`moe_sidecar.core.plan.join` (no plan is
   the bottom) and the histories are united; a joined plan that neither side
   held is recorded as a growth made by the joining node;
 * the generation counter is the larger of the two (generations are never
@@ -28,10 +28,10 @@ import math
 from dataclasses import astuple, dataclass, replace
 from typing import Final
 
-from moe_sidecar import limits
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.group import GroupState, Growth
-from moe_sidecar.plan import Plan, dominates, join
+from moe_sidecar.core import limits
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.group import GroupState, Growth
+from moe_sidecar.core.plan import Plan, dominates, join
 
 __all__ = [
     "JOINED_LAYER",

@@ -19,10 +19,10 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from moe_sidecar import limits
-from moe_sidecar.effects import EventKind, GroupEvent
-from moe_sidecar.errors import InvalidArgument, UndecodableRequest
-from moe_sidecar.group import (
+from moe_sidecar.core import limits
+from moe_sidecar.core.effects import EventKind, GroupEvent
+from moe_sidecar.core.errors import InvalidArgument, UndecodableRequest
+from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
     GroupSummary,
@@ -31,8 +31,8 @@ from moe_sidecar.group import (
     RankSummary,
     Requirement,
 )
-from moe_sidecar.identity import lifetime_id
-from moe_sidecar.plan import Action, Capacities, Plan
+from moe_sidecar.core.identity import lifetime_id
+from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_workspace.v1 import coordinator_pb2 as pb
 
 __all__ = [
@@ -236,7 +236,7 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
 
 def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
     """The domain proposal of a ``ProposeRequest``; its lifetime token becomes
-    the lifetime's id (:func:`moe_sidecar.identity.lifetime_id`).
+    the lifetime's id (:func:`moe_sidecar.core.identity.lifetime_id`).
 
     Raises:
         InvalidArgument: the requirement or its capacities are missing, or

@@ -1,38 +1,38 @@
 """The decision core: rounds, lifetimes, commits, resets. Pure.
 
-Frozen values in (:mod:`moe_sidecar.group`), a :class:`~moe_sidecar.effects.Step`
+Frozen values in (:mod:`moe_sidecar.core.group`), a :class:`~moe_sidecar.core.effects.Step`
 out: the new state, the reply for the caller and the effects to carry out.
 No grpc, no asyncio, no torch, no clock: the time is an argument (``now``, in
 seconds of whatever clock the caller uses consistently). The sidecar's state
 holder and the client's embedded mode both drive groups through these
-functions, and plans only move through :mod:`moe_sidecar.plan`'s join.
+functions, and plans only move through :mod:`moe_sidecar.core.plan`'s join.
 
-The protocol (DESIGN section 4):
+The protocol:
 
 * The n-th ``initialize()`` of a rank in one process lifetime is round n.
   A round closes when every local rank of the group has proposed it, and
   every one of them gets the same outcome.
 * The round's need is the join of its proposals' capacities (and of what
   the lifetime has built, whose layers still run); the decided plan is
-  :func:`~moe_sidecar.plan.grow` of the stored plan by that need, and the
-  action :func:`~moe_sidecar.plan.decide_action` of what the lifetime built.
+  :func:`~moe_sidecar.core.plan.grow` of the stored plan by that need, and the
+  action :func:`~moe_sidecar.core.plan.decide_action` of what the lifetime built.
   The stored plan outlives process lifetimes, so round 1 of a restart
   starts from the historical union.
 * Another ``top_k``/``num_experts`` than the plan, ranks disagreeing in a
   round, or a growth out of range closes the round as refused for everyone.
 * A retried proposal for a closed round gets the same outcome back.
 * A plan decided on another node arrives as a
-  :class:`~moe_sidecar.cluster.ClusterPlan` and is merged with the cluster
+  :class:`~moe_sidecar.core.cluster.ClusterPlan` and is merged with the cluster
   plans' join (:func:`merge`); steps that change a group's epoch or plan ask
-  their executor to replicate it (:class:`~moe_sidecar.effects.Replicate`).
+  their executor to replicate it (:class:`~moe_sidecar.core.effects.Replicate`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moe_sidecar import limits
-from moe_sidecar.cluster import (
+from moe_sidecar.core import limits
+from moe_sidecar.core.cluster import (
     MAX_HISTORY,
     ClusterPlan,
     LayoutMismatch,
@@ -42,7 +42,7 @@ from moe_sidecar.cluster import (
     join_cluster_plans,
     plan_origin,
 )
-from moe_sidecar.effects import (
+from moe_sidecar.core.effects import (
     Answer,
     Deadline,
     Effect,
@@ -54,8 +54,8 @@ from moe_sidecar.effects import (
     Step,
     Wait,
 )
-from moe_sidecar.errors import ErrorCode, InvalidArgument, PreconditionFailed, RoundAborted
-from moe_sidecar.group import (
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFailed, RoundAborted
+from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
     GroupState,
@@ -66,8 +66,8 @@ from moe_sidecar.group import (
     RankRecord,
     Refusal,
 )
-from moe_sidecar.identity import short_id
-from moe_sidecar.plan import (
+from moe_sidecar.core.identity import short_id
+from moe_sidecar.core.plan import (
     Action,
     Capacities,
     ShapeMismatch,
@@ -651,10 +651,10 @@ def propose(
     ``node`` names this node in the growth history (``--node-name``).
 
     ``state`` is None for a group this sidecar has never seen. The step's
-    reply is :class:`~moe_sidecar.effects.Wait` when the round still misses
-    ranks, else the round's outcome (a :class:`~moe_sidecar.group.Decision`
+    reply is :class:`~moe_sidecar.core.effects.Wait` when the round still misses
+    ranks, else the round's outcome (a :class:`~moe_sidecar.core.group.Decision`
     or, when the round was refused for everyone, a
-    :class:`~moe_sidecar.group.Refusal`); a retry of a closed round gets that
+    :class:`~moe_sidecar.core.group.Refusal`); a retry of a closed round gets that
     round's outcome and no effects.
 
     Raises:
@@ -1031,7 +1031,7 @@ def merge(state: GroupState | None, remote: ClusterPlan, now: float, *, node: st
 
     ``state`` is None for a group this node has never seen. The group's
     epoch, plan, generation counter and history become the join of its own
-    and ``remote`` (:func:`~moe_sidecar.cluster.join_cluster_plans`): a later
+    and ``remote`` (:func:`~moe_sidecar.core.cluster.join_cluster_plans`): a later
     epoch replaces the plan (a reset reaches this node), in one epoch the
     plans join, nothing ever shrinks. Rounds, lifetimes and what a lifetime
     built are this node's own and do not change: an open round decides from

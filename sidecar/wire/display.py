@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from moe_sidecar.cluster import plan_origin
-from moe_sidecar.group import GroupSummary, Growth
-from moe_sidecar.plan import Capacities, Plan
+from moe_sidecar.core.cluster import plan_origin
+from moe_sidecar.core.group import GroupSummary, Growth
+from moe_sidecar.core.plan import Capacities, Plan
 
 __all__ = [
     "capacities_text",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from moe_sidecar.errors import InvalidArgument
-from moe_sidecar.plan import Capacities, Plan
+from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.plan import Capacities, Plan
 
 __all__ = [
     "MAX_BUILD_SECONDS",

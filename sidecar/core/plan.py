@@ -35,7 +35,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import Final
 
-from moe_sidecar.sizing import workspace_size_per_rank
+from moe_sidecar.core.sizing import workspace_size_per_rank
 
 __all__ = [
     "SHAPE_FIELDS",
@@ -67,7 +67,7 @@ class Action(enum.Enum):
 class Capacities:
     """What an all-to-all workspace holds, per rank (or what one layer needs).
 
-    Every field is a non-negative integer; :mod:`moe_sidecar.limits` holds
+    Every field is a non-negative integer; :mod:`moe_sidecar.core.limits` holds
     their ranges. ``top_k`` and ``num_experts`` are the workspace's shape:
     they never grow, they must match.
     """
@@ -116,7 +116,7 @@ class Capacities:
 def _workspace_bytes(
     ep_size: int, max_tokens: int, dispatch: int, combine: int, eplb_experts: int
 ) -> int:
-    """:func:`~moe_sidecar.sizing.workspace_size_per_rank`, remembered: a round
+    """:func:`~moe_sidecar.core.sizing.workspace_size_per_rank`, remembered: a round
     asks it for the same plan many times (limits, every answer, gauges, logs)."""
     return workspace_size_per_rank(ep_size, max_tokens, dispatch, combine, eplb_experts)
 

@@ -1,7 +1,7 @@
 """What the decision core knows of an EP group: frozen values, nothing else.
 
-The functions that move these values are in :mod:`moe_sidecar.policy`; the
-one codec per boundary converts them (:mod:`moe_sidecar.wire_codec` to and
+The functions that move these values are in :mod:`moe_sidecar.core.policy`; the
+one codec per boundary converts them (:mod:`moe_sidecar.wire.codec` to and
 from the wire, :mod:`moe_sidecar.row_codec` to and from stored rows).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from moe_sidecar.errors import CoordinatorError, ErrorCode, error_for_code
-from moe_sidecar.identity import short_id
-from moe_sidecar.plan import Action, Capacities, Plan
+from moe_sidecar.core.errors import CoordinatorError, ErrorCode, error_for_code
+from moe_sidecar.core.identity import short_id
+from moe_sidecar.core.plan import Action, Capacities, Plan
 
 __all__ = [
     "CommitRecord",
@@ -50,7 +50,7 @@ class Proposal:
     local_ranks: int
     lifetime: str
     """The rank's lifetime: its secret token on the client's side, its id
-    (:func:`moe_sidecar.identity.lifetime_id`) once past the sidecar's boundary."""
+    (:func:`moe_sidecar.core.identity.lifetime_id`) once past the sidecar's boundary."""
     round: int
     requirement: Requirement
 
@@ -105,7 +105,7 @@ class RankRecord:
 
     ep_rank: int
     lifetime: str
-    """The id of the rank's lifetime (:mod:`moe_sidecar.identity`), never its token."""
+    """The id of the rank's lifetime (:mod:`moe_sidecar.core.identity`), never its token."""
     lifetime_index: int
     """Which lifetime of the group this rank's lifetime belongs to."""
     last_round: int = 0
@@ -205,7 +205,7 @@ class RankSummary:
 
     ep_rank: int
     lifetime: str
-    """A short id of the rank's lifetime (:func:`moe_sidecar.identity.short_id`)."""
+    """A short id of the rank's lifetime (:func:`moe_sidecar.core.identity.short_id`)."""
     last_round: int
     last_layer: str
     committed_generation: int
