@@ -136,6 +136,8 @@ else
             mmdebstrap --quiet "${base_options[@]}" --format=tar "$suite" "$partial" "${sources[@]}"
         mv "$partial" "$base_tar"
         trap - EXIT
+        # Tarballs of other sources or options are superseded by this one.
+        find "$cache_dir" -maxdepth 1 -name 'base-*.tar' ! -path "$base_tar" -delete
     fi
     # The python images' environment: their PATH (the Dockerfile's ENV PATH
     # extends it) and a UTF-8 locale.
@@ -154,6 +156,12 @@ step "image: buildah bud -f docker/Dockerfile -t $tag" "$build_limit" \
     -v "$ca_bundle:$ca_bundle:ro" \
     --build-arg "PYTHON_IMAGE=$base_image" \
     -f docker/Dockerfile -t "$tag" .
+
+# Superseded builds (the previous tag's layers, old build stages) stay as
+# untagged images that later builds may reuse; a week old, they go, so a CI
+# machine's disk does not fill up build by build.
+podman image prune --force --filter until=168h >/dev/null ||
+    echo "build-image: warning: could not prune untagged images older than a week" >&2
 
 size=$(podman image inspect --format '{{.Size}}' "$tag") || fail "$tag: not in podman's storage after the build"
 echo "image $tag: $((size / 1000000)) MB, built in $((SECONDS - started)) s"
