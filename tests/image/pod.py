@@ -305,8 +305,9 @@ class Pod:
         """``argv`` on the host, in the pod's network namespace."""
         return _run(["nsenter", f"--net={self.netns_path}", "--", *argv], timeout, check=False)
 
-    def probe(self, probe: dict[str, Any]) -> dict[str, Any]:
-        """The kubelet's gRPC ``probe`` against the pod's address; its last outcome."""
+    def probe(self, probe: dict[str, Any], host: str = POD_IP) -> dict[str, Any]:
+        """The kubelet's gRPC ``probe`` against the pod's address (or ``host`` in the
+        pod's network); its last outcome."""
         if set(probe) - {"grpc", "periodSeconds", "failureThreshold", "timeoutSeconds"}:
             raise PodError(f"probe {probe}: only gRPC probes run here")
         period = float(probe.get("periodSeconds", 10))
@@ -316,7 +317,7 @@ class Pod:
             sys.executable,
             str(PROBE),
             "grpc",
-            f"{POD_IP}:{probe['grpc']['port']}",
+            f"{host}:{probe['grpc']['port']}",
             probe["grpc"].get("service", ""),
             "--period",
             str(period),

@@ -29,7 +29,7 @@ from moe_sidecar.core.defaults import ENV_TARGET
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.image.pod import Pod, image_config, podman
+from tests.image.pod import POD_IP, Pod, image_config, podman
 from tests.integration.helpers import BF16, NVFP4, propose_request, workspace_bytes
 from tests.integration.test_docker_entrypoint import FINAL, image_command, image_env
 from tests.integration.test_shutdown_and_sockets import _until_waiting_ranks
@@ -144,8 +144,11 @@ def test_the_image_starts_as_its_dockerfile_says(pod: Pod, sidecar_image: str) -
     in_container = _socket_in_container()
     name = pod.start_plain({socket_dir: str(in_container.parent)})
     target = f"unix://{socket_dir / in_container.name}"
+    # On loopback: where the image's health port listens, whatever else it binds.
     health_port = int(env["MOE_SIDECAR_HEALTH_PORT"])
-    startup = pod.probe({"grpc": {"port": health_port}, "periodSeconds": 1, "failureThreshold": 30})
+    startup = pod.probe(
+        {"grpc": {"port": health_port}, "periodSeconds": 1, "failureThreshold": 30}, "127.0.0.1"
+    )
     assert startup["status"] == "SERVING", (startup, pod.logs(name))
 
     status = podman("exec", name, "cat", "/proc/1/status").stdout
@@ -198,6 +201,19 @@ def test_the_daemonset_sidecar_serves_its_probes_socket_and_metrics(pod: Pod) ->
     assert group["plan"]["origin"]["node"] == NODE_NAME, "the node's name from the downward API"
     scrape = pod.http_get(metrics_port, annotations["prometheus.io/path"])
     assert "moe_sidecar_groups 1.0" in scrape["body"]
+
+    # The coordinator's TCP listener (for `kubectl port-forward`) is on the
+    # pod's loopback only: reachable there, not on the pod's address.
+    [tcp] = [a for a in _sidecar_config().listen_addresses if a.unix_path is None]
+    assert tcp.host == "127.0.0.1", tcp
+    local = pod.in_network(str(MOE_SIDECAR), "groups", "--json", "--target", tcp.target, timeout=30)
+    assert local.returncode == 0, local.stderr
+    assert [g["name"] for g in json.loads(local.stdout)] == ["image/restart"]
+    outside = f"{POD_IP}:{tcp.target.rpartition(':')[2]}"
+    refused = pod.in_network(
+        str(MOE_SIDECAR), "groups", "--target", outside, "--timeout", "2", timeout=30
+    )
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr, refused
 
     # The inference container's view: its user, its security context and the
     # pod's fsGroup, the socket volume where it mounts it, its MOE_SIDECAR_TARGET.
