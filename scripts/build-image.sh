@@ -58,18 +58,25 @@ fail() {
 }
 
 # step NAME LIMIT COMMAND...: runs COMMAND under LIMIT seconds; a failure or a
-# timeout names the step and stops the build.
+# timeout names the step and stops the build. A step that fetches from the
+# network (the apt mirror, PyPI) gets a second attempt after a failure, not
+# after a timeout: one dropped connection should not fail a CI run.
 step() {
-    local name=$1 limit=$2 started=$SECONDS status=0
+    local name=$1 limit=$2 started=$SECONDS status=0 attempt
     shift 2
-    echo "build-image: $name (at most ${limit} s)"
-    timeout --kill-after=10 "$limit" "$@" || status=$?
-    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
-        fail "$name: still running after ${limit} s, stopped"
-    elif [ "$status" -ne 0 ]; then
-        fail "$name: failed (exit status $status), see its output above"
-    fi
-    echo "build-image: $name done in $((SECONDS - started)) s"
+    for attempt in 1 2; do
+        echo "build-image: $name (attempt $attempt, at most ${limit} s)"
+        status=0
+        timeout --kill-after=10 "$limit" "$@" || status=$?
+        if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+            fail "$name: still running after ${limit} s, stopped"
+        elif [ "$status" -eq 0 ]; then
+            echo "build-image: $name done in $((SECONDS - started)) s"
+            return 0
+        fi
+        echo "build-image: $name failed (exit status $status)" >&2
+    done
+    fail "$name: failed twice (exit status $status), see its output above"
 }
 
 missing=()
@@ -133,7 +140,8 @@ else
         partial=$base_tar.partial.$$
         trap 'rm -f "$partial"' EXIT
         step "base rootfs: mmdebstrap $suite ($packages)" "$base_limit" \
-            mmdebstrap --quiet "${base_options[@]}" --format=tar "$suite" "$partial" "${sources[@]}"
+            bash -c 'rm -f "$0" && exec mmdebstrap "$@"' "$partial" \
+            --quiet "${base_options[@]}" --format=tar "$suite" "$partial" "${sources[@]}"
         mv "$partial" "$base_tar"
         trap - EXIT
         # Tarballs of other sources or options are superseded by this one.
