@@ -262,7 +262,7 @@ class Pod:
         name = f"{self.netns}-{container['name']}-{uuid.uuid4().hex[:6]}"
         self.containers.append(name)
         done = podman("run", "--name", name, *self._argv(container), timeout=timeout, check=False)
-        podman("rm", "--force", name, timeout=60, check=False)
+        podman("rm", "--force", "--volumes", name, timeout=60, check=False)
         assert done.returncode == 0, (
             f"container {container['name']} exited {done.returncode}:\n{done.stdout}{done.stderr}"
         )
@@ -361,7 +361,7 @@ class Pod:
 
     def close(self) -> None:
         for name in self.containers:
-            podman("rm", "--force", "--time", "0", name, timeout=60, check=False)
+            podman("rm", "--force", "--volumes", "--time", "0", name, timeout=60, check=False)
         _run(["ip", "netns", "del", self.netns], 30, check=False)
 
 
