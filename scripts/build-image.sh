@@ -20,8 +20,9 @@
 # them builds a new base. buildah's layer cache is kept too. --clean ignores
 # all three (what docs/image.md's figures were measured with).
 #
-# Every step runs under a time limit and a failure names the step. The last
-# line printed is "image TAG: N MB, built in S s".
+# Every step runs under a time limit; a failed step is tried once more, and a
+# second failure (or a timeout) names the step. The last line printed is
+# "image TAG: N MB, built in S s".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
