@@ -9,7 +9,7 @@ from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Ste
 from moe_sidecar.core.errors import PreconditionFailed
 from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Growth, Refusal
 from moe_sidecar.core.identity import short_id
-from moe_sidecar.core.plan import EpochPlan, join, join_epoch_plans
+from moe_sidecar.core.plan import EpochPlan, ShapeMismatch, join, join_epoch_plans
 from moe_sidecar.core.policy.events import group_event
 from moe_sidecar.core.policy.rounds import with_rank
 from moe_sidecar.core.policy.validation import validate_commit
@@ -85,8 +85,9 @@ def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") ->
 
     Raises:
         InvalidArgument: a malformed field (state unchanged).
-        PreconditionFailed: the rank, lifetime or round has no decision, or
-            the plan does not match it (state unchanged).
+        PreconditionFailed: the rank, lifetime or round has no decision, the
+            plan does not match it, or (across nodes) it cannot join the
+            group's plan of its epoch, of another shape (state unchanged).
     """
     validate_commit(state, c)
     decided = _committed_decision(state, c).plan
@@ -116,7 +117,16 @@ def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") ->
         ),
     )
     if spans_nodes:
-        state = _absorb(state, c, now, node)
+        try:
+            state = _absorb(state, c, now, node)
+        except ShapeMismatch as error:
+            # Another node's plan of this epoch has another shape: the agreed
+            # plan cannot join it, and nothing of the commit is recorded.
+            raise PreconditionFailed(
+                f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round "
+                f"{c.round}, which cannot join the group's plan ({error}); FlashInfer's "
+                "all-to-all needs one top_k and num_experts for every layer"
+            ) from None
     moved = state.plan != before.plan or state.epoch != before.epoch
     return Step(
         state,
