@@ -52,9 +52,7 @@ def _absorb(state: GroupState, c: CommitRecord, now: float, node: str) -> GroupS
     since the round) changes only what the lifetime built.
     """
     built = c.plan if state.built is None else join(state.built, c.plan)
-    held = join_epoch_plans(
-        EpochPlan(state.epoch, state.plan, state.generation), EpochPlan.of(c.plan)
-    )
+    held = join_epoch_plans(state.held, EpochPlan.of(c.plan))
     plan = held.plan
     if plan == state.plan and built == state.built:
         return state
