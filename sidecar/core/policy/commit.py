@@ -44,15 +44,50 @@ def _committed_decision(state: GroupState, c: CommitRecord) -> Decision:
     return outcome
 
 
+def _check_matches_decision(state: GroupState, c: CommitRecord, *, spans_nodes: bool) -> None:
+    """Checks the committed plan against its round's decision: equal to it on
+    one node, at least it in the lattice across nodes.
+
+    Raises:
+        PreconditionFailed: no decision to commit, or a plan that does not match it.
+    """
+    decided = _committed_decision(state, c).plan
+    matches = (
+        c.plan.epoch > decided.epoch
+        or (c.plan.epoch == decided.epoch and c.plan.covers(decided.capacities))
+        if spans_nodes
+        else c.plan == decided
+    )
+    if not matches:
+        raise PreconditionFailed(
+            f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round {c.round}, "
+            f"but the round decided {decided}"
+            + ("; a commit may only cover the decision" if spans_nodes else "")
+        )
+
+
 def _absorb(state: GroupState, c: CommitRecord, now: float, node: str) -> GroupState:
     """Joins a plan agreed across nodes into the stored plan and what the lifetime built.
 
     An agreed plan of a later epoch (another node had heard of a reset) starts
     that epoch here too; one of an earlier epoch (this node has been reset
     since the round) changes only what the lifetime built.
+
+    Raises:
+        PreconditionFailed: the agreed plan has another shape than the
+            group's plan of its epoch (or what the lifetime built).
     """
-    built = c.plan if state.built is None else join(state.built, c.plan)
-    held = join_epoch_plans(state.held, EpochPlan.of(c.plan))
+    try:
+        built = c.plan if state.built is None else join(state.built, c.plan)
+        held = join_epoch_plans(state.held, EpochPlan.of(c.plan))
+    except ShapeMismatch as error:
+        # Another node's plan of this epoch has another shape: the agreed
+        # plan cannot join it, and nothing of the commit is recorded.
+        raise PreconditionFailed(
+            f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round "
+            f"{c.round}, which cannot join the group's plan ({error}); FlashInfer's "
+            "all-to-all needs one top_k and num_experts for every layer"
+        ) from None
     plan = held.plan
     if plan == state.plan and built == state.built:
         return state
@@ -88,20 +123,8 @@ def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") ->
             group's plan of its epoch, of another shape (state unchanged).
     """
     validate_commit(state, c)
-    decided = _committed_decision(state, c).plan
     spans_nodes = state.ep_size > state.local_ranks
-    matches = (
-        c.plan.epoch > decided.epoch
-        or (c.plan.epoch == decided.epoch and c.plan.covers(decided.capacities))
-        if spans_nodes
-        else c.plan == decided
-    )
-    if not matches:
-        raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round {c.round}, "
-            f"but the round decided {decided}"
-            + ("; a commit may only cover the decision" if spans_nodes else "")
-        )
+    _check_matches_decision(state, c, spans_nodes=spans_nodes)
     record = state.rank(c.ep_rank)
     assert record is not None
     before = state
@@ -115,16 +138,7 @@ def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") ->
         ),
     )
     if spans_nodes:
-        try:
-            state = _absorb(state, c, now, node)
-        except ShapeMismatch as error:
-            # Another node's plan of this epoch has another shape: the agreed
-            # plan cannot join it, and nothing of the commit is recorded.
-            raise PreconditionFailed(
-                f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round "
-                f"{c.round}, which cannot join the group's plan ({error}); FlashInfer's "
-                "all-to-all needs one top_k and num_experts for every layer"
-            ) from None
+        state = _absorb(state, c, now, node)
     moved = state.plan != before.plan or state.epoch != before.epoch
     return Step(
         state,
