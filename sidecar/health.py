@@ -5,8 +5,7 @@ Watch update, so one watcher that never reads (a zero flow-control window)
 blocks every later status change, and with it the sidecar's shutdown. Here
 a status change only records the new status and wakes each watcher; every
 watcher writes on its own, so a stuck one stalls nobody else, and shutdown
-cancels it with the server. Once shutting down, each watcher is sent
-NOT_SERVING and its stream ends, so no watcher holds the shutdown.
+cancels it with the server.
 """
 
 from __future__ import annotations
@@ -83,10 +82,6 @@ class HealthServicer:
                     # Only this watcher waits here if its peer does not read.
                     await context.write(health_pb2.HealthCheckResponse(status=status))
                     last = status
-                if self._shutting_down:
-                    # NOT_SERVING was the last word: the stream ends now
-                    # rather than hold the server's stop for its grace period.
-                    return
                 changed.clear()
                 if self._status.get(request.service, _SERVICE_UNKNOWN) == last:
                     await changed.wait()
