@@ -236,6 +236,30 @@ def test_idle_connections_are_capped_per_listener_and_closed_when_idle(
         assert sidecar["process"].poll() is None
 
 
+async def test_a_session_stream_outlives_the_idle_timeout(tmp_path: Path) -> None:
+    """A rank's Session stream is a call in flight: its connection stays open
+    past --idle-connection-timeout (an idle socket opened beside it is closed
+    meanwhile), and its next message is answered."""
+    async with running_server(make_config(tmp_path, idle_connection_timeout=1.0)) as server:
+        target = server.addresses.listen[1]
+        async with coordinator_stub(target) as stub:
+            first = propose_request(0, group="rank/ep1", ep_size=1, local_ranks=1)
+            call, outbox = await _session(stub, first)
+            assert (await call.read()).WhichOneof("result") == "decision"
+            host, _, port = target.rpartition(":")
+            beside = _flood(lambda: socket.create_connection((host, int(port))), 1, HTTP2_HELLO)
+            try:
+                closed = await asyncio.to_thread(_wait_closed, beside, 1, 10.0)
+                assert closed == 1, "the idle socket beside the session was not closed"
+            finally:
+                beside[0].close()
+            second = propose_request(0, 2, group="rank/ep1", ep_size=1, local_ranks=1)
+            await outbox.put(pb.SessionRequest(id=2, propose=second))
+            answer = await asyncio.wait_for(call.read(), 5)
+            assert (answer.id, answer.WhichOneof("result")) == (2, "decision"), answer
+            await outbox.put(None)
+
+
 def test_every_listener_bound_is_exported_as_a_limit(tmp_path: Path) -> None:
     """Each listener bound is a flag and a ``moe_sidecar_limit`` series."""
     with _sidecar(
