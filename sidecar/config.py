@@ -164,21 +164,6 @@ class SidecarConfig:
     """RPCs in flight at once on the health port (kubelet probes, Health.Watch)."""
     max_metrics_connections: int = 16
     """Connections the metrics endpoint serves at once."""
-    max_group_series: int = 256
-    """Groups with metric series of their own; the rest are summed under group="_other"."""
-    max_page_size: int = 500
-    """Most groups one ListGroups page holds."""
-    metrics_host: str = "0.0.0.0"
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    """With it, TCP listeners require client certificates signed by this CA (mTLS)."""
-    insecure: bool = False
-    """Allow plaintext TCP beyond loopback (the operator knows the network is private)."""
-    store: str = ""
-    """``sqlite:///DIR`` or ``etcd://...``; empty: the SQLite in ``state_dir``."""
-    node_name: str = ""
-    """This node's name in plan origins; empty: the hostname."""
     # Listener bounds: what a flood of connections can hold. An idle HTTP/2
     # connection costs the sidecar about 15 KiB; with these defaults every
     # port together holds at most a few MiB of them however many arrive.
@@ -200,6 +185,21 @@ class SidecarConfig:
     """Seconds a metrics connection may take to send its request (and to read
     the answer); when every slot is taken, the connection waiting longest for
     its request is closed to make room, so a scrape always gets one."""
+    max_group_series: int = 256
+    """Groups with metric series of their own; the rest are summed under group="_other"."""
+    max_page_size: int = 500
+    """Most groups one ListGroups page holds."""
+    metrics_host: str = "0.0.0.0"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    """With it, TCP listeners require client certificates signed by this CA (mTLS)."""
+    insecure: bool = False
+    """Allow plaintext TCP beyond loopback (the operator knows the network is private)."""
+    store: str = ""
+    """``sqlite:///DIR`` or ``etcd://...``; empty: the SQLite in ``state_dir``."""
+    node_name: str = ""
+    """This node's name in plan origins; empty: the hostname."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
     store_target: StoreTarget = field(init=False, repr=False, compare=False)
     """``store`` parsed; with etcd, the node's SQLite in ``state_dir`` stays
@@ -447,43 +447,6 @@ _OPTIONS = (
         "N",
     ),
     _Option(
-        "--max-group-series",
-        "max_group_series",
-        int,
-        'groups with metric series of their own; the rest sum into group="_other" (default 256)',
-        "N",
-    ),
-    _Option(
-        "--max-page-size",
-        "max_page_size",
-        int,
-        "groups per ListGroups page at most (default 500)",
-        "N",
-    ),
-    _Option(
-        "--metrics-host",
-        "metrics_host",
-        str,
-        "address the metrics endpoint binds (default 0.0.0.0; 127.0.0.1 keeps it on loopback)",
-        "HOST",
-    ),
-    _Option("--tls-cert", "tls_cert", Path, "PEM certificate for TCP listeners", "FILE"),
-    _Option("--tls-key", "tls_key", Path, "PEM private key for TCP listeners", "FILE"),
-    _Option(
-        "--tls-client-ca",
-        "tls_client_ca",
-        Path,
-        "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
-        "FILE",
-    ),
-    _Option(
-        "--insecure",
-        "insecure",
-        _bool,
-        "allow plaintext TCP listeners beyond loopback (off by default)",
-    ),
-    # Listener bounds.
-    _Option(
         "--max-listener-connections",
         "max_listener_connections",
         int,
@@ -521,6 +484,42 @@ _OPTIONS = (
         "seconds a metrics connection may take to send its request; when all are taken the "
         "one waiting longest is closed for a new one (default 5)",
         "SECONDS",
+    ),
+    _Option(
+        "--max-group-series",
+        "max_group_series",
+        int,
+        'groups with metric series of their own; the rest sum into group="_other" (default 256)',
+        "N",
+    ),
+    _Option(
+        "--max-page-size",
+        "max_page_size",
+        int,
+        "groups per ListGroups page at most (default 500)",
+        "N",
+    ),
+    _Option(
+        "--metrics-host",
+        "metrics_host",
+        str,
+        "address the metrics endpoint binds (default 0.0.0.0; 127.0.0.1 keeps it on loopback)",
+        "HOST",
+    ),
+    _Option("--tls-cert", "tls_cert", Path, "PEM certificate for TCP listeners", "FILE"),
+    _Option("--tls-key", "tls_key", Path, "PEM private key for TCP listeners", "FILE"),
+    _Option(
+        "--tls-client-ca",
+        "tls_client_ca",
+        Path,
+        "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
+        "FILE",
+    ),
+    _Option(
+        "--insecure",
+        "insecure",
+        _bool,
+        "allow plaintext TCP listeners beyond loopback (off by default)",
     ),
 )
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
