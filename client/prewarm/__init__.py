@@ -162,6 +162,11 @@ _IMPLEMENTATION: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
+    """The public ``name``, from its module (imported now if it was not yet).
+
+    Raises:
+        AttributeError: not a public name of this package.
+    """
     module = _IMPLEMENTATION.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

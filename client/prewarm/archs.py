@@ -58,10 +58,12 @@ class CudaArch:
 
     @property
     def digit(self) -> int:
+        """The minor digit without its suffix: ``0`` of ``0a``."""
         return int(self.minor[0])
 
     @property
     def suffix(self) -> str:
+        """``a`` (arch-specific), ``f`` (family) or empty."""
         return self.minor[1:]
 
     def __str__(self) -> str:

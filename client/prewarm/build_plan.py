@@ -64,6 +64,7 @@ class BuildPlan:
 
     @property
     def to_build(self) -> tuple[Target, ...]:
+        """The targets a build process will run for."""
         return tuple(t for t in self.targets if t.status == "to-build")
 
 

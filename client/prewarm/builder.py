@@ -46,6 +46,7 @@ class TargetResult:
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
+        """This target's entry in ``--json``'s ``targets``."""
         paths = self.target.paths
         return {
             "archs": [a.label for a in sorted_archs(self.target.archs)],

@@ -74,6 +74,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Runs the command; without torch, names the extras to install and returns 2.
+
+    Raises:
+        ModuleNotFoundError: another module than torch is missing (a broken install).
+    """
     # Imported here: the client needs torch, which serve and groups must not import.
     try:
         from moe_sidecar.client.prewarm.run import run_cli
