@@ -193,8 +193,7 @@ def build_target(
     """Builds one target in a child process, printing elapsed time while it runs.
 
     Args:
-        target: the target (its paths decide ``FLASHINFER_WORKSPACE_BASE``,
-            its module the JIT spec the child builds).
+        target: the target (its paths and its module: what is built where).
         env: the environment the child starts from (build variables included).
         verbose: let ninja/nvcc print to this process's stderr.
         timeout: seconds before the build is stopped.
