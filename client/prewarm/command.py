@@ -9,7 +9,7 @@ import sys
 __all__ = ["PREWARM_DEFAULT_ARCHS", "add_command"]
 
 PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
-"""``build.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
+"""``archs.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +74,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Runs the command; without torch, names the extras to install and returns 2.
+
+    Raises:
+        ModuleNotFoundError: another module than torch is missing (a broken install).
+    """
     # Imported here: the client needs torch, which serve and groups must not import.
     try:
-        from moe_sidecar.client.prewarm.build import run_cli
+        from moe_sidecar.client.prewarm.run import run_cli
     except ModuleNotFoundError as error:
         if error.name != "torch":
             raise
