@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import multiprocessing.connection
 import resource
@@ -48,10 +49,29 @@ WORKERS = 2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def _serving_ports(process: subprocess.Popen[bytes], log: Path) -> dict[str, int]:
+    """The ports the sidecar bound (it was asked for any port), from its JSON
+    ``serving`` log line: no port is picked in advance that another process
+    could take first.
+
+    Raises:
+        AssertionError: the sidecar exited or did not serve within 30 s.
+    """
+    deadline = time.monotonic() + 30
+    while True:
+        exited = process.poll() is not None
+        for line in log.read_text().split("\n")[:-1]:  # whole lines only
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("message") == "serving":
+                tcp = next(t for t in record["listen"] if not t.startswith("unix:"))
+                return {
+                    "tcp": int(tcp.rpartition(":")[2]),
+                    "health": record["health_port"],
+                    "metrics": record["metrics_port"],
+                }
+        assert not exited, log.read_text()
+        assert time.monotonic() < deadline, "the sidecar did not start"
+        time.sleep(0.1)  # the poll interval of a wait with a deadline
 
 
 def _flood_worker(
@@ -124,7 +144,6 @@ def main() -> int:
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        ports = {"tcp": _free_port(), "health": _free_port(), "metrics": _free_port()}
         unix = f"{tmp}/s.sock"
         log = Path(tmp) / "sidecar.log"
         with log.open("wb") as stderr:
@@ -133,21 +152,17 @@ def main() -> int:
                     sys.executable,
                     "-m",
                     "moe_sidecar",
-                    *("--listen", f"unix://{unix}", "--listen", f"127.0.0.1:{ports['tcp']}"),
+                    *("--listen", f"unix://{unix}", "--listen", "127.0.0.1:0"),
                     *("--state-dir", f"{tmp}/state", "--metrics-host", "127.0.0.1"),
-                    *("--health-port", str(ports["health"])),
-                    *("--metrics-port", str(ports["metrics"])),
+                    *("--health-port", "auto", "--metrics-port", "auto"),
                 ],
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
             )
         try:
-            deadline = time.monotonic() + 30
-            while _answered(lambda: _health(ports["health"])) != "yes":
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "the sidecar did not start"
-                time.sleep(0.1)  # the poll interval of a wait with a deadline
+            ports = _serving_ports(process, log)
+            assert _answered(lambda: _health(ports["health"])) == "yes", log.read_text()
             sidecar = psutil.Process(process.pid)
             print(
                 f"sidecar with default bounds; {args.connections} idle connections per port, "

@@ -132,7 +132,8 @@ class SidecarConfig:
 
     ``health_port`` and ``metrics_port`` are None when disabled; 0 asks the
     OS for a free port (the server reports which). On the command line a
-    port of 0 disables the endpoint instead, as documented for the flags.
+    port of 0 disables the endpoint instead and ``auto`` asks the OS, as
+    documented for the flags.
 
     Raises:
         ConfigError: any field is malformed (the message names it and the value).
@@ -294,6 +295,10 @@ class SidecarConfig:
 
 
 def _port_or_disabled(text: str) -> int | None:
+    # 0 already means "disabled" here, so a port the OS picks is spelled
+    # "auto" (the config's 0); the "serving" log line names the port bound.
+    if text.strip().lower() == "auto":
+        return 0
     port = int(text)
     if not 0 <= port <= 65535:
         raise ValueError(f"{port} is not in [0, 65535]")
@@ -341,14 +346,14 @@ _OPTIONS = (
         "--health-port",
         "health_port",
         _port_or_disabled,
-        "TCP port of the grpc.health.v1 server on 0.0.0.0, for kubelet probes (default 50052; 0 disables)",
+        "TCP port of the grpc.health.v1 server on 0.0.0.0, for kubelet probes (default 50052; 0 disables; auto: a port the OS picks, named in the serving log line)",
         "N",
     ),
     _Option(
         "--metrics-port",
         "metrics_port",
         _port_or_disabled,
-        "TCP port of the Prometheus endpoint on 0.0.0.0 (default 9464; 0 disables)",
+        "TCP port of the Prometheus endpoint on 0.0.0.0 (default 9464; 0 disables; auto: a port the OS picks, named in the serving log line)",
         "N",
     ),
     _Option(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
-import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -35,12 +36,6 @@ from moe_sidecar.client.simulate.sidecars import (
 from moe_sidecar.wire.display import format_bytes
 
 __all__ = ["run_simulation"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _progress_line(record: RoundRecord, total: int) -> str:
@@ -194,20 +189,31 @@ def _run_ranks(
     """
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(
-            target=rank_main,
-            args=(rank, config, port, events, targets[config.node_of(rank)] if targets else None),
-            name=f"simulate-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(config.ranks)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        _collect(config, result, processes, events, say, wall_start)
-    finally:
-        _stop(processes)
+    # The ranks meet through a file in a private directory rather than on a
+    # TCP port picked in advance: a port found free here could be taken by
+    # another process before rank 0 binds it. Gloo's own connections listen
+    # on ports the kernel assigns, so nothing is picked ahead of time.
+    with tempfile.TemporaryDirectory(prefix="moe-sidecar-simulate-") as rendezvous_dir:
+        init_method = "file://" + os.path.join(rendezvous_dir, "rendezvous")
+        processes = [
+            context.Process(
+                target=rank_main,
+                args=(
+                    rank,
+                    config,
+                    init_method,
+                    events,
+                    targets[config.node_of(rank)] if targets else None,
+                ),
+                name=f"simulate-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(config.ranks)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            _collect(config, result, processes, events, say, wall_start)
+        finally:
+            _stop(processes)
     _settle(result, processes)

@@ -193,9 +193,9 @@ def _run_rank(ep_rank: int, config: SimulationConfig, events: Any, target: str |
 
 
 def rank_main(
-    ep_rank: int, config: SimulationConfig, port: int, events: Any, target: str | None
+    ep_rank: int, config: SimulationConfig, init_method: str, events: Any, target: str | None
 ) -> None:
-    """A rank process: joins the gloo group, runs the layers, reports.
+    """A rank process: joins the gloo group at ``init_method``, runs the layers, reports.
 
     A failure is sent to the parent as a :class:`SimulatedRankFailure`.
 
@@ -207,7 +207,7 @@ def rank_main(
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=ep_rank,
             world_size=config.ranks,
             timeout=timedelta(seconds=config.timeout),

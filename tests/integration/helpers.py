@@ -213,6 +213,35 @@ def wait_until_serving(
     raise AssertionError(f"{target} not SERVING after {timeout}s:\n{log.read_text()}")
 
 
+def wait_for_serving_record(
+    process: subprocess.Popen[bytes], log: Path, timeout: float = 30.0
+) -> dict[str, Any]:
+    """The sidecar's ``serving`` log record (JSON log format), once it is written.
+
+    The sidecar writes it after every address is bound and health is SERVING;
+    it names what was bound (``listen``, ``health_port``, ``metrics_port``),
+    so a test can ask for port 0 and learn the port instead of picking a
+    "free" one that another process may take before the sidecar binds it.
+    Fails if ``process`` exits first or ``timeout`` seconds pass.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # Whether it had exited before the log is read: then the log is complete.
+        exited = process.poll() is not None
+        # Only whole lines: the last one may still be being written.
+        for line in log.read_text().split("\n")[:-1]:
+            if line.startswith("{"):
+                record: dict[str, Any] = json.loads(line)
+                if record.get("message") == "serving":
+                    return record
+        if exited:
+            raise AssertionError(
+                f"the sidecar exited with {process.returncode}:\n{log.read_text()}"
+            )
+        time.sleep(0.05)  # the poll interval of a wait with a deadline
+    raise AssertionError(f"no serving record after {timeout}s:\n{log.read_text()}")
+
+
 def stop_process(process: subprocess.Popen[bytes]) -> None:
     """Kills ``process`` if it still runs and reaps it (a test's ``finally``)."""
     if process.poll() is None:

@@ -55,7 +55,7 @@ from tests.integration.helpers import (
     start_sidecar_process,
     stop_process,
     token,
-    wait_until_serving,
+    wait_for_serving_record,
     workspace_bytes,
 )
 from tests.integration.raw_http2 import RawCall, open_call
@@ -134,12 +134,6 @@ def _plan(base: pb.Plan, **changes: int) -> pb.Plan:
 
 _MOE_SIDECAR = str(Path(sys.executable).with_name("moe-sidecar"))
 """The installed command, as an operator runs it."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _counter(server: RunningServer, name: str, **labels: str) -> float:
@@ -671,17 +665,16 @@ async def test_5_watch_streams_are_bounded_by_max_watchers(tmp_path: Path) -> No
 def test_5_idle_metrics_connections_make_no_threads(tmp_path: Path) -> None:
     """200 idle connections to the metrics port of ``python -m moe_sidecar``: no
     thread more, at most --max-metrics-connections held, the rest closed at once."""
-    health, metrics = _free_port(), _free_port()
     log = tmp_path / "sidecar.log"
     process = start_sidecar_process(
         log,
         *("--listen", f"unix://{tmp_path}/s.sock", "--state-dir", str(tmp_path / "state")),
-        *("--health-port", str(health), "--metrics-port", str(metrics)),
+        *("--health-port", "auto", "--metrics-port", "auto"),
         *("--max-metrics-connections", "4"),
     )
     idle: list[socket.socket] = []
     try:
-        wait_until_serving(f"127.0.0.1:{health}", process, log)
+        metrics = wait_for_serving_record(process, log)["metrics_port"]
         threads = psutil.Process(process.pid).num_threads()
         for _ in range(200):
             connection = socket.create_connection(("127.0.0.1", metrics), timeout=5)
@@ -849,13 +842,12 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
     stored = sum(f.stat().st_size for f in state_dir.iterdir())
     assert stored < volume_limit, f"{stored} bytes of state > the volume's {volume_limit}"
 
-    health = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
     env.update(_env(container))
     env.update(
         MOE_SIDECAR_LISTEN=f"unix://{tmp_path}/s.sock",
-        MOE_SIDECAR_HEALTH_PORT=str(health),
-        MOE_SIDECAR_METRICS_PORT=str(_free_port()),
+        MOE_SIDECAR_HEALTH_PORT="auto",
+        MOE_SIDECAR_METRICS_PORT="auto",
         MOE_SIDECAR_STATE_DIR=str(state_dir),
     )
     log = tmp_path / "sidecar.log"
@@ -865,7 +857,7 @@ def test_5_a_sidecar_full_of_the_largest_groups_restarts_within_the_manifest_lim
             [sys.executable, "-m", "moe_sidecar"], cwd=ROOT, env=env, stderr=stderr
         )
     try:
-        wait_until_serving(f"127.0.0.1:{health}", process, log)
+        wait_for_serving_record(process, log)
         started = _vm_peak_bytes(process.pid)
         with grpc.insecure_channel(f"unix://{tmp_path}/s.sock") as channel:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
@@ -1058,43 +1050,37 @@ def _start_until_exit(
     prefix: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     listen: tuple[str, ...] = ("--listen", "unix://{tmp_path}/s.sock"),
-) -> tuple[int, str, list[int]]:
-    """Runs ``python -m moe_sidecar`` until it exits, probing its health port all
-    the while; returns its exit status, its stderr, and every status a probe got."""
-    health = _free_port()
-    command = [
-        *prefix,
-        sys.executable,
-        "-m",
-        "moe_sidecar",
-        *(flag.format(tmp_path=tmp_path) for flag in listen),
-        *("--health-port", str(health), "--metrics-port", "0"),
-        *("--state-dir", str(tmp_path / "state")),
-        *flags,
-    ]
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env={**base, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    probed: list[int] = []
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{health}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 30
-            while process.poll() is None:
-                assert time.monotonic() < deadline, "the sidecar did not exit"
-                with contextlib.suppress(grpc.RpcError):
-                    request = health_pb2.HealthCheckRequest(service="")
-                    probed.append(stub.Check(request, timeout=0.2).status)
-                time.sleep(0.02)  # the poll interval of a wait with a deadline
-        assert process.stderr is not None
-        return process.returncode, process.stderr.read().decode(), probed
-    finally:
-        stop_process(process)
+) -> tuple[int, str]:
+    """Runs ``python -m moe_sidecar`` until it exits; returns its exit status and stderr.
+
+    The health port it is given stays bound by this test (not listening) for
+    the whole run, so no other process can take it meanwhile, and a sidecar
+    that got as far as opening its health port would fail with "cannot
+    listen" (and gRPC's own line) instead of the one-line error the tests
+    expect: the health port can never have answered a probe.
+    """
+    with socket.socket() as held_health_port:
+        held_health_port.bind(("127.0.0.1", 0))
+        command = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "moe_sidecar",
+            *(flag.format(tmp_path=tmp_path) for flag in listen),
+            *("--health-port", str(held_health_port.getsockname()[1]), "--metrics-port", "0"),
+            *("--state-dir", str(tmp_path / "state")),
+            *flags,
+        ]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            env={**base, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=30,
+        )
+    return done.returncode, done.stderr.decode()
 
 
 def _one_line_error(stderr: str) -> dict[str, Any]:
@@ -1115,11 +1101,10 @@ def test_6_a_bad_stored_row_stops_the_start_naming_file_and_group(
     good = encode_group(_small_group("good"))
     bad = _BAD_ROWS[damage](encode_group(_small_group("bad")))
     state_dir = _state_dir_with(tmp_path, {"good": good, "bad": bad})
-    code, stderr, probed = _start_until_exit(tmp_path)
+    code, stderr = _start_until_exit(tmp_path)
     assert code == 1
     error = _one_line_error(stderr)["error"]
     assert f"'{state_dir / DATABASE_FILE}': group 'bad' is corrupt" in error
-    assert probed == []  # the health port never even opened
 
 
 def _obeying_file_modes() -> tuple[str, ...]:
@@ -1142,13 +1127,12 @@ def test_6_an_unwritable_state_stops_the_start(tmp_path: Path, read_only: str) -
     target = database if read_only == "database file" else state_dir
     target.chmod(0o444 if read_only == "database file" else 0o555)
     try:
-        code, stderr, probed = _start_until_exit(tmp_path, prefix=prefix)
+        code, stderr = _start_until_exit(tmp_path, prefix=prefix)
     finally:
         target.chmod(0o644 if read_only == "database file" else 0o755)
     assert code == 1
     error = _one_line_error(stderr)["error"]
     assert str(database) in error
-    assert probed == []
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.1:50051"])
@@ -1159,27 +1143,27 @@ def test_6_tcp_beyond_loopback_without_tls_is_refused_at_start(
     """Plaintext TCP beyond loopback: exit status 2, naming the address and the
     flags that allow it."""
     if source == "flag":
-        code, stderr, probed = _start_until_exit(tmp_path, listen=("--listen", listen))
+        code, stderr = _start_until_exit(tmp_path, listen=("--listen", listen))
     else:
         env = {"MOE_SIDECAR_LISTEN": listen}
-        code, stderr, probed = _start_until_exit(tmp_path, env=env, listen=())
+        code, stderr = _start_until_exit(tmp_path, env=env, listen=())
     assert code == 2
     assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
     assert f"listen={listen!r}: TCP beyond loopback needs TLS (--tls-cert and --tls-key" in stderr
     assert "--insecure" in stderr
-    assert probed == []
 
 
 def test_6_insecure_allows_plaintext_beyond_loopback(tmp_path: Path) -> None:
-    health, port = _free_port(), _free_port()
     log = tmp_path / "sidecar.log"
     process = start_sidecar_process(
         log,
-        *("--listen", f"0.0.0.0:{port}", "--insecure", "--state-dir", str(tmp_path / "state")),
-        *("--health-port", str(health), "--metrics-port", "0"),
+        *("--listen", "0.0.0.0:0", "--insecure", "--state-dir", str(tmp_path / "state")),
+        *("--health-port", "auto", "--metrics-port", "0"),
     )
     try:
-        wait_until_serving(f"127.0.0.1:{health}", process, log)
+        (listening,) = wait_for_serving_record(process, log)["listen"]
+        host, _, port = listening.rpartition(":")
+        assert host == "0.0.0.0", listening
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
             assert not stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups

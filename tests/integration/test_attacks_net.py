@@ -38,7 +38,7 @@ from tests.integration.helpers import (
     rpc_error,
     start_sidecar_process,
     stop_process,
-    wait_until_serving,
+    wait_for_serving_record,
 )
 
 pytestmark = [pytest.mark.attack, pytest.mark.timeout(90)]
@@ -60,12 +60,6 @@ HUGE = "g" * 100_000
 
 
 # --- helpers ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _raise_open_files_limit(needed: int) -> None:
@@ -147,18 +141,24 @@ def _sample(text: str, series: str) -> float:
 def _sidecar(tmp_path: Path, *flags: str) -> Iterator[dict[str, Any]]:
     """``python -m moe_sidecar`` on a Unix socket, a loopback TCP port, a
     health port and a metrics port; yields them and its process."""
-    ports = {"tcp": _free_port(), "health": _free_port(), "metrics": _free_port()}
     socket_path = tmp_path / "s.sock"
     log = tmp_path / "sidecar.log"
     process = start_sidecar_process(
         log,
-        *("--listen", f"unix://{socket_path}", "--listen", f"127.0.0.1:{ports['tcp']}"),
+        *("--listen", f"unix://{socket_path}", "--listen", "127.0.0.1:0"),
         *("--state-dir", str(tmp_path / "state")),
-        *("--health-port", str(ports["health"]), "--metrics-port", str(ports["metrics"])),
+        *("--health-port", "auto", "--metrics-port", "auto"),
         *flags,
     )
     try:
-        wait_until_serving(f"127.0.0.1:{ports['health']}", process, log)
+        serving = wait_for_serving_record(process, log)
+        tcp_target = serving["listen"][1]
+        assert tcp_target.startswith("127.0.0.1:"), serving
+        ports = {
+            "tcp": int(tcp_target.rpartition(":")[2]),
+            "health": serving["health_port"],
+            "metrics": serving["metrics_port"],
+        }
         yield {**ports, "unix": socket_path, "process": process, "log": log}
     finally:
         stop_process(process)

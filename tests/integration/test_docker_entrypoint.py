@@ -32,14 +32,11 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -57,6 +54,7 @@ from tests.dockerfile import (
     in_build_context,
     parse_dockerfile,
 )
+from tests.integration.helpers import wait_for_serving_record
 
 STAGES = parse_dockerfile()
 FINAL = STAGES[-1]
@@ -290,28 +288,10 @@ def build_stage_into(root: Path, stage: Stage) -> None:
             raise AssertionError(f"the build stage has {instruction.keyword}; teach this test it")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def image_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A short root: the image's socket path must stay under Linux's 107 bytes.
     return tmp_path_factory.mktemp("img")
-
-
-def _serving_line(log: Path, process: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            record = json.loads(line)  # every line is JSON: the image's log format
-            if record["message"] == "serving":
-                return dict(record)
-        assert process.poll() is None, f"the entrypoint exited:\n{log.read_text()}"
-        time.sleep(0.1)  # the poll interval of a wait with a deadline
-    raise AssertionError(f"not serving after {timeout}s:\n{log.read_text()}")
 
 
 def _propose_one_rank(target: str, group: str) -> int:
@@ -399,10 +379,11 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
 
     # The image's environment, paths under the root; only ports change.
     env = {k: _under(image_root, v) for k, v in image_env().items()}
-    health_port, metrics_port = _free_port(), _free_port()
+    image_ports = {env["MOE_SIDECAR_HEALTH_PORT"], env["MOE_SIDECAR_METRICS_PORT"]}
+    # "auto": the OS picks free ports and the serving line names them.
     overrides = {
-        "MOE_SIDECAR_HEALTH_PORT": str(health_port),
-        "MOE_SIDECAR_METRICS_PORT": str(metrics_port),
+        "MOE_SIDECAR_HEALTH_PORT": "auto",
+        "MOE_SIDECAR_METRICS_PORT": "auto",
         "MOE_SIDECAR_LISTEN": ",".join(
             a if a.startswith("unix:") else f"{a.rpartition(':')[0]}:0"
             for a in env["MOE_SIDECAR_LISTEN"].split(",")
@@ -427,10 +408,12 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
             cwd=image_root,
         )
     try:
-        serving = _serving_line(log, process, timeout=60)
+        serving = wait_for_serving_record(process, log, timeout=60)
         unix_target, tcp_target = serving["listen"]
         assert unix_target == f"unix://{socket_path}"
-        assert serving["health_port"] == health_port and serving["metrics_port"] == metrics_port
+        health_port, metrics_port = serving["health_port"], serving["metrics_port"]
+        # The overrides were obeyed: not the image's ports.
+        assert not {str(health_port), str(metrics_port)} & image_ports, serving
         assert serving["state_dir"] == str(config.state_dir)
         assert stat.S_IMODE(socket_path.stat().st_mode) == 0o660
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import sqlite3
 import subprocess
 import time
 from pathlib import Path
 
 import grpc
+import psutil  # type: ignore[import-untyped]
 import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,7 +29,7 @@ from tests.integration.helpers import (
     propose_request,
     start_sidecar_process,
     stop_process,
-    wait_until_serving,
+    wait_for_serving_record,
     workspace_bytes,
 )
 
@@ -84,10 +84,10 @@ async def test_health_turns_not_serving_while_draining(tmp_path: Path) -> None:
             watch.cancel()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
+def _listening_tcp_ports(process: subprocess.Popen[bytes]) -> list[int]:
+    """The TCP ports ``process`` listens on (what a probe could connect to)."""
+    connections = psutil.Process(process.pid).net_connections(kind="tcp")
+    return [c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN]
 
 
 def _until_file_open(process: subprocess.Popen[bytes], name: str, timeout: float = 30) -> None:
@@ -119,7 +119,6 @@ async def test_health_port_stays_closed_until_the_stored_state_is_loaded(tmp_pat
     database = sqlite3.connect(config.state_dir / DATABASE_FILE, isolation_level=None)
     database.execute("PRAGMA journal_mode=DELETE")
     database.execute("BEGIN EXCLUSIVE")
-    health_port = _free_port()
     target = f"unix://{tmp_path}/later.sock"
     log = tmp_path / "sidecar.log"
     process = start_sidecar_process(
@@ -129,7 +128,7 @@ async def test_health_port_stays_closed_until_the_stored_state_is_loaded(tmp_pat
         "--state-dir",
         str(config.state_dir),
         "--health-port",
-        str(health_port),
+        "auto",
         "--metrics-port",
         "0",
     )
@@ -137,14 +136,17 @@ async def test_health_port_stays_closed_until_the_stored_state_is_loaded(tmp_pat
         try:
             # SQLite waits up to 5 s for the lock, so the state is still loading here.
             await asyncio.to_thread(_until_file_open, process, DATABASE_FILE)
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection(("127.0.0.1", health_port), timeout=2).close()
+            # Asked for any port, it has no port to name yet; no TCP port at all
+            # is open, so neither is the health port.
+            assert _listening_tcp_ports(process) == []
             assert not await asyncio.to_thread((tmp_path / "later.sock").exists)
             assert process.poll() is None
         finally:
             database.execute("ROLLBACK")
             database.close()
-        await asyncio.to_thread(wait_until_serving, f"127.0.0.1:{health_port}", process, log)
+        serving = await asyncio.to_thread(wait_for_serving_record, process, log)
+        health_port = serving["health_port"]
+        assert health_port in await asyncio.to_thread(_listening_tcp_ports, process)
         assert await _check(f"127.0.0.1:{health_port}", SERVICE) == SERVING
         # SERVING came with the stored state loaded.
         async with coordinator_stub(target) as stub:

@@ -130,6 +130,11 @@ def test_flags_win_over_env() -> None:
     assert config.enable_admin is False
 
 
+def test_auto_port_asks_the_os_for_one() -> None:
+    config = parse(["--health-port", "auto"], {"MOE_SIDECAR_METRICS_PORT": "AUTO"})
+    assert config.health_port == 0 and config.metrics_port == 0  # the config's "OS picks"
+
+
 def test_unknown_env_key_is_named() -> None:
     with pytest.raises(ConfigError, match="MOE_SIDECAR_ROUND_TIMOUT='5'"):
         parse([], {"MOE_SIDECAR_ROUND_TIMOUT": "5"})
