@@ -225,9 +225,10 @@ def _bind(
     if address.unix_path is not None:
         _prepare_socket_path(address.unix_path)
     elif _address_in_use(address):
+        where = "" if value is None else f" {address.host}:{address.port}:"
         raise StartupError(
-            f"{given}: {address.host}:{address.port}: address already in use (another process, "
-            f"perhaps another moe-sidecar, listens there); {_BIND_HINTS[flag]}"
+            f"{given}:{where} address already in use (another process, perhaps another "
+            f"moe-sidecar, listens there); {_BIND_HINTS[flag]}"
         )
     try:
         # Unix sockets are guarded by their file mode; TCP by TLS when configured.

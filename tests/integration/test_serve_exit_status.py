@@ -135,7 +135,8 @@ async def test_serve_exits_1_when_a_port_is_taken(tmp_path: Path, which: str) ->
         }[which]
         code, error = await _serve_exit(tmp_path, flag, value)
     assert code == 1
-    assert error.startswith(f"{flag} {value}: 127.0.0.1:{port}: address already in use"), error
+    where = "" if which == "listen" else f" 127.0.0.1:{port}:"
+    assert error.startswith(f"{flag} {value}:{where} address already in use"), error
     assert f"give another {flag}" in error
     assert "GRPC_VERBOSITY" not in error
 
@@ -164,9 +165,9 @@ def test_a_second_sidecar_on_a_terminal_gets_one_plain_line(tmp_path: Path) -> N
     assert done.returncode == 1
     lines = output.decode().splitlines()
     assert lines == [
-        f"moe-sidecar serve: cannot start: --listen 127.0.0.1:{port}: 127.0.0.1:{port}: address "
-        "already in use (another process, perhaps another moe-sidecar, listens there); give "
-        "another --listen address, or stop the process that holds it"
+        f"moe-sidecar serve: cannot start: --listen 127.0.0.1:{port}: address already in use "
+        "(another process, perhaps another moe-sidecar, listens there); give another --listen "
+        "address, or stop the process that holds it"
     ], output
     assert not first_log.exists()
 
