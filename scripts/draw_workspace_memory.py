@@ -5,7 +5,7 @@ bf16 MTP layer) at 8,192 tokens per rank, two ways:
 
 * computed, for every EP size: FlashInfer's workspace formula through the
   project's own pure-Python sizing (:func:`moe_sidecar.client.sizing.layer_capacities`
-  per layer, :func:`moe_sidecar.plan.join_capacities` for the union,
+  per layer, :func:`moe_sidecar.core.plan.join_capacities` for the union,
   :func:`moe_sidecar.client.sizing.workspace_size_per_rank` for the bytes).
   vLLM 0.33 keeps the NVFP4 workspace mapped after it builds the bf16 one
   (FlashInfer's class-level cache), so it holds both; moe-sidecar holds the
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_sidecar.client.sizing import layer_capacities, workspace_size_per_rank
-from moe_sidecar.plan import Capacities, join_capacities
+from moe_sidecar.core.plan import Capacities, join_capacities
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "bench" / "results" / "gpu" / "vllm-memory.json"

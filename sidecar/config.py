@@ -493,7 +493,7 @@ _OPTIONS = (
     _Option(
         "--max-listener-connections",
         "max_listener_connections",
-        int,
+        _integer,
         "connections each --listen listener holds at once; more are closed on arrival "
         "(default 256)",
         "N",
@@ -501,14 +501,14 @@ _OPTIONS = (
     _Option(
         "--max-health-connections",
         "max_health_connections",
-        int,
+        _integer,
         "connections the health port holds at once; more are closed on arrival (default 64)",
         "N",
     ),
     _Option(
         "--max-queued-rpcs",
         "max_queued_rpcs",
-        int,
+        _integer,
         "calls received but not yet started that may wait per server; beyond them gRPC "
         "cancels new calls (default 16384)",
         "N",
@@ -516,7 +516,7 @@ _OPTIONS = (
     _Option(
         "--idle-connection-timeout",
         "idle_connection_timeout",
-        float,
+        _seconds,
         "seconds a gRPC connection with no call in flight (or in its TLS handshake) stays "
         "open (default 60)",
         "SECONDS",
@@ -524,7 +524,7 @@ _OPTIONS = (
     _Option(
         "--metrics-request-timeout",
         "metrics_request_timeout",
-        float,
+        _seconds,
         "seconds a metrics connection may take to send its request; when all are taken the "
         "one waiting longest is closed for a new one (default 5)",
         "SECONDS",

@@ -68,6 +68,4 @@ def test_every_relative_link_of_the_docs_resolves() -> None:
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" in target:
                 continue
-            if target == "image.md" or target.endswith("/image.md"):
-                continue  # docs/image.md is written beside this change
             assert (page.parent / target).exists(), f"{page.name}: {target}"
