@@ -1,6 +1,7 @@
 """The vLLM plugin: vLLM's own one-sided manager class, replaced by moe-sidecar's.
 
-``pip install 'moe-sidecar[vllm]'`` registers :func:`register` as the
+Installing the package with its ``vllm`` extra (from a checkout,
+``pip install '.[vllm]'``) registers :func:`register` as the
 ``vllm.general_plugins`` entry point ``moe_sidecar``. vLLM calls it once in
 every process it starts (``load_general_plugins()``; in a worker from
 ``WorkerWrapperBase.init_worker``, before ``init_device()`` builds the process
@@ -11,9 +12,15 @@ the manager as ``FlashInferNVLinkOneSidedManager(cpu_group)``.
 When it acts (:func:`plugin_mode`):
 
 * ``MOE_SIDECAR_TARGET`` set (an address): sidecar mode;
-* ``MOE_SIDECAR_VLLM=1`` (or ``MOE_SIDECAR_TARGET=embedded``): embedded mode;
-* otherwise, or with ``MOE_SIDECAR_VLLM=0``: it changes nothing (vLLM's
+* ``MOE_SIDECAR_VLLM`` true (or ``MOE_SIDECAR_TARGET=embedded``): embedded mode;
+* otherwise, or with ``MOE_SIDECAR_VLLM`` false: it changes nothing (vLLM's
   ``VLLM_PLUGINS`` can also leave it out by name).
+
+``MOE_SIDECAR_VLLM`` takes the project's one boolean rule
+(:func:`moe_sidecar.defaults.parse_bool`). When it acts, it checks every
+``MOE_SIDECAR_*`` variable the manager will read (:func:`check_environment`)
+before it changes anything, so a malformed value stops vLLM at start with
+one line naming the variable, not at the first MoE layer.
 
 What it does: it reads which ``initialize()`` signature this vLLM's
 ``vllm.distributed.device_communicators.all2all.FlashInferNVLinkOneSidedManager``
@@ -38,14 +45,28 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
+from moe_sidecar.client.backends import BACKENDS
 from moe_sidecar.client.manager import WorkspaceManager
 from moe_sidecar.client.vllm_sizing import KEYWORDS, Generation
-from moe_sidecar.core.defaults import EMBEDDED, ENV_BACKEND, ENV_TARGET, ENV_VLLM
+from moe_sidecar.core.defaults import (
+    BOOLEAN_FORMS,
+    EMBEDDED,
+    ENV_BACKEND,
+    ENV_GROUP,
+    ENV_LOCAL_RANKS,
+    ENV_PROPOSE_TIMEOUT,
+    ENV_TARGET,
+    ENV_VLLM,
+    parse_bool,
+)
 from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.limits import check_name
+from moe_sidecar.wire.address import AddressError, parse_listen_address
 
 __all__ = [
     "ALL2ALL_MODULE",
@@ -53,6 +74,7 @@ __all__ = [
     "PLUGIN_NAME",
     "UnsupportedVllm",
     "VllmManager",
+    "check_environment",
     "detect_generation",
     "manager_class",
     "plugin_mode",
@@ -78,19 +100,61 @@ def plugin_mode(environ: Mapping[str, str]) -> str | None:
     """``"sidecar"``, ``"embedded"`` or None (leave vLLM alone), from the environment.
 
     Raises:
-        InvalidArgument: ``MOE_SIDECAR_VLLM`` is neither unset, ``0`` nor ``1``.
+        InvalidArgument: ``MOE_SIDECAR_VLLM`` is set to none of :data:`BOOLEAN_FORMS`.
     """
-    flag = environ.get(ENV_VLLM, "").strip()
-    if flag not in ("", "0", "1"):
-        raise InvalidArgument.of(ENV_VLLM, flag, "must be 1 (replace vLLM's manager), 0 or unset")
-    if flag == "0":
+    text = environ.get(ENV_VLLM, "").strip()
+    try:
+        flag = parse_bool(text) if text else None
+    except ValueError:
+        raise InvalidArgument.of(
+            ENV_VLLM,
+            text,
+            f"must be {BOOLEAN_FORMS} (true: replace vLLM's manager; false: never), or unset",
+        ) from None
+    if flag is False:
         return None
     target = environ.get(ENV_TARGET, "").strip()
     if target and target != EMBEDDED:
         return "sidecar"
-    if flag == "1" or target == EMBEDDED:
+    if flag or target == EMBEDDED:
         return "embedded"
     return None
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Checks the variables the manager reads, as the manager will read them.
+
+    Raises:
+        InvalidArgument: the first malformed one, naming it, its value and
+            what it takes.
+    """
+    target = environ.get(ENV_TARGET, "").strip()
+    if target and target != EMBEDDED:
+        try:
+            parse_listen_address(target, ENV_TARGET)
+        except AddressError as error:
+            raise InvalidArgument(str(error), field=ENV_TARGET, value=target) from None
+    local_ranks = environ.get(ENV_LOCAL_RANKS, "").strip()
+    if local_ranks and not (local_ranks.isdigit() and int(local_ranks) >= 1):
+        raise InvalidArgument.of(
+            ENV_LOCAL_RANKS, local_ranks, "must be a whole number of ranks on this node, at least 1"
+        )
+    timeout = environ.get(ENV_PROPOSE_TIMEOUT, "").strip()
+    if timeout:
+        try:
+            seconds = float(timeout)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise InvalidArgument.of(
+                ENV_PROPOSE_TIMEOUT, timeout, "must be a positive number of seconds, e.g. 120"
+            )
+    backend = environ.get(ENV_BACKEND, "").strip()
+    if backend and backend not in BACKENDS:
+        raise InvalidArgument.of(ENV_BACKEND, backend, f"must be one of {', '.join(BACKENDS)}")
+    group = environ.get(ENV_GROUP, "").strip()
+    if group:
+        check_name(ENV_GROUP, group, allow_empty=False)
 
 
 def detect_generation(vllm_class: Any) -> Generation:
@@ -171,12 +235,14 @@ def register() -> None:
     Idempotent: a second call in the same process changes nothing.
 
     Raises:
-        InvalidArgument: a malformed ``MOE_SIDECAR_VLLM``.
+        InvalidArgument: a malformed ``MOE_SIDECAR_VLLM``, or (enabled) a
+            malformed variable of :func:`check_environment`.
         UnsupportedVllm: enabled, but this vLLM's manager cannot be replaced.
     """
     mode = plugin_mode(os.environ)
     if mode is None:
         return
+    check_environment(os.environ)
     module = importlib.import_module(ALL2ALL_MODULE)
     current = getattr(module, MANAGER_NAME, None)
     if current is None:

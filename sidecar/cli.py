@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from moe_sidecar.config import (
 from moe_sidecar.core.defaults import DEFAULT_TARGET, ENV_TARGET
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.group import GroupSummary
-from moe_sidecar.logs import configure_logging
+from moe_sidecar.logs import configure_logging, resolve_log_format
 from moe_sidecar.server import StartupError, serve
 from moe_sidecar.store import StoreError
 from moe_sidecar.wire.address import ADDRESS_FORMS, AddressError, parse_listen_address
@@ -96,7 +97,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(_serve_until_signalled(config))
     except (StoreError, StartupError) as error:
-        _log.error("cannot start", extra={"error": str(error)})
+        # One line in the form of the logs: JSON where logs are JSON (a
+        # collector parses it), else the plain line a flag error prints.
+        if resolve_log_format(config.log_format) == "json":
+            _log.error("cannot start", extra={"error": str(error)})
+        else:
+            print(f"moe-sidecar serve: cannot start: {error}", file=sys.stderr)
         return 1
     return 0
 
@@ -349,9 +355,13 @@ def build_parser(
     """
     parser = argparse.ArgumentParser(
         prog="moe-sidecar",
-        description="Per-node coordinator of FlashInfer MoE all-to-all workspaces.",
+        description="Per-node coordinator of FlashInfer MoE all-to-all workspaces. "
+        "`moe-sidecar serve` runs the sidecar (`python -m moe_sidecar` is the same).",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument(
+        "--version", action="version", version=f"moe-sidecar {_installed_version()}"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in commands:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(sub)
@@ -361,9 +371,27 @@ def build_parser(
     return parser
 
 
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("moe-sidecar")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a checkout without pip install)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moe-sidecar``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        # No command: the commands, and how to run the sidecar, instead of
+        # argparse's "the following arguments are required".
+        parser.print_help(sys.stderr)
+        print(
+            "\nmoe-sidecar: name a command; `moe-sidecar serve --state-dir ./state` runs the "
+            "sidecar",
+            file=sys.stderr,
+        )
+        return 2
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

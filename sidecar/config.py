@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from moe_sidecar.core.defaults import CLIENT_ENV_KEYS, DEFAULT_TARGET, ENV_PREFIX
+from moe_sidecar.core.defaults import CLIENT_ENV_KEYS, DEFAULT_TARGET, ENV_PREFIX, parse_bool
 from moe_sidecar.etcd_url import EtcdTarget, EtcdUrlError, parse_etcd_url
 from moe_sidecar.wire.address import (
     AddressError,
@@ -26,7 +26,11 @@ from moe_sidecar.wire.address import (
 from moe_sidecar.wire.address import parse_listen_address as _parse_address
 
 __all__ = [
+    "DEFAULT_HEALTH_HOST",
     "DEFAULT_LISTEN",
+    "DEFAULT_METRICS_HOST",
+    "DEFAULT_STATE_DIR",
+    "LOG_FORMATS",
     "ConfigError",
     "SidecarConfig",
     "SqliteStore",
@@ -38,7 +42,15 @@ __all__ = [
 ]
 
 DEFAULT_LISTEN = (DEFAULT_TARGET,)
-LOG_FORMATS = ("json", "text")
+LOG_FORMATS = ("auto", "json", "text")
+"""``auto``: text on a terminal, JSON otherwise (a container's log, a file, a pipe)."""
+DEFAULT_HEALTH_HOST = "127.0.0.1"
+"""Loopback: the health server is reachable from other machines only when
+configured (``--health-host 0.0.0.0``, which the Kubernetes example sets so
+that the kubelet's probes reach it)."""
+DEFAULT_METRICS_HOST = "127.0.0.1"
+"""Loopback, as the health server: Prometheus on the pod network needs
+``--metrics-host 0.0.0.0``."""
 MAX_LIMIT = 1 << 20
 LIMIT_FIELDS = (
     "max_groups",
@@ -119,6 +131,14 @@ def _check_port(name: str, value: int | None) -> None:
         raise ConfigError(f"{name}={value!r}: must be in [0, 65535] (or None to disable)")
 
 
+def _check_host(name: str, value: str) -> None:
+    if not value or any(c.isspace() or c == "/" for c in value):
+        raise ConfigError(
+            f"{name}={value!r}: must be an address to bind, e.g. 127.0.0.1 (loopback only) or "
+            "0.0.0.0 (every interface)"
+        )
+
+
 def _check_seconds(name: str, value: float, *, low: float, low_inclusive: bool) -> None:
     ok = math.isfinite(value) and (value >= low if low_inclusive else value > low)
     if not ok or value > MAX_SECONDS:
@@ -141,10 +161,12 @@ class SidecarConfig:
 
     listen: tuple[str, ...] = DEFAULT_LISTEN
     health_port: int | None = 50052
+    health_host: str = DEFAULT_HEALTH_HOST
+    """Address the health server binds (``0.0.0.0``: every interface)."""
     metrics_port: int | None = 9464
     state_dir: Path = DEFAULT_STATE_DIR
     round_timeout: float = 60.0
-    log_format: str = "json"
+    log_format: str = "auto"
     log_level: str = "INFO"
     grace_period: float = 5.0
     enable_admin: bool = False
@@ -190,7 +212,7 @@ class SidecarConfig:
     """Groups with metric series of their own; the rest are summed under group="_other"."""
     max_page_size: int = 500
     """Most groups one ListGroups page holds."""
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = DEFAULT_METRICS_HOST
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -235,8 +257,8 @@ class SidecarConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
                 raise ConfigError(f"{name}={value!r}: must be an integer in [1, {MAX_LIMIT}]")
-        if not self.metrics_host:
-            raise ConfigError("metrics_host='': must name an address to bind")
+        for name in ("health_host", "metrics_host"):
+            _check_host(name, getattr(self, name))
         self._check_tls()
 
     @property
@@ -299,19 +321,33 @@ def _port_or_disabled(text: str) -> int | None:
     # "auto" (the config's 0); the "serving" log line names the port bound.
     if text.strip().lower() == "auto":
         return 0
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(
+            "must be a port number in [0, 65535] (0 disables it; auto: a port the OS picks)"
+        ) from None
     if not 0 <= port <= 65535:
-        raise ValueError(f"{port} is not in [0, 65535]")
+        raise ValueError(f"{port} is not in [0, 65535] (0 disables it)")
     return None if port == 0 else port
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be a whole number in [1, {MAX_LIMIT}]") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("must be a number of seconds, e.g. 60 or 2.5") from None
+
+
 def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true/false, 1/0, yes/no or on/off")
+    return parse_bool(text)
 
 
 def _listen(texts: list[str]) -> tuple[str, ...]:
@@ -346,27 +382,38 @@ _OPTIONS = (
         "--health-port",
         "health_port",
         _port_or_disabled,
-        "TCP port of the grpc.health.v1 server on 0.0.0.0, for kubelet probes (default 50052; 0 disables; auto: a port the OS picks, named in the serving log line)",
+        "TCP port of the grpc.health.v1 server on --health-host, for kubelet probes "
+        "(default 50052; 0 disables; auto: a port the OS picks, named in the serving log line)",
         "N",
+    ),
+    _Option(
+        "--health-host",
+        "health_host",
+        str,
+        f"address the health server binds (default {DEFAULT_HEALTH_HOST}, loopback only; "
+        "0.0.0.0 for probes from the pod network)",
+        "HOST",
     ),
     _Option(
         "--metrics-port",
         "metrics_port",
         _port_or_disabled,
-        "TCP port of the Prometheus endpoint on 0.0.0.0 (default 9464; 0 disables; auto: a port the OS picks, named in the serving log line)",
+        "TCP port of the Prometheus endpoint on --metrics-host (default 9464; 0 disables; "
+        "auto: a port the OS picks, named in the serving log line)",
         "N",
     ),
     _Option(
         "--state-dir",
         "state_dir",
         Path,
-        "directory of the SQLite state (default /var/lib/moe-sidecar)",
+        f"directory of the SQLite state, created if missing (default {DEFAULT_STATE_DIR}, "
+        "which needs root or a directory made for this user; e.g. --state-dir ./state)",
         "DIR",
     ),
     _Option(
         "--round-timeout",
         "round_timeout",
-        float,
+        _seconds,
         "seconds a round waits for its missing local ranks (default 60)",
         "SECONDS",
     ),
@@ -374,7 +421,7 @@ _OPTIONS = (
         "--log-format",
         "log_format",
         str,
-        "log line format (default json)",
+        "log line format (default auto: text on a terminal, json otherwise)",
         choices=LOG_FORMATS,
     ),
     _Option(
@@ -387,7 +434,7 @@ _OPTIONS = (
     _Option(
         "--grace-period",
         "grace_period",
-        float,
+        _seconds,
         "seconds to drain in-flight calls on shutdown (default 5)",
         "SECONDS",
     ),
@@ -418,43 +465,43 @@ _OPTIONS = (
     _Option(
         "--max-groups",
         "max_groups",
-        int,
+        _integer,
         "groups kept at most; a new one beyond is refused RESOURCE_EXHAUSTED (default 128)",
         "N",
     ),
-    _Option("--max-watchers", "max_watchers", int, "Watch streams at once (default 64)", "N"),
+    _Option("--max-watchers", "max_watchers", _integer, "Watch streams at once (default 64)", "N"),
     _Option(
         "--max-concurrent-rpcs",
         "max_concurrent_rpcs",
-        int,
+        _integer,
         "RPCs in flight at once on the coordinator listeners (default 4096)",
         "N",
     ),
     _Option(
         "--max-streams-per-connection",
         "max_streams_per_connection",
-        int,
+        _integer,
         "HTTP/2 streams per client connection (default 256)",
         "N",
     ),
     _Option(
         "--max-health-rpcs",
         "max_health_rpcs",
-        int,
+        _integer,
         "RPCs in flight at once on the health port (default 64)",
         "N",
     ),
     _Option(
         "--max-metrics-connections",
         "max_metrics_connections",
-        int,
+        _integer,
         "connections the metrics endpoint serves at once (default 16)",
         "N",
     ),
     _Option(
         "--max-listener-connections",
         "max_listener_connections",
-        int,
+        _integer,
         "connections each --listen listener holds at once; more are closed on arrival "
         "(default 256)",
         "N",
@@ -462,14 +509,14 @@ _OPTIONS = (
     _Option(
         "--max-health-connections",
         "max_health_connections",
-        int,
+        _integer,
         "connections the health port holds at once; more are closed on arrival (default 64)",
         "N",
     ),
     _Option(
         "--max-queued-rpcs",
         "max_queued_rpcs",
-        int,
+        _integer,
         "calls received but not yet started that may wait per server; beyond them gRPC "
         "cancels new calls (default 16384)",
         "N",
@@ -477,7 +524,7 @@ _OPTIONS = (
     _Option(
         "--idle-connection-timeout",
         "idle_connection_timeout",
-        float,
+        _seconds,
         "seconds a gRPC connection with no call in flight (or in its TLS handshake) stays "
         "open (default 60)",
         "SECONDS",
@@ -485,7 +532,7 @@ _OPTIONS = (
     _Option(
         "--metrics-request-timeout",
         "metrics_request_timeout",
-        float,
+        _seconds,
         "seconds a metrics connection may take to send its request; when all are taken the "
         "one waiting longest is closed for a new one (default 5)",
         "SECONDS",
@@ -493,14 +540,14 @@ _OPTIONS = (
     _Option(
         "--max-group-series",
         "max_group_series",
-        int,
+        _integer,
         'groups with metric series of their own; the rest sum into group="_other" (default 256)',
         "N",
     ),
     _Option(
         "--max-page-size",
         "max_page_size",
-        int,
+        _integer,
         "groups per ListGroups page at most (default 500)",
         "N",
     ),
@@ -508,7 +555,8 @@ _OPTIONS = (
         "--metrics-host",
         "metrics_host",
         str,
-        "address the metrics endpoint binds (default 0.0.0.0; 127.0.0.1 keeps it on loopback)",
+        f"address the metrics endpoint binds (default {DEFAULT_METRICS_HOST}, loopback only; "
+        "0.0.0.0 for a scraper on the pod network)",
         "HOST",
     ),
     _Option("--tls-cert", "tls_cert", Path, "PEM certificate for TCP listeners", "FILE"),
@@ -609,10 +657,28 @@ def config_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> S
             + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else "")
         )
     values: dict[str, object] = {}
+    sources: dict[str, str] = {}
     for option in _OPTIONS:
         given = getattr(args, option.dest, None)
         if given is not None:
             values[option.dest] = _from_flag(option, given)
+            sources[option.dest] = option.flag
         elif option.env_key in environ:
             values[option.dest] = _from_env(option, environ[option.env_key])
-    return SidecarConfig(**values)  # type: ignore[arg-type]
+            sources[option.dest] = option.env_key
+    try:
+        return SidecarConfig(**values)  # type: ignore[arg-type]
+    except ConfigError as error:
+        raise ConfigError(_named_by_source(str(error), sources)) from None
+
+
+def _named_by_source(message: str, sources: Mapping[str, str]) -> str:
+    """``message`` (which starts ``field=value: ...``, as every check above
+    writes it) with the field spelled as the user gave it: the flag or the
+    variable to change. A field left at its default is named by its flag."""
+    field, sep, rest = message.partition("=")
+    option = next((o for o in _OPTIONS if o.dest == field), None)
+    if not sep or option is None:
+        return message
+    source = sources.get(field, option.flag)
+    return f"{source}={rest}" if source.startswith(ENV_PREFIX) else f"{source} {rest}"

@@ -19,6 +19,7 @@ __all__ = [
     "TextFormatter",
     "configure_logging",
     "extra_fields",
+    "resolve_log_format",
 ]
 
 LOGGER_NAME = "moe_sidecar"
@@ -70,19 +71,35 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+def resolve_log_format(log_format: str, stream: TextIO | None = None) -> str:
+    """``json`` or ``text``: ``auto`` is text when ``stream`` (stderr) is a
+    terminal, where a person reads it, and JSON otherwise (a container's log,
+    a file, a pipe), where a machine does.
+
+    Raises:
+        ValueError: ``log_format`` is not ``auto``, ``json`` or ``text``.
+    """
+    if log_format == "auto":
+        target = stream if stream is not None else sys.stderr
+        return "text" if target.isatty() else "json"
+    if log_format not in ("json", "text"):
+        raise ValueError(f"log_format={log_format!r}: must be 'auto', 'json' or 'text'")
+    return log_format
+
+
 def configure_logging(log_format: str, level: str, stream: TextIO | None = None) -> None:
-    """Sends the sidecar's logs to ``stream`` (stderr) in ``log_format``.
+    """Sends the sidecar's logs to ``stream`` (stderr) in ``log_format``
+    (``auto``: see :func:`resolve_log_format`).
 
     Replaces handlers installed by an earlier call, so calling it twice
     does not print every line twice.
 
     Raises:
-        ValueError: ``log_format`` is neither ``json`` nor ``text``.
+        ValueError: ``log_format`` is not ``auto``, ``json`` or ``text``.
     """
-    if log_format not in ("json", "text"):
-        raise ValueError(f"log_format={log_format!r}: must be 'json' or 'text'")
+    resolved = resolve_log_format(log_format, stream)
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if resolved == "json" else TextFormatter())
     logger = logging.getLogger(LOGGER_NAME)
     for old in list(logger.handlers):
         logger.removeHandler(old)

@@ -131,7 +131,10 @@ class EventObserver:
         )
 
     def _rank_left(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
-        _log.warning("rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message})
+        # INFO: every lifetime ends this way, a clean exit as much as a crash;
+        # a departure that fails an open round is logged again, at WARNING,
+        # as that round's abort.
+        _log.info("rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message})
 
     def _reset(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
         _log.warning("group reset", extra={**fields, "detail": event.message})

@@ -31,7 +31,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from moe_sidecar.config import LIMIT_FIELDS, LISTENER_TIMEOUT_FIELDS, SidecarConfig, SqliteStore
+from moe_sidecar.config import (
+    DEFAULT_STATE_DIR,
+    LIMIT_FIELDS,
+    LISTENER_TIMEOUT_FIELDS,
+    SidecarConfig,
+    SqliteStore,
+)
 from moe_sidecar.etcd_client import EtcdClient
 from moe_sidecar.etcd_replica import EtcdReplica
 from moe_sidecar.health import HealthServicer
@@ -44,7 +50,6 @@ from moe_sidecar.store import StateStore
 from moe_sidecar.wire.address import ListenAddress
 
 __all__ = [
-    "HEALTH_HOST",
     "SOCKET_MODE",
     "BoundAddresses",
     "RunningServer",
@@ -54,9 +59,13 @@ __all__ = [
     "start_server",
 ]
 
-HEALTH_HOST = "0.0.0.0"
-"""The health and metrics ports listen on every interface so kubelet and
-Prometheus reach them; the coordinator itself listens only where told."""
+_BIND_HINTS = {
+    "--listen": "give another --listen address, or stop the process that holds it",
+    "--health-port": "give another --health-port (0 disables the health server)",
+    "--metrics-port": "give another --metrics-port (0 disables the metrics endpoint)",
+}
+"""What to change when the address a flag names is taken (a second sidecar on
+the same machine takes every default port of the first)."""
 SOCKET_MODE = 0o660
 """Owner and group (the inference container's) may connect; nobody else."""
 
@@ -169,13 +178,58 @@ def _server_credentials(config: SidecarConfig) -> grpc.ServerCredentials | None:
     )
 
 
+def _address_in_use(address: ListenAddress) -> bool:
+    """Whether another socket already listens on ``address`` (TCP).
+
+    Probed with a socket of our own, bound as gRPC binds (``SO_REUSEADDR``, no
+    ``SO_REUSEPORT``), before gRPC is given the address: gRPC's own failure
+    says only "Failed to bind" and prints a line of its C core, where the
+    user needs the flag to change and the cause. A port of 0 (any free
+    port) is never taken.
+    """
+    if address.port == 0:
+        return False
+    host = address.host[1:-1] if address.host.startswith("[") else address.host
+    try:
+        candidates = socket.getaddrinfo(
+            host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return False  # gRPC reports an unresolvable host itself
+    for family, kind, proto, _, sockaddr in candidates:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
 def _bind(
     server: grpc.aio.Server,
     address: ListenAddress,
     credentials: grpc.ServerCredentials | None = None,
+    *,
+    flag: str = "--listen",
+    value: object = None,
 ) -> str:
+    """Binds ``address`` on ``server``; returns the client target it serves.
+
+    Raises:
+        StartupError: the address cannot be bound; the message names ``flag``
+            (with ``value``, the address by default) and the cause.
+    """
+    given = f"{flag} {value if value is not None else address.target}"
     if address.unix_path is not None:
         _prepare_socket_path(address.unix_path)
+    elif _address_in_use(address):
+        where = "" if value is None else f" {address.host}:{address.port}:"
+        raise StartupError(
+            f"{given}:{where} address already in use (another process, perhaps another "
+            f"moe-sidecar, listens there); {_BIND_HINTS[flag]}"
+        )
     try:
         # Unix sockets are guarded by their file mode; TCP by TLS when configured.
         if credentials is not None and address.unix_path is None:
@@ -183,11 +237,14 @@ def _bind(
         else:
             port = server.add_insecure_port(address.target)
     except RuntimeError as error:
-        raise StartupError(f"cannot listen on {address.target!r}: {error}") from None
+        raise StartupError(f"{given}: cannot listen on {address.target!r}: {error}") from None
     if address.unix_path is not None:
         return address.target
     if port == 0:
-        raise StartupError(f"cannot listen on {address.target!r}: the port is taken")
+        raise StartupError(
+            f"{given}: cannot listen on {address.target!r} (address already in use, or not an "
+            f"address of this machine); {_BIND_HINTS[flag]}"
+        )
     return f"{address.host}:{port}"
 
 
@@ -409,6 +466,7 @@ def _health_port_options(config: SidecarConfig) -> tuple[tuple[str, int], ...]:
 
 
 async def _start_health_server(
+    host: str,
     port: int,
     health_servicer: HealthServicer,
     max_rpcs: int,
@@ -431,10 +489,33 @@ async def _start_health_server(
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         _HealthPortReflection((health.SERVICE_NAME, reflection.SERVICE_NAME), slots), server
     )
-    address = ListenAddress(target=f"{HEALTH_HOST}:{port}", host=HEALTH_HOST, port=port)
-    bound = int(_bind(server, address).rpartition(":")[2])
+    bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    address = ListenAddress(target=f"{bracketed}:{port}", host=bracketed, port=port)
+    bound = int(_bind(server, address, flag="--health-port", value=port).rpartition(":")[2])
     await server.start()
     return server, bound
+
+
+def _prepare_state_dir(path: Path) -> None:
+    """Creates the state directory, or says which flag to change and why not.
+
+    Raises:
+        StartupError: the path is not a directory, cannot be created, or this
+            user cannot write it.
+    """
+    given = f"--state-dir {str(path)!r}"
+    why = " (the default needs root)" if path == DEFAULT_STATE_DIR else ""
+    instead = "give a directory this user may write (created if missing), e.g. --state-dir ./state"
+    try:
+        if path.exists() and not path.is_dir():
+            raise StartupError(f"{given}: is a file, not a directory; {instead}")
+        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except PermissionError:
+        raise StartupError(f"{given}: permission denied creating it{why}; {instead}") from None
+    except OSError as error:
+        raise StartupError(f"{given}: cannot create it: {error.strerror}; {instead}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StartupError(f"{given}: not writable by uid {os.getuid()}{why}; {instead}")
 
 
 def node_name(config: SidecarConfig) -> str:
@@ -466,17 +547,25 @@ async def _start_metrics(
     Raises:
         StartupError: the port cannot be bound.
     """
+    host = config.metrics_host.strip("[]")  # asyncio binds a bare IPv6 address
     try:
         return await start_metrics_endpoint(
             metrics,
             port,
-            config.metrics_host,
+            host,
             max_connections=config.max_metrics_connections,
             request_timeout=config.metrics_request_timeout,
         )
     except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            cause = (
+                f"{config.metrics_host}:{port}: address already in use (another process, "
+                "perhaps another moe-sidecar, listens there)"
+            )
+        else:
+            cause = f"cannot serve metrics on {config.metrics_host}:{port}: {error.strerror}"
         raise StartupError(
-            f"cannot serve metrics on {config.metrics_host}:{port}: {error}"
+            f"--metrics-port {port}: {cause}; {_BIND_HINTS['--metrics-port']}"
         ) from None
 
 
@@ -490,6 +579,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         StoreError: the state directory is unusable (locked, corrupt, unknown schema).
         StartupError: an address cannot be bound.
     """
+    _prepare_state_dir(config.state_dir)
     metrics = SidecarMetrics(
         config.max_group_series,
         limits=_exported_limits(config),
@@ -530,6 +620,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         health_port: int | None = None
         if config.health_port is not None:
             health_server, health_port = await _start_health_server(
+                config.health_host,
                 config.health_port,
                 health_servicer,
                 config.max_health_rpcs,

@@ -108,7 +108,7 @@ class StateStore:
             os.close(self._lock_fd)
             raise StoreError(
                 f"state dir {str(state_dir)!r} is in use by another moe-sidecar process "
-                f"(lock {LOCK_FILE!r} held)"
+                f"(lock {LOCK_FILE!r} held); give each sidecar its own --state-dir"
             ) from None
         try:
             self._db = self._open()

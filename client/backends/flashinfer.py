@@ -79,7 +79,7 @@ class _FlashInfer:
         except ImportError as error:
             raise BackendError(
                 "backend='flashinfer' needs flashinfer-python "
-                f"{SUPPORTED_FLASHINFER} (pip install 'moe-sidecar[flashinfer]'); use "
+                f"{SUPPORTED_FLASHINFER} (from a moe-sidecar checkout: pip install '.[flashinfer]'); use "
                 "backend='reference' on machines without GPUs"
             ) from error
         moe_alltoall = getattr(alltoall, "MoeAlltoAll", None)

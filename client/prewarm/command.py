@@ -18,7 +18,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "flashinfer backend loads) into FlashInfer's JIT cache ahead of time, with nvcc and "
         "no GPU, so an inference process finds it instead of compiling it for about 3 "
         "minutes. A module already in the cache is not built again. Needs the client and "
-        "flashinfer extras (pip install 'moe-sidecar[client,flashinfer]'), nvcc, ninja and "
+        "flashinfer extras (from a checkout: pip install '.[client,flashinfer]'), nvcc, ninja and "
         "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
         "flag or a missing prerequisite, 130 interrupted."
     )
@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
             raise
         message = (
             "needs torch and flashinfer-python 0.7.2.post1, i.e. the client and flashinfer "
-            "extras: pip install 'moe-sidecar[client,flashinfer]'"
+            "extras: from a checkout, pip install '.[client,flashinfer]'"
         )
         print(f"moe-sidecar prewarm: {message}", file=sys.stderr)
         if args.json:

@@ -25,7 +25,7 @@ FLASHINFER_DISTRIBUTION = "flashinfer-python"
 JIT_MODULES: Mapping[str, JitModule] = {m.flashinfer_version: m for m in (MNNVL_MOE_ALLTOALL,)}
 """The module ``prewarm`` builds, by the flashinfer-python release installed."""
 
-_INSTALL_HINT = "pip install 'moe-sidecar[flashinfer]'"
+_INSTALL_HINT = "from a moe-sidecar checkout: pip install '.[flashinfer]'"
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,9 @@ def _run(args: argparse.Namespace) -> int:
             raise
         print(
             "moe-sidecar simulate: needs torch, i.e. the client extra: "
-            "pip install 'moe-sidecar[client]' (the CPU build of torch is enough)",
+            "from a checkout, python -m pip install torch==2.13.0 --index-url "
+            "https://download.pytorch.org/whl/cpu && python -m pip install '.[client]' "
+            "(see docs/user-guide.md)",
             file=sys.stderr,
         )
         return 2

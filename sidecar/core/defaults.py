@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "BOOLEAN_FORMS",
     "CLIENT_ENV_KEYS",
     "DEFAULT_TARGET",
     "EMBEDDED",
@@ -20,6 +21,7 @@ __all__ = [
     "ENV_TARGET",
     "ENV_VLLM",
     "VLLM_LOW_PRECISION_COMBINE",
+    "parse_bool",
 ]
 
 ENV_PREFIX: Final = "MOE_SIDECAR_"
@@ -40,7 +42,8 @@ ENV_BACKEND: Final = "MOE_SIDECAR_BACKEND"
 ENV_VLLM: Final = "MOE_SIDECAR_VLLM"
 """The vLLM plugin: ``1`` replaces vLLM's manager even without a sidecar
 (embedded mode); ``0`` leaves vLLM alone even with ``MOE_SIDECAR_TARGET`` set;
-unset: replace it exactly when ``MOE_SIDECAR_TARGET`` is set."""
+unset: replace it exactly when ``MOE_SIDECAR_TARGET`` is set. Any of
+:data:`BOOLEAN_FORMS` is accepted, as for every boolean variable."""
 VLLM_LOW_PRECISION_COMBINE: Final = "VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE"
 """vLLM's own switch for FP8 combine (``bool(int(...))``, default 0); the
 manager reads it as vLLM 0.33's manager does."""
@@ -54,3 +57,24 @@ CLIENT_ENV_KEYS: Final = frozenset(
 )
 """Keys with the project's prefix that the client library reads; the sidecar
 ignores them, so one environment can serve both."""
+
+_TRUE: Final = ("1", "true", "yes", "on")
+_FALSE: Final = ("0", "false", "no", "off")
+BOOLEAN_FORMS: Final = "1/0, true/false, yes/no or on/off"
+"""What every boolean variable of the project accepts (any case)."""
+
+
+def parse_bool(text: str) -> bool:
+    """The one rule for boolean variables (``MOE_SIDECAR_VLLM``,
+    ``MOE_SIDECAR_ENABLE_ADMIN``, ``MOE_SIDECAR_INSECURE``, ...): any of
+    :data:`BOOLEAN_FORMS`, in any case, with surrounding space ignored.
+
+    Raises:
+        ValueError: ``text`` is none of them (the message lists the forms).
+    """
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected {BOOLEAN_FORMS}")

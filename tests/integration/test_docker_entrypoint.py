@@ -366,7 +366,8 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
         env={},
     )
     assert demo.returncode == 2 and "Traceback" not in demo.stderr, demo.stderr
-    assert "needs torch, i.e. the client extra: pip install 'moe-sidecar[client]'" in demo.stderr
+    assert "needs torch, i.e. the client extra: from a checkout, python -m pip" in demo.stderr
+    assert "pip install '.[client]'" in demo.stderr
     prewarm = subprocess.run(
         [str(venv_python.parent / "moe-sidecar"), "prewarm"],
         capture_output=True,
@@ -375,7 +376,7 @@ def test_image_build_steps_install_a_sidecar_that_serves_under_the_image_env(
         env={},
     )
     assert prewarm.returncode == 2 and "Traceback" not in prewarm.stderr, prewarm.stderr
-    assert "pip install 'moe-sidecar[client,flashinfer]'" in prewarm.stderr
+    assert "from a checkout, pip install '.[client,flashinfer]'" in prewarm.stderr
 
     # The image's environment, paths under the root; only ports change.
     env = {k: _under(image_root, v) for k, v in image_env().items()}

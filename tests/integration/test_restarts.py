@@ -253,7 +253,7 @@ def test_a_client_waits_out_a_25_s_outage_and_reaches_the_sidecar_within_a_secon
     tmp_path: Path, sidecars: list[SidecarProcess]
 ) -> None:
     assert DEFAULT_UNAVAILABLE_RETRY_S == 30.0
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "user-guide.md").read_text()
     assert "retry UNAVAILABLE with exponential\nbackoff for 30 s" in readme
     sidecar = SidecarProcess(tmp_path, "--round-timeout", "20")
     launched = time.monotonic()

@@ -1,11 +1,17 @@
 """``moe-sidecar serve`` exits with status 1 when the state or a port cannot be used,
-and the log says which (README, "Exit status of `serve`")."""
+and one line names the flag to change and the cause (docs/configuration.md, "Exit
+status"): JSON where logs are JSON, the plain line of a flag error on a terminal."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import pty
+import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,7 +64,10 @@ async def test_serve_exits_1_when_the_state_dir_is_unusable(tmp_path: Path, obst
     code, error = await _serve_exit(tmp_path, "--state-dir", str(state_dir))
     assert code == 1
     assert str(state_dir) in error
-    assert ("is not usable" if obstacle == "a-regular-file" else "not a usable SQLite") in error
+    if obstacle == "a-regular-file":
+        assert error.startswith(f"--state-dir '{state_dir}': is a file, not a directory; give")
+    else:
+        assert "not a usable SQLite" in error
 
 
 async def test_serve_exits_1_when_another_sidecar_holds_the_state_dir(tmp_path: Path) -> None:
@@ -67,13 +76,58 @@ async def test_serve_exits_1_when_another_sidecar_holds_the_state_dir(tmp_path: 
         code, error = await _serve_exit(tmp_path, "--state-dir", str(config.state_dir))
     assert code == 1
     assert str(config.state_dir) in error and "in use by another moe-sidecar" in error
+    assert "give each sidecar its own --state-dir" in error
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv to drop root")
+def test_a_state_dir_this_user_cannot_create_names_the_flag(tmp_path: Path) -> None:
+    # As root, the check runs as uid 65534 (as a user without root runs the default
+    # /var/lib/moe-sidecar); as another user, a directory it may not write.
+    parent = tmp_path / "locked"
+    parent.mkdir(mode=0o555)
+    os.chmod(tmp_path, 0o755)
+    drop = (
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.getuid() == 0 else []
+    )
+    done = subprocess.run(
+        [*drop, sys.executable, "-m", "moe_sidecar", "--state-dir", str(parent / "state"),
+         "--listen", f"unix://{parent}/s.sock", "--health-port", "0", "--metrics-port", "0",
+         "--log-format", "text"],
+        capture_output=True, text=True, timeout=30, cwd="/",
+        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == (
+        f"moe-sidecar serve: cannot start: --state-dir '{parent / 'state'}': permission denied "
+        "creating it; give a directory this user may write (created if missing), e.g. "
+        "--state-dir ./state"
+    )
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or not shutil.which("setpriv") or Path("/var/lib/moe-sidecar").exists(),
+    reason="needs root (to run as another user), setpriv, and no /var/lib/moe-sidecar yet",
+)
+def test_the_default_state_dir_tells_a_user_without_root_what_to_give(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o777)
+    done = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+         "moe_sidecar", "--listen", f"unix://{tmp_path}/s.sock", "--health-port", "0",
+         "--metrics-port", "0", "--log-format", "text"],
+        capture_output=True, text=True, timeout=30, cwd="/",
+        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "--state-dir '/var/lib/moe-sidecar': permission denied creating it (the default " in (
+        done.stderr
+    )
+    assert "e.g. --state-dir ./state" in done.stderr
 
 
 @pytest.mark.parametrize("which", ["listen", "health", "metrics"])
 async def test_serve_exits_1_when_a_port_is_taken(tmp_path: Path, which: str) -> None:
-    # --listen binds exactly the host given; the health and metrics ports bind 0.0.0.0.
-    host = "127.0.0.1" if which == "listen" else "0.0.0.0"
-    with _listening(host) as port:
+    # Every endpoint binds loopback by default; --listen binds exactly the host given.
+    with _listening("127.0.0.1") as port:
         flag, value = {
             "listen": ("--listen", f"127.0.0.1:{port}"),
             "health": ("--health-port", str(port)),
@@ -81,7 +135,41 @@ async def test_serve_exits_1_when_a_port_is_taken(tmp_path: Path, which: str) ->
         }[which]
         code, error = await _serve_exit(tmp_path, flag, value)
     assert code == 1
-    assert f"{host}:{port}" in error
+    where = "" if which == "listen" else f" 127.0.0.1:{port}:"
+    assert error.startswith(f"{flag} {value}:{where} address already in use"), error
+    assert f"give another {flag}" in error
+    assert "GRPC_VERBOSITY" not in error
+
+
+def test_a_second_sidecar_on_a_terminal_gets_one_plain_line(tmp_path: Path) -> None:
+    # The default --log-format auto writes text on a terminal: the start error is
+    # the one plain line a flag error is, and gRPC's own bind failure is not printed.
+    first_log = tmp_path / "first.log"
+    with _listening("127.0.0.1") as port:
+        primary, secondary = pty.openpty()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "moe_sidecar", "--listen", f"127.0.0.1:{port}",
+                 "--state-dir", str(tmp_path / "state"), "--health-port", "0",
+                 "--metrics-port", "0"],
+                stdout=subprocess.DEVNULL, stderr=secondary, timeout=30,
+                env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+            )  # fmt: skip
+            os.close(secondary)
+            output = b""
+            with contextlib.suppress(OSError):  # EIO once the child's end is closed
+                while chunk := os.read(primary, 4096):
+                    output += chunk
+        finally:
+            os.close(primary)
+    assert done.returncode == 1
+    lines = output.decode().splitlines()
+    assert lines == [
+        f"moe-sidecar serve: cannot start: --listen 127.0.0.1:{port}: address already in use "
+        "(another process, perhaps another moe-sidecar, listens there); give another --listen "
+        "address, or stop the process that holds it"
+    ], output
+    assert not first_log.exists()
 
 
 async def test_serve_exits_1_when_the_socket_path_is_a_regular_file(tmp_path: Path) -> None:

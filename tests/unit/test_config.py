@@ -32,7 +32,7 @@ def test_defaults() -> None:
     assert config.health_port == 50052 and config.metrics_port == 9464
     assert config.state_dir == Path("/var/lib/moe-sidecar")
     assert config.round_timeout == 60.0 and config.grace_period == 5.0
-    assert config.log_format == "json" and config.log_level == "INFO"
+    assert config.log_format == "auto" and config.log_level == "INFO"
     assert config.enable_admin is False
 
 
@@ -143,16 +143,22 @@ def test_unknown_env_key_is_named() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "needle"),
     [
-        (["--round-timeout", "0"], {}, "round_timeout=0.0"),
-        (["--round-timeout", "nan"], {}, "round_timeout=nan"),
-        (["--round-timeout", "soon"], {}, "--round-timeout 'soon'"),
-        (["--grace-period", "-1"], {}, "grace_period=-1.0"),
+        (["--round-timeout", "0"], {}, "--round-timeout 0.0: must be in (0, 86400]"),
+        (["--round-timeout", "nan"], {}, "--round-timeout nan"),
+        (["--round-timeout", "soon"], {}, "--round-timeout 'soon': must be a number of seconds"),
+        ([], {"MOE_SIDECAR_ROUND_TIMEOUT": "0"}, "MOE_SIDECAR_ROUND_TIMEOUT=0.0: must be"),
+        (["--grace-period", "-1"], {}, "--grace-period -1.0"),
         (["--health-port", "70000"], {}, "--health-port '70000'"),
+        (["--health-port", "abc"], {}, "--health-port 'abc': must be a port number"),
+        (["--max-groups", "lots"], {}, "--max-groups 'lots': must be a whole number"),
+        (["--max-groups", "0"], {}, "--max-groups 0: must be an integer in [1,"),
+        (["--health-host", ""], {}, "--health-host '': must be an address to bind"),
+        ([], {"MOE_SIDECAR_METRICS_HOST": "a b"}, "MOE_SIDECAR_METRICS_HOST='a b': must be"),
         ([], {"MOE_SIDECAR_METRICS_PORT": "http"}, "MOE_SIDECAR_METRICS_PORT='http'"),
         ([], {"MOE_SIDECAR_ENABLE_ADMIN": "maybe"}, "MOE_SIDECAR_ENABLE_ADMIN='maybe'"),
         ([], {"MOE_SIDECAR_LOG_FORMAT": "xml"}, "MOE_SIDECAR_LOG_FORMAT='xml'"),
         ([], {"MOE_SIDECAR_LISTEN": "127.0.0.1:1,,"}, "empty address"),
-        (["--log-level", "loud"], {}, "log_level='LOUD'"),
+        (["--log-level", "loud"], {}, "--log-level 'LOUD'"),
         (["--listen", "localhost"], {}, "--listen='localhost'"),
         (["--listen", "unix://rel.sock"], {}, "--listen='unix://rel.sock': 'unix://' takes an"),
         ([], {"MOE_SIDECAR_LISTEN": "unix://rel.sock"}, "MOE_SIDECAR_LISTEN='unix://rel.sock'"),
@@ -281,5 +287,21 @@ def test_bad_store_urls_are_named(store: str, needle: str) -> None:
 
 @pytest.mark.parametrize("name", [" padded", "tab\there", "n" * 254])
 def test_bad_node_names_are_refused(name: str) -> None:
-    with pytest.raises(ConfigError, match="node_name"):
+    with pytest.raises(ConfigError, match="--node-name"):
         parse(["--node-name", name])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1", True), ("true", True), ("Yes", True), (" on ", True), ("0", False), ("OFF", False)],
+)
+def test_every_boolean_variable_takes_the_one_rule(text: str, value: bool) -> None:
+    config = parse([], {"MOE_SIDECAR_ENABLE_ADMIN": text, "MOE_SIDECAR_INSECURE": text})
+    assert config.enable_admin is value and config.insecure is value
+
+
+def test_health_and_metrics_bind_loopback_unless_told() -> None:
+    assert parse([]).health_host == "127.0.0.1"
+    assert parse([]).metrics_host == "127.0.0.1"
+    config = parse(["--health-host", "0.0.0.0"], {"MOE_SIDECAR_METRICS_HOST": "::"})
+    assert (config.health_host, config.metrics_host) == ("0.0.0.0", "::")

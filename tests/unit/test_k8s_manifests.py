@@ -58,6 +58,7 @@ from moe_sidecar.core.defaults import (
 )
 from moe_sidecar.etcd_url import EtcdTarget
 from moe_sidecar.servicer import SERVICE_NAME
+from moe_sidecar.wire.address import is_loopback
 from tests.dockerfile import REPO, parse_dockerfile
 
 pytestmark = pytest.mark.timeout(60)
@@ -235,6 +236,20 @@ def test_sidecar_env_is_what_the_cli_and_the_image_use() -> None:
     # The coordinator listens on the socket and on loopback only.
     tcp_hosts = [a.host for a in config.listen_addresses if a.unix_path is None]
     assert set(tcp_hosts) <= {"127.0.0.1", "[::1]", "localhost"}
+
+
+def test_probes_and_scrapes_reach_health_and_metrics_on_the_pod_address() -> None:
+    # The sidecar binds both to loopback unless told; the kubelet probes and
+    # Prometheus scrapes the pod's IP, so the manifest (and the image) bind
+    # every interface of the pod. The coordinator stays on the socket and loopback.
+    assert is_loopback(SidecarConfig().health_host)
+    assert is_loopback(SidecarConfig().metrics_host)
+    config = _sidecar_config()
+    assert config.health_host == "0.0.0.0"
+    assert config.metrics_host == "0.0.0.0"
+    image_env = parse_dockerfile()[-1].env({})
+    assert image_env["MOE_SIDECAR_HEALTH_HOST"] == "0.0.0.0"
+    assert image_env["MOE_SIDECAR_METRICS_HOST"] == "0.0.0.0"
 
 
 def test_ports_and_grpc_probes_use_the_health_and_metrics_ports() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import io
 import json
 import logging
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar import cli
+from moe_sidecar.core.defaults import BOOLEAN_FORMS, parse_bool
 from moe_sidecar.core.group import summarize
-from moe_sidecar.logs import LOGGER_NAME, configure_logging
+from moe_sidecar.logs import LOGGER_NAME, configure_logging, resolve_log_format
 from moe_sidecar.row_codec import decode_group
 from moe_sidecar.wire import display
 
@@ -139,3 +141,49 @@ def test_a_subcommand_is_one_command_entry(capsys: pytest.CaptureFixture[str]) -
     args = parser.parse_args(["probe", "--n", "7"])
     assert args.run(args) == 0 and seen == [7]
     assert [c.name for c in cli.COMMANDS][:2] == ["serve", "groups"]
+
+
+def test_version_prints_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"moe-sidecar {importlib.metadata.version('moe-sidecar')}\n"
+
+
+def test_no_command_lists_the_commands_and_says_how_to_serve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    for command in cli.COMMANDS:
+        assert f"    {command.name}" in err
+    assert err.rstrip().endswith(
+        "moe-sidecar: name a command; `moe-sidecar serve --state-dir ./state` runs the sidecar"
+    )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_log_format_is_text_on_a_terminal_and_json_elsewhere() -> None:
+    assert resolve_log_format("auto", _Terminal()) == "text"
+    assert resolve_log_format("auto", io.StringIO()) == "json"
+    assert resolve_log_format("json", _Terminal()) == "json"
+    with pytest.raises(ValueError, match="log_format='xml'"):
+        resolve_log_format("xml", io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("1", True), ("TRUE", True), ("yes", True), ("On", True), ("0", False),
+                        ("false", False), (" no ", False), ("off", False)],
+)  # fmt: skip
+def test_one_boolean_rule(text: str, value: bool) -> None:
+    assert parse_bool(text) is value
+
+
+@pytest.mark.parametrize("text", ["", "2", "y", "enabled"])
+def test_the_boolean_rule_names_its_forms(text: str) -> None:
+    with pytest.raises(ValueError, match=f"expected {BOOLEAN_FORMS}"):
+        parse_bool(text)

@@ -321,7 +321,7 @@ def test_help_lists_prewarm_and_its_flags() -> None:
     assert run.returncode == 0, run.stderr
     for flag in ("--arch", "--workspace-base", "--ignore-aot", "--refresh", "--json"):
         assert flag in run.stdout
-    assert "Exit status" in run.stdout and "moe-sidecar[client,flashinfer]" in run.stdout
+    assert "Exit status" in run.stdout and "pip install '.[client,flashinfer]'" in run.stdout
     # The default list in --help (spelled in sidecar/cli.py, which imports no
     # torch) is the one the command uses.
     assert ",".join(DEFAULT_ARCHS) == PREWARM_DEFAULT_ARCHS
@@ -335,7 +335,7 @@ def test_without_flashinfer_it_says_which_extra_and_exits_2() -> None:
     run = _prewarm("--arch", "9.0a")
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
-    assert "pip install 'moe-sidecar[flashinfer]'" in run.stderr
+    assert "from a moe-sidecar checkout: pip install '.[flashinfer]'" in run.stderr
     as_json = _prewarm("--arch", "9.0a", "--json")
     assert as_json.returncode == 2
     document = json.loads(as_json.stdout)

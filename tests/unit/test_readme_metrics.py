@@ -1,4 +1,4 @@
-"""The README's metrics reference lists exactly what the sidecar exports
+"""The metrics reference (docs/operations.md) lists exactly what the sidecar exports
 (with ``--store etcd://``, which adds the cluster store's series)."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _documented() -> dict[str, tuple[str, set[str]]]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "operations.md").read_text()
     start = text.index("## Metrics reference")
-    section = text[start : text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    section = text[start:] if end < 0 else text[start:end]
     rows = re.findall(r"^\| `(moe_sidecar_\w+)` \| (\w+) \|([^|]*)\|", section, re.MULTILINE)
     return {name: (kind, set(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
 

@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 
-from moe_sidecar.client.vllm_plugin import detect_generation, manager_class, plugin_mode
+from moe_sidecar.client.vllm_plugin import (
+    check_environment,
+    detect_generation,
+    manager_class,
+    plugin_mode,
+)
 from moe_sidecar.client.vllm_sizing import Generation
 from moe_sidecar.core.errors import InvalidArgument
 
@@ -63,7 +68,8 @@ CASES: dict[str, dict[str, str]] = {
     "sidecar": {"MOE_SIDECAR_TARGET": "unix:///run/moe-sidecar/sidecar.sock"},
     "switched-off": {"MOE_SIDECAR_TARGET": "127.0.0.1:50051", "MOE_SIDECAR_VLLM": "0"},
     "not-selected": {"MOE_SIDECAR_VLLM": "1", "VLLM_PLUGINS": "some_other_plugin"},
-    "malformed": {"MOE_SIDECAR_VLLM": "yes"},
+    "malformed": {"MOE_SIDECAR_VLLM": "maybe"},
+    "malformed-target": {"MOE_SIDECAR_TARGET": "localhost"},
 }
 
 
@@ -138,7 +144,16 @@ def test_a_malformed_switch_stops_vllm_with_a_named_error(
 ) -> None:
     result, text = outcomes["malformed"]
     assert not result["replaced"], text
-    assert result["error"].startswith("InvalidArgument: MOE_SIDECAR_VLLM='yes'"), result
+    assert result["error"].startswith("InvalidArgument: MOE_SIDECAR_VLLM='maybe'"), result
+
+
+def test_a_malformed_target_stops_vllm_when_the_plugin_loads(
+    outcomes: dict[str, tuple[dict[str, Any], str]],
+) -> None:
+    result, text = outcomes["malformed-target"]
+    assert not result["replaced"], text
+    assert result["error"].startswith("InvalidArgument: MOE_SIDECAR_TARGET='localhost'"), result
+    assert "host:port" in result["error"], result
 
 
 @pytest.mark.parametrize(
@@ -151,15 +166,56 @@ def test_a_malformed_switch_stops_vllm_with_a_named_error(
         ({"MOE_SIDECAR_VLLM": "1"}, "embedded"),
         ({"MOE_SIDECAR_VLLM": "1", "MOE_SIDECAR_TARGET": "127.0.0.1:1"}, "sidecar"),
         ({"MOE_SIDECAR_VLLM": "0", "MOE_SIDECAR_TARGET": "127.0.0.1:1"}, None),
+        # The one boolean rule of every variable (moe_sidecar.defaults.parse_bool).
+        ({"MOE_SIDECAR_VLLM": "true"}, "embedded"),
+        ({"MOE_SIDECAR_VLLM": " Yes "}, "embedded"),
+        ({"MOE_SIDECAR_VLLM": "on"}, "embedded"),
+        ({"MOE_SIDECAR_VLLM": "off", "MOE_SIDECAR_TARGET": "127.0.0.1:1"}, None),
+        ({"MOE_SIDECAR_VLLM": "False", "MOE_SIDECAR_TARGET": "127.0.0.1:1"}, None),
     ],
 )
 def test_plugin_mode(environ: dict[str, str], expected: str | None) -> None:
     assert plugin_mode(environ) == expected
 
 
-def test_plugin_mode_refuses_other_values() -> None:
-    with pytest.raises(InvalidArgument, match="MOE_SIDECAR_VLLM='true'"):
-        plugin_mode({"MOE_SIDECAR_VLLM": "true"})
+@pytest.mark.parametrize("value", ["2", "maybe", "enabled"])
+def test_plugin_mode_refuses_other_values(value: str) -> None:
+    with pytest.raises(InvalidArgument, match=f"MOE_SIDECAR_VLLM='{value}': must be 1/0, true"):
+        plugin_mode({"MOE_SIDECAR_VLLM": value})
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"MOE_SIDECAR_TARGET": "localhost"}, "MOE_SIDECAR_TARGET='localhost': expected"),
+        ({"MOE_SIDECAR_TARGET": "unix://x.sock"}, "MOE_SIDECAR_TARGET='unix://x.sock'"),
+        ({"MOE_SIDECAR_LOCAL_RANKS": "eight"}, "MOE_SIDECAR_LOCAL_RANKS='eight': must be"),
+        ({"MOE_SIDECAR_LOCAL_RANKS": "0"}, "MOE_SIDECAR_LOCAL_RANKS='0': must be"),
+        ({"MOE_SIDECAR_PROPOSE_TIMEOUT": "2m"}, "MOE_SIDECAR_PROPOSE_TIMEOUT='2m': must be"),
+        ({"MOE_SIDECAR_PROPOSE_TIMEOUT": "-1"}, "MOE_SIDECAR_PROPOSE_TIMEOUT='-1': must be"),
+        ({"MOE_SIDECAR_BACKEND": "nccl"}, "MOE_SIDECAR_BACKEND='nccl': must be one of"),
+        ({"MOE_SIDECAR_GROUP": "a\tb"}, "MOE_SIDECAR_GROUP='a\\tb': must hold printable"),
+    ],
+)
+def test_the_variables_are_checked_when_the_plugin_loads(
+    environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        check_environment(environ)
+    assert str(raised.value).startswith(message), raised.value
+
+
+def test_well_formed_variables_pass_the_check() -> None:
+    check_environment(
+        {
+            "MOE_SIDECAR_TARGET": "unix:///run/moe-sidecar/sidecar.sock",
+            "MOE_SIDECAR_LOCAL_RANKS": "8",
+            "MOE_SIDECAR_PROPOSE_TIMEOUT": "120",
+            "MOE_SIDECAR_BACKEND": "reference",
+            "MOE_SIDECAR_GROUP": "deepseek-v3:fp4/tp1-ep8/pp0",
+        }
+    )
+    check_environment({"MOE_SIDECAR_TARGET": "embedded"})
 
 
 def test_generations_are_read_from_the_signature() -> None:

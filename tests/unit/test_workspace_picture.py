@@ -1,0 +1,68 @@
+"""The README's picture: its computed sizes are the ones the GPU run measured and
+checked against FlashInfer's, and its measured points are that run's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "draw_workspace_memory", ROOT / "scripts" / "draw_workspace_memory.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_computed_sizes_equal_what_the_gpu_run_checked_against_flashinfer() -> None:
+    script = _script()
+    document = json.loads(script.MEASURED.read_text())
+    for run in document["runs"]:
+        row = script.computed(2, run["tokens"])
+        assert [row.nvfp4, row.union] == run["expected"], run["tokens"]
+
+
+def test_measured_points_are_the_runs_and_cover_the_computed_workspaces() -> None:
+    script = _script()
+    document = json.loads(script.MEASURED.read_text())
+    for point in script.measured():
+        row = script.computed(2, point.tokens)
+        [run] = [r for r in document["runs"] if r["tokens"] == point.tokens]
+        unit = run["runs"]["vllm-0.33"][0]["granularity"]
+        # Held memory is each workspace rounded up to the allocation granularity.
+        assert 0 <= point.moe_sidecar - row.union < unit
+        assert 0 <= point.vllm - row.vllm < 2 * unit
+
+
+def test_the_ep8_figure_the_docs_quote_is_the_computed_one() -> None:
+    row = _script().computed(8)
+    assert (
+        row.nvfp4
+        == json.loads((ROOT / "bench/results/gpu/vllm-memory.json").read_text())[
+            "ep8_8192_tokens_superseded_bytes"
+        ]
+    )
+    gib = 2**30
+    assert (f"{row.vllm / gib:.2f}", f"{row.union / gib:.2f}", f"{row.nvfp4 / gib:.2f}") == (
+        "2.88",
+        "1.76",
+        "1.13",
+    )
+
+
+def test_the_picture_is_committed() -> None:
+    picture = _script().PICTURE
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
