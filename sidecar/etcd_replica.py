@@ -35,10 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
+from moe_sidecar.backoff import Backoff
 from moe_sidecar.core.cluster import (
     ClusterPlan,
     LayoutMismatch,
@@ -58,8 +58,9 @@ from moe_sidecar.etcd_client import (
 )
 from moe_sidecar.replica import ReplicaHost, StoreMetrics
 from moe_sidecar.row_codec import RowError, decode_cluster_plan, encode_cluster_plan
+from moe_sidecar.store import StoreError
 
-__all__ = ["GROUPS_DIR", "MAX_CAS_ATTEMPTS", "EtcdReplica", "group_key"]
+__all__ = ["GROUPS_DIR", "MAX_CAS_ATTEMPTS", "RETRY_MAX", "RETRY_MIN", "EtcdReplica", "group_key"]
 
 _log = logging.getLogger("moe_sidecar.etcd_replica")
 
@@ -67,8 +68,10 @@ GROUPS_DIR = "groups/"
 """Under the URL's prefix, the directory of the groups' keys."""
 MAX_CAS_ATTEMPTS = 32
 """Lost compare-and-swap races in a row on one key before backing off."""
-_RETRY_MIN = 0.05
-_RETRY_MAX = 2.0
+RETRY_MIN = 0.05
+"""Seconds before a loop retries etcd after its first failure (doubling from there)."""
+RETRY_MAX = 2.0
+"""The longest pause between retries."""
 
 
 def group_key(prefix: str, name: str) -> bytes:
@@ -175,7 +178,7 @@ class EtcdReplica:
                     "groups still pending for etcd at shutdown; the next start pushes them",
                     extra={"seconds": flush_seconds},
                 )
-            except (EtcdError, _Contended, sqlite3.Error, CoordinatorError) as error:
+            except (EtcdError, _Contended, StoreError, CoordinatorError) as error:
                 _log.warning(
                     "cannot push pending groups to etcd at shutdown; the next start pushes them",
                     extra={"error": str(error)},
@@ -198,12 +201,6 @@ class EtcdReplica:
                 extra={"prefix": self._prefix, "error": str(error)},
             )
         self._outage = str(error)
-
-    async def _pause(self, seconds: float) -> None:
-        assert self._stop is not None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stop.wait()
 
     # --- reading --------------------------------------------------------------------
 
@@ -274,7 +271,8 @@ class EtcdReplica:
         self._wake.set()
 
     async def _watch_loop(self) -> None:
-        delay = _RETRY_MIN
+        assert self._stop is not None
+        backoff = Backoff(RETRY_MIN, RETRY_MAX)
         while not self._closing:
             try:
                 if self._revision is None:
@@ -299,7 +297,7 @@ class EtcdReplica:
                         self._revision = watch.next_revision - 1
                         self._high_revision = max(self._high_revision, event.mod_revision)
                         self._up()
-                        delay = _RETRY_MIN
+                        backoff.reset()
                 return  # the client closed
             except EtcdStale as error:
                 # Compacted past what was merged, or etcd re-created: read it all again.
@@ -313,24 +311,23 @@ class EtcdReplica:
                 continue
             except EtcdError as error:
                 self._down(error)
-            except (sqlite3.Error, CoordinatorError) as error:
+            except (StoreError, CoordinatorError) as error:
                 # This node could not write what it read: read it all again later.
                 _log.error("cannot merge plans from etcd", extra={"error": str(error)})
                 self._revision = None
-            await self._pause(delay)
-            delay = min(delay * 2, _RETRY_MAX)
+            await backoff.pause(self._stop)
 
     # --- writing --------------------------------------------------------------------
 
     async def _push_loop(self) -> None:
-        assert self._wake is not None
-        delay = _RETRY_MIN
+        assert self._wake is not None and self._stop is not None
+        backoff = Backoff(RETRY_MIN, RETRY_MAX)
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
             try:
                 await self._push_pending()
-                delay = _RETRY_MIN
+                backoff.reset()
                 continue
             except EtcdError as error:
                 self.metrics.writes.labels("error").inc()
@@ -339,10 +336,9 @@ class EtcdReplica:
                 _log.warning(
                     "etcd writes keep losing races; backing off", extra={"key": str(error)}
                 )
-            except (sqlite3.Error, CoordinatorError) as error:
+            except (StoreError, CoordinatorError) as error:
                 _log.error("cannot read or clear the outbox", extra={"error": str(error)})
-            await self._pause(delay)
-            delay = min(delay * 2, _RETRY_MAX)
+            await backoff.pause(self._stop)
             self._wake.set()
 
     async def _push_pending(self) -> None:
@@ -351,7 +347,7 @@ class EtcdReplica:
         Raises:
             EtcdError: etcd failed (what is left stays pending).
             _Contended: one key kept changing under the writes.
-            sqlite3.Error: the outbox cannot be read or cleared.
+            StoreError: the outbox cannot be read or cleared.
         """
         assert self._host is not None
         while True:

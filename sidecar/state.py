@@ -35,7 +35,6 @@ import asyncio
 import bisect
 import enum
 import logging
-import sqlite3
 import time
 from collections.abc import Callable
 from typing import TypeAlias
@@ -62,7 +61,7 @@ from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, 
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
 from moe_sidecar.replica import Replica
-from moe_sidecar.store import StateStore
+from moe_sidecar.store import StateStore, StoreError
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
@@ -184,7 +183,7 @@ class Coordinator:
         try:
             self._store.save_many(self._groups[name] for name in sorted(self._dirty))
             self._dirty.clear()
-        except sqlite3.Error:
+        except StoreError:
             _log.exception("could not save waiting proposals at shutdown")
         finally:
             self._phase = _Phase.CLOSED
@@ -230,7 +229,7 @@ class Coordinator:
                     self._store.save(step.state, pending=replicate)
                 else:
                     self._store.mark_pending((name,))
-            except sqlite3.Error as error:
+            except StoreError as error:
                 _log.error("cannot persist group", extra={"group": name, "error": str(error)})
                 raise CoordinatorUnavailable(
                     f"cannot persist group {name!r}: {error}; nothing was decided"
@@ -432,7 +431,7 @@ class Coordinator:
         policy.check_removable(state)
         try:
             self._store.delete(name)
-        except sqlite3.Error as error:
+        except StoreError as error:
             raise CoordinatorUnavailable(f"cannot remove group {name!r}: {error}") from error
         del self._groups[name]
         self._removed.add(name)
@@ -447,7 +446,7 @@ class Coordinator:
     def _forget_removed(self, name: str) -> None:
         try:
             self._store.forget_removed(name)
-        except sqlite3.Error as error:
+        except StoreError as error:
             raise CoordinatorUnavailable(f"cannot record group {name!r} again: {error}") from error
         self._removed.discard(name)
 
@@ -524,7 +523,7 @@ class Coordinator:
         """Groups the cluster store has not got yet, each with its outbox ``seq``.
 
         Raises:
-            sqlite3.Error: the local database cannot be read.
+            StoreError: the local database cannot be read.
         """
         return self._store.pending()
 
@@ -533,7 +532,7 @@ class Coordinator:
         unless it was saved again since. Returns whether it was forgotten.
 
         Raises:
-            sqlite3.Error: the local database cannot be written.
+            StoreError: the local database cannot be written.
         """
         return self._store.clear_pending(name, seq)
 
@@ -541,7 +540,7 @@ class Coordinator:
         """Records that the cluster store must get these groups again.
 
         Raises:
-            sqlite3.Error: the local database cannot be written.
+            StoreError: the local database cannot be written.
         """
         self._store.mark_pending(names)
 

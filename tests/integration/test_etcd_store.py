@@ -32,7 +32,7 @@ from moe_sidecar.row_codec import decode_cluster_plan
 from moe_sidecar.wire.codec import capacities_from_proto, plan_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.etcd_server import EtcdServer, free_port
+from tests.etcd_server import EtcdServer, EtcdTestClient, free_port
 from tests.integration.helpers import BF16, NVFP4, capacities, run_round
 from tests.multiprocess.harness import Sidecar
 
@@ -328,7 +328,7 @@ async def test_bad_documents_in_etcd_are_skipped_and_counted(
     tmp_path: Path, etcd_server: EtcdServer
 ) -> None:
     with nodes(tmp_path, etcd_server, "node-a") as (a,):
-        async with EtcdClient([etcd_server.endpoint]) as client:
+        async with EtcdTestClient([etcd_server.endpoint]) as client:
             await client.put(group_key(PREFIX, "garbage"), b"{not json")
             good = await in_etcd(etcd_server)
             assert good is None
