@@ -3,9 +3,10 @@
 It speaks etcd's own gRPC API through stubs generated from etcd's protos
 (``moe_workspace.etcd.v3``, made by ``scripts/generate_proto.py``):
 
-- reads: :meth:`EtcdClient.get` (value and ``mod_revision``) and
-  :meth:`EtcdClient.get_prefix` (every key under a prefix, read at one
-  revision, page by page);
+- reads: :meth:`EtcdClient.get` (value and ``mod_revision``),
+  :meth:`EtcdClient.read_prefix` (every key under a prefix, read at one
+  revision, page by page, as the pages come) and :meth:`EtcdClient.get_prefix`
+  (the same, gathered);
 - writes: :meth:`EtcdClient.put_if`, a compare-and-swap on the key's
   ``mod_revision`` (``0`` means "the key must not exist") that answers the
   current value when it loses;
@@ -52,10 +53,12 @@ at its end). Options, named after ``etcdctl``'s flags: ``cacert``, ``cert``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import NamedTuple, Self
+
+import grpc
 
 from moe_sidecar.etcd_errors import (
     EtcdAuthError,
@@ -105,6 +108,7 @@ __all__ = [
     "EtcdWatch",
     "EventType",
     "KeyValue",
+    "PrefixPage",
     "PrefixRead",
     "Versioned",
     "WatchEvent",
@@ -129,6 +133,18 @@ class KeyValue(NamedTuple):
     key: bytes
     value: bytes
     mod_revision: int
+
+
+class PrefixPage(NamedTuple):
+    """One page of :meth:`EtcdClient.read_prefix`."""
+
+    items: list[KeyValue]
+    """In key order."""
+    revision: int
+    """The store's revision every page of the read is read at."""
+    too_large: list[KeyValue]
+    """Keys whose value alone is larger than one response may carry, with an
+    empty value (left out) and their ``mod_revision``."""
 
 
 class PrefixRead(NamedTuple):
@@ -250,12 +266,25 @@ class EtcdClient:
         kv = response.kvs[0]
         return Versioned(kv.value, kv.mod_revision)
 
+    async def revision_of(self, key: str | bytes, *, timeout: float | None = None) -> int:  # noqa: ASYNC109 (a gRPC deadline)
+        """The key's ``mod_revision`` (0: no such key), its value left unread:
+        for a value too large to receive.
+
+        Raises:
+            EtcdError: as :meth:`get` does.
+        """
+        request = rpc_pb2.RangeRequest(key=key_bytes(key), keys_only=True)
+        deadline = self.transport.deadline(timeout)
+        _, response = await self.transport.call(
+            "revision_of", lambda s: s.kv.Range, request, deadline=deadline
+        )
+        return response.kvs[0].mod_revision if response.kvs else 0
+
     async def get_prefix(self, prefix: str | bytes, *, timeout: float | None = None) -> PrefixRead:  # noqa: ASYNC109 (a gRPC deadline)
         """Every key under ``prefix`` (in key order) and the revision read at.
 
-        Large prefixes are read in pages, every page at the first page's
-        revision, so the result is one consistent snapshot; ``timeout``
-        bounds the whole read.
+        The pages of :meth:`read_prefix` (``page_size`` keys each), gathered.
+        A value that alone exceeds what one response may carry is left out.
 
         Raises:
             EtcdUnavailable: no endpoint answered (EtcdTimeout: not in time).
@@ -264,24 +293,79 @@ class EtcdClient:
             EtcdAuthError: authentication failed or the prefix is not readable.
             EtcdError: etcd refused the read (EtcdClientClosed: closed client).
         """
-        start = key_bytes(prefix)
-        end = prefix_range_end(start)
-        deadline = self.transport.deadline(timeout)
         items: list[KeyValue] = []
         revision = 0
+        async for page in self.read_prefix(prefix, keys=self._page_size, timeout=timeout):
+            items.extend(page.items)
+            revision = page.revision
+        return PrefixRead(items, revision)
+
+    async def read_prefix(
+        self,
+        prefix: str | bytes,
+        *,
+        keys: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+    ) -> AsyncIterator[PrefixPage]:
+        """The keys under ``prefix`` in pages of at most ``keys`` keys, in key order.
+
+        Every page is read at the first page's revision, so together they are
+        one consistent snapshot; ``timeout`` bounds each page. A page too
+        large for one response (etcd's values are not bounded here) is asked
+        for again with half as many keys; a single value too large is left
+        out and its key listed in :attr:`PrefixPage.too_large`, so no
+        prefix, whatever it holds, stops a read for good.
+
+        Raises:
+            ValueError: ``keys`` is below 1.
+            EtcdUnavailable: no endpoint answered (EtcdTimeout: not in time).
+            EtcdCompacted: the snapshot's revision was compacted between two
+                pages; read again.
+            EtcdAuthError: authentication failed or the prefix is not readable.
+            EtcdError: etcd refused the read (EtcdClientClosed: closed client).
+        """
+        if keys < 1:
+            raise ValueError(f"keys={keys!r}: must be at least 1")
+        start = key_bytes(prefix)
+        end = prefix_range_end(start)
+        revision = 0
         while True:
-            request = rpc_pb2.RangeRequest(
-                key=start, range_end=end, limit=self._page_size, revision=revision
-            )
-            _, response = await self.transport.call(
-                "get_prefix", lambda s: s.kv.Range, request, deadline=deadline, revision=revision
-            )
-            if revision == 0:
-                revision = response.header.revision
-            items.extend(KeyValue(kv.key, kv.value, kv.mod_revision) for kv in response.kvs)
+            request = rpc_pb2.RangeRequest(key=start, range_end=end, limit=keys, revision=revision)
+            try:
+                response = await self._range(request, timeout)
+            except EtcdRequestError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                if keys > 1:
+                    keys //= 2
+                    continue
+                request.keys_only = True
+                response = await self._range(request, timeout)
+                revision = revision or response.header.revision
+                if not response.kvs:
+                    return
+                kv = response.kvs[0]
+                yield PrefixPage([], revision, [KeyValue(kv.key, b"", kv.mod_revision)])
+                start = kv.key + b"\0"
+                continue
+            revision = revision or response.header.revision
+            items = [KeyValue(kv.key, kv.value, kv.mod_revision) for kv in response.kvs]
+            yield PrefixPage(items, revision, [])
             if not response.more or not response.kvs:
-                return PrefixRead(items, revision)
+                return
             start = response.kvs[-1].key + b"\0"
+
+    async def _range(
+        self, request: rpc_pb2.RangeRequest, seconds: float | None
+    ) -> rpc_pb2.RangeResponse:
+        _, response = await self.transport.call(
+            "get_prefix",
+            lambda s: s.kv.Range,
+            request,
+            deadline=self.transport.deadline(seconds),
+            revision=request.revision,
+        )
+        return response
 
     # ------------------------------------------------------------------ writes
 

@@ -172,6 +172,10 @@ class EtcdWatch:
                 range_end=self._range_end,
                 start_revision=self._next_revision,
                 progress_notify=True,
+                # etcd splits a response larger than its request limit (a catch-up
+                # batch of many large values) instead of sending one that could
+                # pass this client's receive limit.
+                fragment=True,
             )
         )
 
@@ -202,7 +206,7 @@ class EtcdWatch:
                 continue
             events = response.events
             for i, event in enumerate(events):
-                self._next_revision = _resume_revision(events, i)
+                self._next_revision = _resume_revision(events, i, more=response.fragment)
                 yield _watch_event(event)
             if not events and response.header.revision >= self._next_revision:
                 # A progress notice: nothing up to this revision is left to see.
@@ -328,14 +332,17 @@ def _metadata(token: str | None) -> Metadata:
     return (_REQUIRE_LEADER,) + ((("token", token),) if token else ())
 
 
-def _resume_revision(events: Sequence[kv_pb2.Event], index: int) -> int:
-    """Where to resume once ``events[index]`` is delivered.
+def _resume_revision(events: Sequence[kv_pb2.Event], index: int, *, more: bool) -> int:
+    """Where to resume once ``events[index]`` is delivered (``more``: a fragment
+    follows, which may hold more events of the last revision).
 
     A transaction's events share one revision: resume after it only once
     all of them are out.
     """
     revision = events[index].kv.mod_revision
-    last = index + 1 == len(events) or events[index + 1].kv.mod_revision != revision
+    if index + 1 == len(events):
+        return revision if more else revision + 1
+    last = events[index + 1].kv.mod_revision != revision
     return revision + 1 if last else revision
 
 

@@ -74,6 +74,11 @@ Clock: TypeAlias = Callable[[], float]
 _log = logging.getLogger("moe_sidecar.state")
 
 
+def _merged_only(state: GroupState) -> bool:
+    """A group made here from the cluster store that no local rank has proposed for."""
+    return not state.ranks and not state.busy()
+
+
 def _answer(outcome: Outcome) -> Decision:
     if isinstance(outcome, Refusal):
         raise outcome.error()
@@ -106,12 +111,15 @@ class Coordinator:
         clock: Clock = time.time,
         watch_queue_limit: int = WATCH_QUEUE_LIMIT,
         max_groups: int = 128,
+        max_merged_groups: int = 128,
         max_watchers: int = 64,
         replica: Replica | None = None,
         node: str = "",
     ) -> None:
         self._store = store
         self._max_groups = max_groups
+        self._max_merged_groups = max_merged_groups
+        """Groups made here from the cluster store alone; not part of ``max_groups``."""
         self._replica = replica
         self.node = node
         """This node's name, recorded on every growth decided here."""
@@ -266,11 +274,12 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         before = self._groups.get(proposal.group)
-        if before is None and len(self._groups) >= self._max_groups:
+        local = self._local_group_count()
+        if (before is None or _merged_only(before)) and local >= self._max_groups:
             policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
             self.metrics.refused("groups")
             raise ResourceExhausted(
-                f"group={proposal.group!r} would be group {len(self._groups) + 1} of this "
+                f"group={proposal.group!r} would be group {local + 1} of this "
                 f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
                 "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
             )
@@ -506,11 +515,13 @@ class Coordinator:
         before = self._groups.get(remote.name)
         if before is None and remote.name in self._removed:
             return False  # removed here; back only when a rank of this node proposes for it
-        if before is None and len(self._groups) >= self._max_groups:
-            self.metrics.refused("groups")
+        merged = len(self._groups) - self._local_group_count()
+        if before is None and merged >= self._max_merged_groups:
+            self.metrics.refused("merged_groups")
             _log.warning(
-                "cluster plan not merged: --max-groups reached",
-                extra={"group": remote.name, "max_groups": self._max_groups},
+                "cluster plan not merged: --max-merged-groups reached; merged once a rank "
+                "of this node proposes for it",
+                extra={"group": remote.name, "max_merged_groups": self._max_merged_groups},
             )
             return False
         step = policy.merge(before, remote, self._clock(), node=self.node)
@@ -518,6 +529,10 @@ class Coordinator:
             return False
         self._execute(step, before)
         return step.persists
+
+    def _local_group_count(self) -> int:
+        """Groups a rank of this node has proposed for (what ``max_groups`` bounds)."""
+        return sum(1 for state in self._groups.values() if not _merged_only(state))
 
     def pending_replication(self) -> list[tuple[str, int]]:
         """Groups the cluster store has not got yet, each with its outbox ``seq``.
