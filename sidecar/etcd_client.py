@@ -66,6 +66,7 @@ from moe_sidecar.etcd_errors import (
     EtcdClusterReset,
     EtcdCompacted,
     EtcdError,
+    EtcdEventTooLarge,
     EtcdPermissionDenied,
     EtcdRequestError,
     EtcdStale,
@@ -97,6 +98,7 @@ __all__ = [
     "EtcdClusterReset",
     "EtcdCompacted",
     "EtcdError",
+    "EtcdEventTooLarge",
     "EtcdPermissionDenied",
     "EtcdRequestError",
     "EtcdStale",
@@ -312,7 +314,8 @@ class EtcdClient:
         Every page is read at the first page's revision, so together they are
         one consistent snapshot; ``timeout`` bounds each page. A page too
         large for one response (etcd's values are not bounded here) is asked
-        for again with half as many keys; a single value too large is left
+        for again with half as many keys (the pages after it double back up
+        to ``keys``); a single value too large is left
         out and its key listed in :attr:`PrefixPage.too_large`, so no
         prefix, whatever it holds, stops a read for good.
 
@@ -329,15 +332,16 @@ class EtcdClient:
         start = key_bytes(prefix)
         end = prefix_range_end(start)
         revision = 0
+        limit = keys
         while True:
-            request = rpc_pb2.RangeRequest(key=start, range_end=end, limit=keys, revision=revision)
+            request = rpc_pb2.RangeRequest(key=start, range_end=end, limit=limit, revision=revision)
             try:
                 response = await self._range(request, timeout)
             except EtcdRequestError as error:
                 if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
-                if keys > 1:
-                    keys //= 2
+                if limit > 1:
+                    limit //= 2
                     continue
                 request.keys_only = True
                 response = await self._range(request, timeout)
@@ -349,6 +353,7 @@ class EtcdClient:
                 start = kv.key + b"\0"
                 continue
             revision = revision or response.header.revision
+            limit = min(keys, limit * 2)  # back towards ``keys`` past the large values
             items = [KeyValue(kv.key, kv.value, kv.mod_revision) for kv in response.kvs]
             yield PrefixPage(items, revision, [])
             if not response.more or not response.kvs:
@@ -437,8 +442,9 @@ class EtcdClient:
             ValueError: a negative ``start_revision`` (at once).
             EtcdStale: (from iteration) watching cannot catch up: the
                 revision to start or resume from has been compacted
-                (EtcdCompacted), or etcd's revision went backwards across a
-                reconnect (EtcdClusterReset: re-created or restored); re-read
+                (EtcdCompacted), etcd's revision went backwards across a
+                reconnect (EtcdClusterReset: re-created or restored), or an
+                event is too large to receive (EtcdEventTooLarge); re-read
                 and watch again.
             EtcdAuthError: (from iteration) authentication failed or the
                 prefix is not readable.

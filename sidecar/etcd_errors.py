@@ -18,12 +18,14 @@ __all__ = [
     "EtcdClusterReset",
     "EtcdCompacted",
     "EtcdError",
+    "EtcdEventTooLarge",
     "EtcdPermissionDenied",
     "EtcdRequestError",
     "EtcdStale",
     "EtcdTimeout",
     "EtcdUnavailable",
     "is_invalid_token",
+    "is_too_large",
     "mapped_error",
     "status_from_reason",
 ]
@@ -91,6 +93,12 @@ class EtcdClusterReset(EtcdStale):
         """The revision the watch was to resume from."""
 
 
+class EtcdEventTooLarge(EtcdStale):
+    """A watch event is larger than one response this client receives (etcd
+    was told to take values that large): the watch cannot deliver it, and
+    would meet it again on every reconnect."""
+
+
 class EtcdRequestError(EtcdError):
     """etcd refused the request for another reason (kept in ``code``)."""
 
@@ -123,6 +131,11 @@ RETRYABLE_STREAM_CODES = frozenset(
     }
 )
 """Codes on which a broken watch stream is opened again rather than raised."""
+
+
+def is_too_large(code: grpc.StatusCode | None, text: str) -> bool:
+    """Whether this client refused a response over its receive limit."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in text
 
 
 def is_invalid_token(code: grpc.StatusCode | None, text: str) -> bool:

@@ -51,8 +51,11 @@ _CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     # Reconnect soon after etcd returns: gRPC's default backoff grows to 120 s,
     # and while a channel backs off its calls fail at once.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # gRPC takes this as the time one connection attempt may take (its
+    # handshake included), not as a pause: at 100 ms a loaded etcd, or a
+    # loaded node, failed handshakes as "unavailable".
+    ("grpc.min_reconnect_backoff_ms", 5000),
     # Notice a peer that vanished under an open watch. etcd refuses pings
     # more often than every 5 s, and pings without an open call.
     ("grpc.keepalive_time_ms", 10_000),

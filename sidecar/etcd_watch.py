@@ -28,8 +28,10 @@ from moe_sidecar.etcd_errors import (
     EtcdClientClosed,
     EtcdClusterReset,
     EtcdCompacted,
+    EtcdEventTooLarge,
     EtcdUnavailable,
     is_invalid_token,
+    is_too_large,
     mapped_error,
     status_from_reason,
 )
@@ -298,6 +300,7 @@ class EtcdWatch:
         to watch again (on the next endpoint) after a pause.
 
         Raises:
+            EtcdEventTooLarge: an event is larger than the client receives.
             EtcdError: the mapped error of a failure that retrying cannot cure.
         """
         code, text = error.code(), error.details() or ""
@@ -305,6 +308,12 @@ class EtcdWatch:
             self._transport.forget_token(token)
             self._reauthenticated = True
             return True
+        if is_too_large(code, text):
+            raise EtcdEventTooLarge(
+                f"etcd watch of {self._shown} on {stubs.address}: an event after revision "
+                f"{self._next_revision - 1} is larger than this client receives ({text}); "
+                "re-read the prefix and watch from the revision of that read + 1"
+            ) from error
         if code not in RETRYABLE_STREAM_CODES:
             raise mapped_error(code, text, what="watch", endpoint=stubs.address) from error
         self._note_outage(f"{stubs.address}: {text or code.name}")

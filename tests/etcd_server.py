@@ -144,7 +144,9 @@ class EtcdServer:
         binary: str,
         tls: TlsFiles | None = None,
         client_cert_auth: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
+        """``extra_args``: more flags for etcd (e.g. ``--max-request-bytes=N``)."""
         self.workdir = workdir
         self.name = f"moe-test-{uuid.uuid4().hex[:8]}"
         self.data_dir = workdir / f"{self.name}.etcd"
@@ -152,6 +154,7 @@ class EtcdServer:
         self.binary = binary
         self.tls = tls
         self.client_cert_auth = client_cert_auth
+        self.extra_args = extra_args
         self.client_port = free_port()
         self.peer_port = free_port()
         self.root_password: str | None = None
@@ -199,7 +202,7 @@ class EtcdServer:
             if self.client_cert_auth:
                 # etcd demands a client certificate as soon as it has a CA to check it with.
                 command += ["--client-cert-auth", f"--trusted-ca-file={self.tls.ca}"]
-        return command
+        return command + list(self.extra_args)
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         """Starts etcd and returns once it has a leader and answers.
@@ -467,18 +470,28 @@ def etcd_factory(tmp_path: Path) -> Iterator[StartEtcd]:
     ``etcd_factory(auth_password="pw")`` enables auth (user ``root``);
     ``etcd_factory(tls=True)`` serves TLS with a throwaway CA
     (``server.tls`` has the files), ``client_cert_auth=True`` also demands a
-    client certificate.
+    client certificate; ``extra_args`` are more flags for etcd.
     """
     binary = _binary_or_skip()
     started: list[EtcdServer] = []
 
     def start(
-        *, auth_password: str | None = None, tls: bool = False, client_cert_auth: bool = False
+        *,
+        auth_password: str | None = None,
+        tls: bool = False,
+        client_cert_auth: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> EtcdServer:
         workdir = tmp_path / f"etcd{len(started)}"
         workdir.mkdir(mode=0o700)
         files = make_tls_files(workdir / "tls") if tls else None
-        server = EtcdServer(workdir, binary=binary, tls=files, client_cert_auth=client_cert_auth)
+        server = EtcdServer(
+            workdir,
+            binary=binary,
+            tls=files,
+            client_cert_auth=client_cert_auth,
+            extra_args=extra_args,
+        )
         started.append(server)
         server.start()
         if auth_password is not None:

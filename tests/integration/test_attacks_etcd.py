@@ -24,12 +24,13 @@ from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.group import Growth
 from moe_sidecar.core.limits import MAX_GENERATION
 from moe_sidecar.core.plan import Capacities, Plan
+from moe_sidecar.etcd_client import EtcdRequestError
 from moe_sidecar.etcd_document import MAC_PREFIX, DocumentRules, seal_document
 from moe_sidecar.etcd_replica import group_key
 from moe_sidecar.row_codec import decode_cluster_plan, encode_cluster_plan
 from moe_sidecar.wire.codec import plan_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
-from tests.etcd_server import EtcdServer, EtcdTestClient
+from tests.etcd_server import EtcdServer, EtcdTestClient, StartEtcd
 from tests.integration.etcd_nodes import (
     GROUP,
     PREFIX,
@@ -140,6 +141,38 @@ async def test_junk_keys_beyond_one_response_are_set_aside_and_the_rest_merged(
         assert stored_plan(merged) == real.plan
         assert await a.metric_now(REJECTED) >= 200
         assert "skipped a plan document in etcd" in a.log() and "too_big" in a.log()
+
+
+async def test_a_value_over_a_groups_key_too_large_to_receive_is_replaced(
+    tmp_path: Path, etcd_factory: StartEtcd
+) -> None:
+    # etcd takes a value this large only when told to; the node's watch and
+    # reads cannot receive it (64 MiB), and must not stop on it.
+    etcd = etcd_factory(extra_args=("--max-request-bytes=70000000",))
+    with nodes(tmp_path, etcd, "node-a") as (a,):
+        grown = await grow(a, [NVFP4, BF16], "a")
+        final = plan_from_proto(grown[-1].plan)
+        await until(lambda: in_etcd(etcd), lambda d: d is not None and d.plan == final, "pushed")
+        await put_all(etcd, {group_key(PREFIX, GROUP): b"x" * (65 << 20)}, at_once=1)
+
+        async def receivable() -> ClusterPlan | None:
+            try:
+                return await in_etcd(etcd)
+            except EtcdRequestError:  # this test's client cannot receive it either
+                return None
+
+        await until(
+            receivable,
+            lambda d: d is not None and d.plan == final,
+            "the value replaced with the node's plan",
+            60,
+        )
+        assert await a.metric_now(REJECTED) >= 1
+        assert await a.metric_now(STORE_UP) == 1
+        # And the node still hears of other nodes' writes.
+        other = ClusterPlan("other/ep2", 2, 0, Plan(Capacities(512, 4096, 14336, 8, 256), 0, 1), 1)
+        await put_all(etcd, {group_key(PREFIX, "other/ep2"): encode_cluster_plan(other)})
+        await until(lambda: group_of(a, "other/ep2"), lambda g: g is not None, "merged")
 
 
 # --- junk groups from another node -------------------------------------------------------

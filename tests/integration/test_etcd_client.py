@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import grpc
 import pytest
 
 from moe_sidecar.etcd_client import (
@@ -17,7 +18,9 @@ from moe_sidecar.etcd_client import (
     EtcdClientClosed,
     EtcdClusterReset,
     EtcdCompacted,
+    EtcdEventTooLarge,
     EtcdPermissionDenied,
+    EtcdRequestError,
     EtcdStale,
     EtcdTimeout,
     EtcdTls,
@@ -478,3 +481,54 @@ def test_a_client_made_outside_any_loop_opens_its_channel_inside(
             return await client.get("/t/lazy")
 
     assert asyncio.run(use()) is not None
+
+
+async def test_a_prefix_beyond_one_response_is_read_in_smaller_pages(
+    etcd_server: EtcdServer,
+) -> None:
+    value = b"v" * 1_400_000
+    async with EtcdTestClient([etcd_server.endpoint], timeout=30) as client:
+        for i in range(50):  # 70 MB: more than the client's 64 MiB receive limit
+            await client.put(f"/t/big/{i:02d}", value)
+        pages = [page async for page in client.read_prefix("/t/big/", keys=1000)]
+    # The first page was asked for again with fewer keys; nothing is lost or repeated.
+    assert len(pages) > 1
+    keys = [item.key for page in pages for item in page.items]
+    assert keys == [f"/t/big/{i:02d}".encode() for i in range(50)]
+    assert all(not page.too_large for page in pages)
+    assert len({page.revision for page in pages}) == 1
+
+
+async def test_a_value_beyond_one_response_is_named_not_read(etcd_factory: StartEtcd) -> None:
+    # etcd takes requests this large only when told to.
+    server = etcd_factory(extra_args=("--max-request-bytes=70000000",))
+    async with EtcdTestClient([server.endpoint], timeout=30) as client:
+        await client.put("/t/v/a", b"small")
+        huge = await client.put("/t/v/b", b"x" * (65 << 20))
+        await client.put("/t/v/c", b"small")
+        pages = [page async for page in client.read_prefix("/t/v/", keys=10)]
+        assert [item.key for page in pages for item in page.items] == [b"/t/v/a", b"/t/v/c"]
+        assert [(kv.key, kv.mod_revision) for p in pages for kv in p.too_large] == [
+            (b"/t/v/b", huge)
+        ]
+        with pytest.raises(EtcdRequestError) as raised:
+            await client.get("/t/v/b")
+        assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await client.revision_of("/t/v/b") == huge
+        assert await client.revision_of("/t/v/none") == 0
+
+
+async def test_a_watch_event_beyond_one_response_asks_for_a_re_read(
+    etcd_factory: StartEtcd,
+) -> None:
+    server = etcd_factory(extra_args=("--max-request-bytes=70000000",))
+    async with EtcdTestClient([server.endpoint], timeout=30) as client:
+        start = await client.get_prefix("/t/w/")
+        async with client.watch_prefix("/t/w/", start.revision + 1) as watch:
+            small = await client.put("/t/w/a", b"small")
+            assert [e.mod_revision for e in await next_events(watch, 1)] == [small]
+            await client.put("/t/w/b", b"x" * (65 << 20))
+            # Reconnecting would meet the same event again: the watch says so instead.
+            with pytest.raises(EtcdEventTooLarge, match="re-read") as raised:
+                await next_events(watch, 1)
+            assert isinstance(raised.value, EtcdStale)
