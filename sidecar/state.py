@@ -274,15 +274,8 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         before = self._groups.get(proposal.group)
-        local = self._local_group_count()
-        if (before is None or _merged_only(before)) and local >= self._max_groups:
-            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
-            self.metrics.refused("groups")
-            raise ResourceExhausted(
-                f"group={proposal.group!r} would be group {local + 1} of this "
-                f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
-                "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
-            )
+        if before is None or _merged_only(before):
+            self._check_group_budget(proposal)
         step = policy.propose(before, proposal, self._clock(), self._round_timeout, node=self.node)
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
@@ -529,6 +522,23 @@ class Coordinator:
             return False
         self._execute(step, before)
         return step.persists
+
+    def _check_group_budget(self, proposal: Proposal) -> None:
+        """A rank of this node proposes for a group none of them used yet.
+
+        Raises:
+            InvalidArgument: the proposal is malformed (checked first).
+            ResourceExhausted: ``max_groups`` groups have local ranks already.
+        """
+        local = self._local_group_count()
+        if local >= self._max_groups:
+            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
+            self.metrics.refused("groups")
+            raise ResourceExhausted(
+                f"group={proposal.group!r} would be group {local + 1} of this "
+                f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
+                "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
+            )
 
     def _local_group_count(self) -> int:
         """Groups a rank of this node has proposed for (what ``max_groups`` bounds)."""
