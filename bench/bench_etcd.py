@@ -148,7 +148,7 @@ class Ranks:
                         ep_size=RANKS,
                         ep_rank=rank,
                         local_ranks=RANKS,
-                        lifetime=f"{lifetime}-{rank}",
+                        lifetime=f"bench-{lifetime}-rank-{rank:04d}",  # >= 16 characters
                         round=rnd,
                         requirement=requirement,
                     ),
@@ -251,10 +251,146 @@ async def propagation(a: Ranks, b_target: str, samples: int) -> list[float]:
 # --- report ----------------------------------------------------------------------------
 
 
-async def run(quick: bool, binary: str) -> None:
-    grow_rounds, reuse_rounds, blocks, samples, layers = (
-        (40, 200, 4, 20, 59) if quick else (400, 2000, 8, 200, 59)
+@dataclass(frozen=True)
+class Sizes:
+    """How much each section runs."""
+
+    grow_rounds: int
+    reuse_rounds: int
+    blocks: int
+    samples: int
+    layers: int = 59
+    extra_starts: int = 5
+
+
+QUICK = Sizes(grow_rounds=40, reuse_rounds=200, blocks=4, samples=20, extra_starts=3)
+FULL = Sizes(grow_rounds=400, reuse_rounds=2000, blocks=8, samples=200)
+
+
+async def report_round_costs(a_ranks: Ranks, s_ranks: Ranks, sizes: Sizes) -> None:
+    print()
+    print("1. the cost a round pays for the store (8 local ranks, all released at once)")
+    print("   etcd: node A, --store etcd://...; sqlite: --store sqlite:///... (default)")
+    print("kind     rounds | etcd p50   p99 ms | sqlite p50  p99 ms | etcd/sqlite p50 x  p99 x")
+    for kind, count in (
+        ("reuse", sizes.reuse_rounds),
+        ("grow", sizes.grow_rounds),
+        ("grow-256", sizes.grow_rounds),
+    ):
+        found = await round_costs(a_ranks, s_ranks, kind, count, sizes.blocks)
+        e, s = found["etcd"], found["sqlite"]
+        print(
+            f"{kind:<8} {len(e):>6} |{ms(pct(e, 50))} "
+            f"{ms(pct(e, 99))} |  {ms(pct(s, 50))}{ms(pct(s, 99))} |"
+            f"        {pct(e, 50) / pct(s, 50):8.2f} {pct(e, 99) / pct(s, 99):6.2f}"
+        )
+
+
+async def wait_for_generation(target: str, group: str, generation: int) -> None:
+    """Until ``group`` on the sidecar at ``target`` has a plan of ``generation`` (30 s at most)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub: Any = pb_grpc.WorkspaceCoordinatorStub(channel)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                found = await stub.GetGroup(pb.GetGroupRequest(group=group))
+                if found.plan.generation >= generation:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.01)
+
+
+async def report_warm_start(
+    a_ranks: Ranks, b_ranks: Ranks, b: Node, workdir: Path, nodes: list[Node], layers: int
+) -> Node:
+    """Section 2; returns the fresh SQLite sidecar it started (also appended to ``nodes``)."""
+    on_a = await model_init(a_ranks, "deepseek", "a", layers)
+    # B has heard of A's plan once its watch merged it.
+    await wait_for_generation(b.target, "deepseek", 2)
+    on_b = await model_init(b_ranks, "deepseek", "b", layers)
+    fresh = start_node(workdir, "fresh-sqlite", None)
+    nodes.append(fresh)
+    f_ranks = Ranks(fresh.target)
+    try:
+        on_fresh = await model_init(f_ranks, "deepseek", "f", layers)
+    finally:
+        await f_ranks.close()
+    print("where                          | builds rebuilds | round-1 plan bytes | init ms")
+    for label, result in (
+        ("node A (first, etcd)", on_a),
+        ("node B (warm, from etcd)", on_b),
+        ("fresh node, SQLite only", on_fresh),
+    ):
+        print(
+            f"{label:<30} | {result['builds']:>6} {result['rebuilds']:>8} | "
+            f"{result['round1_bytes']:>18} | {result['seconds'] * 1e3:7.1f}"
+        )
+    print(
+        f"node B vs fresh SQLite node: rebuilds {on_b['rebuilds']} vs "
+        f"{on_fresh['rebuilds']}; round-1 plan x"
+        f"{on_b['round1_bytes'] / on_fresh['round1_bytes']:.2f}; init time x"
+        f"{on_b['seconds'] / on_fresh['seconds']:.2f}"
     )
+    return fresh
+
+
+def report_starts(workdir: Path, url: str, nodes: list[Node], extra: int) -> None:
+    """Section 4: the start times of ``nodes`` (by store) and of ``extra`` more of each."""
+    print()
+    print("4. sidecar start to SERVING (a process start, state load, and for etcd the read)")
+    starts: dict[str, list[float]] = {"sqlite": [], "etcd": []}
+    for node in nodes:
+        starts["sqlite" if "sqlite" in node.name else "etcd"].append(node.start_seconds)
+    for i in range(extra):
+        for store in ("sqlite", "etcd"):
+            node = start_node(workdir, f"start-{store}-{i}", url if store == "etcd" else None)
+            starts[store].append(node.start_seconds)
+            node.stop()
+    etcd_start = statistics.median(starts["etcd"])
+    sqlite_start = statistics.median(starts["sqlite"])
+    print(
+        f"median of {len(starts['etcd'])}: etcd {etcd_start * 1e3:.0f} ms, sqlite "
+        f"{sqlite_start * 1e3:.0f} ms, etcd/sqlite x{etcd_start / sqlite_start:.2f}"
+    )
+
+
+async def run_sections(workdir: Path, url: str, sizes: Sizes, nodes: list[Node]) -> None:
+    """Sections 1-4 against one etcd; every sidecar started is appended to ``nodes``."""
+    sqlite = start_node(workdir, "sqlite", None)
+    nodes.append(sqlite)
+    a = start_node(workdir, "node-a", url)
+    nodes.append(a)
+    a_ranks, s_ranks = Ranks(a.target), Ranks(sqlite.target)
+    b_ranks: Ranks | None = None
+    try:
+        await report_round_costs(a_ranks, s_ranks, sizes)
+        print()
+        print(
+            f"2. cross-node warm start: a model init of {sizes.layers} layers (58 NVFP4, then MTP)"
+        )
+        # Node B starts now: section 1 measured node A with no other node
+        # sharing this machine's cores (in a cluster, B's merges run on B).
+        b = start_node(workdir, "node-b", url)
+        nodes.append(b)
+        b_ranks = Ranks(b.target)
+        fresh = await report_warm_start(a_ranks, b_ranks, b, workdir, nodes, sizes.layers)
+        print()
+        print(f"3. a growth on node A reaches node B ({sizes.samples} growths, one at a time)")
+        lags = await propagation(a_ranks, b.target, sizes.samples)
+        print(
+            f"A's answer -> B's PLAN_MERGED: p50 {ms(pct(lags, 50))} ms, "
+            f"p99 {ms(pct(lags, 99))} ms, mean {ms(statistics.fmean(lags))} ms"
+        )
+    finally:
+        for ranks in (a_ranks, b_ranks, s_ranks):
+            if ranks is not None:
+                await ranks.close()
+    report_starts(workdir, url, [sqlite, fresh, a, b], sizes.extra_starts)
+
+
+async def run(quick: bool, binary: str) -> None:
+    sizes = QUICK if quick else FULL
     print(
         f"# bench_etcd: python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, {RANKS} local ranks"
@@ -264,116 +400,9 @@ async def run(quick: bool, binary: str) -> None:
         etcd = EtcdServer(workdir / "etcd", binary=binary)
         (workdir / "etcd").mkdir()
         etcd.start()
-        url = f"etcd://{etcd.endpoint}/bench"
         nodes: list[Node] = []
         try:
-            sqlite = start_node(workdir, "sqlite", None)
-            nodes.append(sqlite)
-            a = start_node(workdir, "node-a", url)
-            nodes.append(a)
-            a_ranks, s_ranks = Ranks(a.target), Ranks(sqlite.target)
-            b_ranks: Ranks | None = None
-            try:
-                print()
-                print(
-                    "1. the cost a round pays for the store (8 local ranks, all released at once)"
-                )
-                print(
-                    "   etcd: node A, --store etcd://...; sqlite: --store sqlite:///... (default)"
-                )
-                print(
-                    "kind     rounds | etcd p50   p99 ms | sqlite p50  p99 ms | etcd/sqlite p50 x  p99 x"
-                )
-                for kind, count in (
-                    ("reuse", reuse_rounds),
-                    ("grow", grow_rounds),
-                    ("grow-256", grow_rounds),
-                ):
-                    found = await round_costs(a_ranks, s_ranks, kind, count, blocks)
-                    e, s = found["etcd"], found["sqlite"]
-                    print(
-                        f"{kind:<8} {len(e):>6} |{ms(pct(e, 50))} "
-                        f"{ms(pct(e, 99))} |  {ms(pct(s, 50))}{ms(pct(s, 99))} |"
-                        f"        {pct(e, 50) / pct(s, 50):8.2f} {pct(e, 99) / pct(s, 99):6.2f}"
-                    )
-                print()
-                print(
-                    f"2. cross-node warm start: a model init of {layers} layers (58 NVFP4, then MTP)"
-                )
-                # Node B starts now: section 1 measured node A with no other node
-                # sharing this machine's cores (in a cluster, B's merges run on B).
-                b = start_node(workdir, "node-b", url)
-                nodes.append(b)
-                b_ranks = Ranks(b.target)
-                on_a = await model_init(a_ranks, "deepseek", "a", layers)
-                # B has heard of A's plan once its watch merged it.
-                async with grpc.aio.insecure_channel(b.target) as channel:
-                    stub: Any = pb_grpc.WorkspaceCoordinatorStub(channel)
-                    deadline = time.monotonic() + 30
-                    while time.monotonic() < deadline:
-                        try:
-                            group = await stub.GetGroup(pb.GetGroupRequest(group="deepseek"))
-                            if group.plan.generation >= 2:
-                                break
-                        except grpc.aio.AioRpcError:
-                            pass
-                        await asyncio.sleep(0.01)
-                on_b = await model_init(b_ranks, "deepseek", "b", layers)
-                fresh = start_node(workdir, "fresh-sqlite", None)
-                nodes.append(fresh)
-                f_ranks = Ranks(fresh.target)
-                try:
-                    on_fresh = await model_init(f_ranks, "deepseek", "f", layers)
-                finally:
-                    await f_ranks.close()
-                print(
-                    "where                          | builds rebuilds | round-1 plan bytes | init ms"
-                )
-                for label, result in (
-                    ("node A (first, etcd)", on_a),
-                    ("node B (warm, from etcd)", on_b),
-                    ("fresh node, SQLite only", on_fresh),
-                ):
-                    print(
-                        f"{label:<30} | {result['builds']:>6} {result['rebuilds']:>8} | "
-                        f"{result['round1_bytes']:>18} | {result['seconds'] * 1e3:7.1f}"
-                    )
-                print(
-                    f"node B vs fresh SQLite node: rebuilds {on_b['rebuilds']} vs "
-                    f"{on_fresh['rebuilds']}; round-1 plan x"
-                    f"{on_b['round1_bytes'] / on_fresh['round1_bytes']:.2f}; init time x"
-                    f"{on_b['seconds'] / on_fresh['seconds']:.2f}"
-                )
-                print()
-                print(f"3. a growth on node A reaches node B ({samples} growths, one at a time)")
-                lags = await propagation(a_ranks, b.target, samples)
-                print(
-                    f"A's answer -> B's PLAN_MERGED: p50 {ms(pct(lags, 50))} ms, "
-                    f"p99 {ms(pct(lags, 99))} ms, mean {ms(statistics.fmean(lags))} ms"
-                )
-            finally:
-                for ranks in (a_ranks, b_ranks, s_ranks):
-                    if ranks is not None:
-                        await ranks.close()
-            print()
-            print(
-                "4. sidecar start to SERVING (a process start, state load, and for etcd the read)"
-            )
-            starts = {"sqlite": [sqlite.start_seconds, fresh.start_seconds], "etcd": []}
-            starts["etcd"] = [a.start_seconds, b.start_seconds]
-            for i in range(3 if quick else 5):
-                for store in ("sqlite", "etcd"):
-                    extra = start_node(
-                        workdir, f"start-{store}-{i}", url if store == "etcd" else None
-                    )
-                    starts[store].append(extra.start_seconds)
-                    extra.stop()
-            etcd_start = statistics.median(starts["etcd"])
-            sqlite_start = statistics.median(starts["sqlite"])
-            print(
-                f"median of {len(starts['etcd'])}: etcd {etcd_start * 1e3:.0f} ms, sqlite "
-                f"{sqlite_start * 1e3:.0f} ms, etcd/sqlite x{etcd_start / sqlite_start:.2f}"
-            )
+            await run_sections(workdir, f"etcd://{etcd.endpoint}/bench", sizes, nodes)
         finally:
             for node in nodes:
                 node.stop()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from moe_sidecar.core.defaults import CLIENT_ENV_KEYS, DEFAULT_TARGET, ENV_PREFIX, parse_bool
+from moe_sidecar.core.limits import MAX_GENERATION
 from moe_sidecar.etcd_url import EtcdTarget, EtcdUrlError, parse_etcd_url
 from moe_sidecar.wire.address import (
     AddressError,
@@ -71,6 +72,19 @@ MAX_SECONDS = 86400.0
 DEFAULT_STATE_DIR = Path("/var/lib/moe-sidecar")
 MAX_NODE_NAME_LENGTH = 253
 """A DNS name's length: Kubernetes node names are DNS subdomains."""
+# --- the cluster store's limits (the fields and flags below) ---
+DEFAULT_STORE_PAGE_BYTES = 32 << 20
+MAX_STORE_PAGE_BYTES = 48 << 20
+"""Below the etcd client's 64 MiB receive limit, with room for a page's framing."""
+DEFAULT_STORE_MAX_DOCUMENT_BYTES = 1 << 20
+"""A document with the full history (256 growths, 256-character names) is
+about 190 KB; etcd's own default request limit is 1.5 MiB."""
+MIN_STORE_DOCUMENT_BYTES = 1 << 12
+DEFAULT_STORE_MAX_GENERATION_LEAD = 1_000_000
+"""A generation counts growths; no group grows a million times."""
+DEFAULT_STORE_MAX_EPOCH_LEAD = 100_000
+"""An epoch counts admin resets."""
+DEFAULT_MAX_MERGED_GROUPS = 128
 
 
 class ConfigError(ValueError):
@@ -137,6 +151,12 @@ def _check_host(name: str, value: str) -> None:
             f"{name}={value!r}: must be an address to bind, e.g. 127.0.0.1 (loopback only) or "
             "0.0.0.0 (every interface)"
         )
+
+
+def _check_int(name: str, value: int, low: int, high: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        suffix = f" ({why})" if why else ""
+        raise ConfigError(f"{name}={value!r}: must be an integer in [{low}, {high}]{suffix}")
 
 
 def _check_seconds(name: str, value: float, *, low: float, low_inclusive: bool) -> None:
@@ -223,6 +243,22 @@ class SidecarConfig:
     """``sqlite:///DIR`` or ``etcd://...``; empty: the SQLite in ``state_dir``."""
     node_name: str = ""
     """This node's name in plan origins; empty: the hostname."""
+    # --- the cluster store: what this node trusts of etcd (see _STORE_OPTIONS) ---
+    store_page_bytes: int = DEFAULT_STORE_PAGE_BYTES
+    """Bytes one page of a prefix read may hold (a page's key count is this
+    over ``store_max_document_bytes``); pages are merged one by one."""
+    store_max_document_bytes: int = DEFAULT_STORE_MAX_DOCUMENT_BYTES
+    """A document in etcd longer than this is set aside unread."""
+    store_max_generation_lead: int = DEFAULT_STORE_MAX_GENERATION_LEAD
+    """A document whose generation is this far past the group's here is set aside."""
+    store_max_epoch_lead: int = DEFAULT_STORE_MAX_EPOCH_LEAD
+    """A document whose epoch is this far past the group's here is set aside."""
+    store_key_file: Path | None = None
+    """A key every sidecar of the cluster holds: documents carry an HMAC with
+    it, and one without a valid HMAC is set aside."""
+    max_merged_groups: int = DEFAULT_MAX_MERGED_GROUPS
+    """Groups created here from the cluster store (no local rank yet); they do
+    not count against ``max_groups``."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
     store_target: StoreTarget = field(init=False, repr=False, compare=False)
     """``store`` parsed; with etcd, the node's SQLite in ``state_dir`` stays
@@ -260,6 +296,7 @@ class SidecarConfig:
         for name in ("health_host", "metrics_host"):
             _check_host(name, getattr(self, name))
         self._check_tls()
+        self._check_store_limits()
 
     @property
     def tls(self) -> bool:
@@ -303,6 +340,22 @@ class SidecarConfig:
                 )
             object.__setattr__(self, "state_dir", target.path)
         object.__setattr__(self, "store_target", target)
+
+    def _check_store_limits(self) -> None:
+        _check_int("store_page_bytes", self.store_page_bytes, 1 << 16, MAX_STORE_PAGE_BYTES)
+        _check_int(
+            "store_max_document_bytes",
+            self.store_max_document_bytes,
+            MIN_STORE_DOCUMENT_BYTES,
+            self.store_page_bytes,
+            "at most store_page_bytes",
+        )
+        for name in ("store_max_generation_lead", "store_max_epoch_lead"):
+            _check_int(name, getattr(self, name), 1, MAX_GENERATION)
+        _check_int("max_merged_groups", self.max_merged_groups, 0, MAX_LIMIT)
+        key = self.store_key_file
+        if key is not None and not key.is_file():
+            raise ConfigError(f"store_key_file={str(key)!r}: no such file")
 
     def _check_node_name(self) -> None:
         name = self.node_name
@@ -368,7 +421,7 @@ class _Option:
         return ENV_PREFIX + self.flag.lstrip("-").replace("-", "_").upper()
 
 
-_OPTIONS = (
+_OPTIONS: tuple[_Option, ...] = (
     _Option(
         "--listen",
         "listen",
@@ -575,6 +628,59 @@ _OPTIONS = (
         "allow plaintext TCP listeners beyond loopback (off by default)",
     ),
 )
+_STORE_OPTIONS = (
+    _Option(
+        "--store-page-bytes",
+        "store_page_bytes",
+        int,
+        "bytes one page of a read of etcd's prefix may hold; pages are merged one by one "
+        f"(default {DEFAULT_STORE_PAGE_BYTES}, at most {MAX_STORE_PAGE_BYTES})",
+        "BYTES",
+    ),
+    _Option(
+        "--store-max-document-bytes",
+        "store_max_document_bytes",
+        int,
+        "a plan document in etcd longer than this is set aside unread "
+        f"(default {DEFAULT_STORE_MAX_DOCUMENT_BYTES})",
+        "BYTES",
+    ),
+    _Option(
+        "--store-max-generation-lead",
+        "store_max_generation_lead",
+        int,
+        "a document whose generation is this far past the group's here is set aside "
+        f"(default {DEFAULT_STORE_MAX_GENERATION_LEAD})",
+        "N",
+    ),
+    _Option(
+        "--store-max-epoch-lead",
+        "store_max_epoch_lead",
+        int,
+        "a document whose epoch is this far past the group's here is set aside "
+        f"(default {DEFAULT_STORE_MAX_EPOCH_LEAD})",
+        "N",
+    ),
+    _Option(
+        "--store-key-file",
+        "store_key_file",
+        Path,
+        "file holding a key (16 bytes or more) every sidecar of the cluster holds: documents "
+        "written to etcd carry an HMAC-SHA256 with it, and documents without a valid one "
+        "are set aside (default: none, documents are not authenticated)",
+        "FILE",
+    ),
+    _Option(
+        "--max-merged-groups",
+        "max_merged_groups",
+        int,
+        "groups created here from etcd before any local rank proposed for them; they do not "
+        f"count against --max-groups (default {DEFAULT_MAX_MERGED_GROUPS}; 0 merges only "
+        "groups this node already has)",
+        "N",
+    ),
+)
+_OPTIONS += _STORE_OPTIONS
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
 
 

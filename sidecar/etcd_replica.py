@@ -2,7 +2,8 @@
 
 Layout: one key per group, ``PREFIX + "groups/" + quote(name)``, holding the
 group's :class:`~moe_sidecar.core.cluster.ClusterPlan` as
-:func:`~moe_sidecar.row_codec.encode_cluster_plan` writes it.
+:func:`~moe_sidecar.row_codec.encode_cluster_plan` writes it (signed with an
+HMAC when the cluster has a key: :mod:`moe_sidecar.etcd_document`).
 
 Writing (the push loop). The node's SQLite is the write-ahead record: a step
 that grew, reset or absorbed a plan recorded its group as pending in the
@@ -19,15 +20,19 @@ loop retries with backoff (50 ms doubling to 2 s); rounds never wait for it.
 
 Reading (the watch loop). At start and whenever the watch cannot resume
 (history compacted, etcd re-created or restored: its revision went
-backwards) the replica reads the whole prefix at one revision, merges every
-document, queues every local group etcd lacks, and watches from that
-revision on. Every document read is untrusted: it is decoded and
-range-checked (:mod:`moe_sidecar.core.limits`); a bad one is logged, counted
-(``moe_sidecar_store_rejected_documents``) and skipped, never merged and
-never overwritten (a newer release may have written it; delete the key to
-let the nodes write it afresh). A deleted key is not a reset: the nodes
-write the group again on its next change or their next start; ResetGroup
-is how a plan is forgotten everywhere.
+backwards) the replica reads the whole prefix at one revision, in pages of
+at most ``--store-page-bytes`` (merged one by one, so no prefix outgrows
+the client's receive limit or the node's memory), merges every document,
+queues every local group etcd lacks, and watches from that revision on.
+Every document read is untrusted (:func:`~moe_sidecar.etcd_document.open_document`:
+size, HMAC, decoding, the core's ranges, plausibility against the group
+here); one that fails is logged, counted
+(``moe_sidecar_store_rejected_documents``) and set aside: never merged, and
+replaced by this node's own document at its next compare-and-swap (a
+local group over a set-aside key is queued at once). The replica keeps what
+it saw only of the keys of groups this node holds. A deleted key is not a
+reset: the nodes write the group again on its next change or their next
+start; ResetGroup is how a plan is forgotten everywhere.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
+import grpc
+
+from moe_sidecar.backoff import Backoff
+from moe_sidecar.config import DEFAULT_STORE_PAGE_BYTES, SidecarConfig
 from moe_sidecar.core.cluster import (
     ClusterPlan,
     LayoutMismatch,
@@ -49,17 +57,36 @@ from moe_sidecar.core.cluster import (
 from moe_sidecar.core.errors import CoordinatorError, InvalidArgument, PreconditionFailed
 from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.etcd_client import (
+    DEFAULT_PAGE_SIZE,
     EtcdClient,
     EtcdClusterReset,
     EtcdError,
+    EtcdRequestError,
     EtcdStale,
     EtcdUnavailable,
     EventType,
+    KeyValue,
+)
+from moe_sidecar.etcd_document import (
+    DocumentRefused,
+    DocumentRules,
+    open_document,
+    read_key_file,
+    seal_document,
 )
 from moe_sidecar.replica import ReplicaHost, StoreMetrics
-from moe_sidecar.row_codec import RowError, decode_cluster_plan, encode_cluster_plan
+from moe_sidecar.store import StoreError
 
-__all__ = ["GROUPS_DIR", "MAX_CAS_ATTEMPTS", "EtcdReplica", "group_key"]
+__all__ = [
+    "GROUPS_DIR",
+    "MAX_CAS_ATTEMPTS",
+    "RETRY_MAX",
+    "RETRY_MIN",
+    "EtcdReplica",
+    "ReplicaSettings",
+    "group_key",
+    "replica_settings",
+]
 
 _log = logging.getLogger("moe_sidecar.etcd_replica")
 
@@ -67,13 +94,45 @@ GROUPS_DIR = "groups/"
 """Under the URL's prefix, the directory of the groups' keys."""
 MAX_CAS_ATTEMPTS = 32
 """Lost compare-and-swap races in a row on one key before backing off."""
-_RETRY_MIN = 0.05
-_RETRY_MAX = 2.0
+RETRY_MIN = 0.05
+"""Seconds before a loop retries etcd after its first failure (doubling from there)."""
+RETRY_MAX = 2.0
+"""The longest pause between retries."""
 
 
 def group_key(prefix: str, name: str) -> bytes:
     """The key of group ``name`` under ``prefix`` (the name percent-encoded)."""
     return (prefix + GROUPS_DIR + quote(name, safe="")).encode()
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What the replica reads at once and accepts (the ``--store-*`` flags)."""
+
+    rules: DocumentRules = field(default_factory=DocumentRules)
+    page_bytes: int = DEFAULT_STORE_PAGE_BYTES
+    """Bytes one page of a prefix read may hold."""
+
+    @property
+    def page_keys(self) -> int:
+        """Keys per page: as many documents of the largest size accepted as fit a page."""
+        return max(1, min(DEFAULT_PAGE_SIZE, self.page_bytes // self.rules.max_document_bytes))
+
+
+def replica_settings(config: SidecarConfig) -> ReplicaSettings:
+    """The settings ``config`` gives (the key read from ``--store-key-file``).
+
+    Raises:
+        ValueError: the key file cannot be read or holds too short a key.
+    """
+    key = read_key_file(config.store_key_file) if config.store_key_file is not None else None
+    rules = DocumentRules(
+        max_document_bytes=config.store_max_document_bytes,
+        max_generation_lead=config.store_max_generation_lead,
+        max_epoch_lead=config.store_max_epoch_lead,
+        key=key,
+    )
+    return ReplicaSettings(rules, config.store_page_bytes)
 
 
 @dataclass(frozen=True)
@@ -83,8 +142,9 @@ class _Known:
     revision: int
     """The key's ``mod_revision`` (0: the key does not exist)."""
     doc: ClusterPlan | None
-    """The document (None: none, or it did not decode)."""
-    readable: bool = True
+    """The document (None: none, or it was set aside)."""
+    set_aside: bool = False
+    """The document was refused: the next write replaces it."""
 
 
 _ABSENT = _Known(0, None)
@@ -101,8 +161,15 @@ class EtcdReplica:
     and starts the push and watch tasks; :meth:`close` ends them.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, metrics: StoreMetrics) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        metrics: StoreMetrics,
+        settings: ReplicaSettings = ReplicaSettings(),
+    ) -> None:
         self._client = client
+        self._settings = settings
         self._prefix = prefix
         self._groups_prefix = (prefix + GROUPS_DIR).encode()
         self.metrics = metrics
@@ -175,7 +242,7 @@ class EtcdReplica:
                     "groups still pending for etcd at shutdown; the next start pushes them",
                     extra={"seconds": flush_seconds},
                 )
-            except (EtcdError, _Contended, sqlite3.Error, CoordinatorError) as error:
+            except (EtcdError, _Contended, StoreError, CoordinatorError) as error:
                 _log.warning(
                     "cannot push pending groups to etcd at shutdown; the next start pushes them",
                     extra={"error": str(error)},
@@ -199,33 +266,28 @@ class EtcdReplica:
             )
         self._outage = str(error)
 
-    async def _pause(self, seconds: float) -> None:
-        assert self._stop is not None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stop.wait()
-
     # --- reading --------------------------------------------------------------------
 
     def _name_of(self, key: bytes) -> str:
         return unquote(key[len(self._groups_prefix) :].decode("utf-8", "replace"))
 
-    def _reject(self, key: bytes, why: str) -> None:
+    def _reject(self, key: bytes, reason: str, why: str) -> None:
         self.metrics.rejected.inc()
         _log.error(
             "skipped a plan document in etcd",
-            extra={"key": key.decode("utf-8", "replace"), "reason": why},
+            extra={"key": key.decode("utf-8", "replace"), "reason": reason, "why": why},
         )
 
     def _decode(self, key: bytes, value: bytes, revision: int) -> _Known:
+        """What this node accepts of ``value`` under ``key`` (set aside when refused)."""
+        assert self._host is not None
+        name = self._name_of(key)
+        local = self._host.cluster_plan(name)
         try:
-            doc = decode_cluster_plan(value)
-        except RowError as error:
-            self._reject(key, str(error))
-            return _Known(revision, None, readable=False)
-        if doc.name != self._name_of(key):
-            self._reject(key, f"the key holds group {doc.name!r}")
-            return _Known(revision, None, readable=False)
+            doc = open_document(self._settings.rules, key, value, name, local)
+        except DocumentRefused as refused:
+            self._reject(key, refused.reason, refused.message)
+            return _Known(revision, None, set_aside=True)
         return _Known(revision, doc)
 
     def _merge(self, key: bytes, doc: ClusterPlan) -> None:
@@ -239,30 +301,52 @@ class EtcdReplica:
             if self._host.merge(doc):
                 self.metrics.merges.inc()
         except (InvalidArgument, PreconditionFailed) as error:
-            self._reject(key, error.message)
+            self._reject(key, "not_joinable", error.message)
 
     def _accept(self, key: bytes, value: bytes, revision: int) -> None:
+        """Merges what ``key`` holds; remembers it only for a group this node holds."""
+        assert self._host is not None
         known = self._decode(key, value, revision)
         self._known[key] = known
         if known.doc is not None:
             self._merge(key, known.doc)
+        self._settle(key, known)
+
+    def _settle(self, key: bytes, known: _Known) -> None:
+        """Forgets ``key`` unless its group is here; queues the group when its
+        document was set aside, so that etcd gets a valid one back."""
+        assert self._host is not None
+        name = self._name_of(key)
+        if self._host.cluster_plan(name) is None:
+            self._known.pop(key, None)  # not here: nothing to push, nothing to keep
+        elif known.set_aside:
+            self._host.mark_pending([name])
+            if self._wake is not None:
+                self._wake.set()
+
+    def _too_large(self, item: KeyValue) -> None:
+        self._reject(item.key, "too_big", "larger than one response of etcd may carry")
+        known = _Known(item.mod_revision, None, set_aside=True)
+        self._known[item.key] = known
+        self._settle(item.key, known)
 
     async def _sync(self) -> None:
-        """Reads every group under the prefix at one revision and merges it."""
+        """Reads every group under the prefix at one revision, merging page by page."""
         assert self._host is not None and self._wake is not None
         self.metrics.resyncs.inc()
-        read = await self._client.get_prefix(self._groups_prefix)
-        self._up()
-        if read.revision < self._high_revision:
-            _log.warning(
-                "etcd's revision went backwards (re-created or restored from a backup); "
-                "merging what it holds and pushing what it lacks",
-                extra={"revision": read.revision, "seen": self._high_revision},
-            )
-        self._high_revision = read.revision
         self._known.clear()
-        for item in read.items:
-            self._accept(item.key, item.value, item.mod_revision)
+        revision: int | None = None
+        pages = self._client.read_prefix(self._groups_prefix, keys=self._settings.page_keys)
+        async for page in pages:
+            if revision is None:
+                self._up()
+                self._note_revision(page.revision)
+            revision = page.revision
+            for item in page.too_large:
+                self._too_large(item)
+            for item in page.items:
+                self._accept(item.key, item.value, item.mod_revision)
+        assert revision is not None
         missing = [
             name
             for name in self._host.group_names()
@@ -270,11 +354,21 @@ class EtcdReplica:
         ]
         if missing:
             self._host.mark_pending(missing)
-        self._revision = read.revision
+        self._revision = revision
         self._wake.set()
 
+    def _note_revision(self, revision: int) -> None:
+        if revision < self._high_revision:
+            _log.warning(
+                "etcd's revision went backwards (re-created or restored from a backup); "
+                "merging what it holds and pushing what it lacks",
+                extra={"revision": revision, "seen": self._high_revision},
+            )
+        self._high_revision = revision
+
     async def _watch_loop(self) -> None:
-        delay = _RETRY_MIN
+        assert self._stop is not None
+        backoff = Backoff(RETRY_MIN, RETRY_MAX)
         while not self._closing:
             try:
                 if self._revision is None:
@@ -299,7 +393,7 @@ class EtcdReplica:
                         self._revision = watch.next_revision - 1
                         self._high_revision = max(self._high_revision, event.mod_revision)
                         self._up()
-                        delay = _RETRY_MIN
+                        backoff.reset()
                 return  # the client closed
             except EtcdStale as error:
                 # Compacted past what was merged, or etcd re-created: read it all again.
@@ -313,24 +407,23 @@ class EtcdReplica:
                 continue
             except EtcdError as error:
                 self._down(error)
-            except (sqlite3.Error, CoordinatorError) as error:
+            except (StoreError, CoordinatorError) as error:
                 # This node could not write what it read: read it all again later.
                 _log.error("cannot merge plans from etcd", extra={"error": str(error)})
                 self._revision = None
-            await self._pause(delay)
-            delay = min(delay * 2, _RETRY_MAX)
+            await backoff.pause(self._stop)
 
     # --- writing --------------------------------------------------------------------
 
     async def _push_loop(self) -> None:
-        assert self._wake is not None
-        delay = _RETRY_MIN
+        assert self._wake is not None and self._stop is not None
+        backoff = Backoff(RETRY_MIN, RETRY_MAX)
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
             try:
                 await self._push_pending()
-                delay = _RETRY_MIN
+                backoff.reset()
                 continue
             except EtcdError as error:
                 self.metrics.writes.labels("error").inc()
@@ -339,10 +432,9 @@ class EtcdReplica:
                 _log.warning(
                     "etcd writes keep losing races; backing off", extra={"key": str(error)}
                 )
-            except (sqlite3.Error, CoordinatorError) as error:
+            except (StoreError, CoordinatorError) as error:
                 _log.error("cannot read or clear the outbox", extra={"error": str(error)})
-            await self._pause(delay)
-            delay = min(delay * 2, _RETRY_MAX)
+            await backoff.pause(self._stop)
             self._wake.set()
 
     async def _push_pending(self) -> None:
@@ -351,7 +443,7 @@ class EtcdReplica:
         Raises:
             EtcdError: etcd failed (what is left stays pending).
             _Contended: one key kept changing under the writes.
-            sqlite3.Error: the outbox cannot be read or cleared.
+            StoreError: the outbox cannot be read or cleared.
         """
         assert self._host is not None
         while True:
@@ -364,7 +456,14 @@ class EtcdReplica:
                 self._host.replicated(name, seq)
 
     async def _read(self, key: bytes) -> _Known:
-        got = await self._client.get(key)
+        try:
+            got = await self._client.get(key)
+        except EtcdRequestError as error:
+            if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            # A value too large to receive: set it aside, knowing only its revision.
+            self._reject(key, "too_big", "larger than one response of etcd may carry")
+            return _Known(await self._client.revision_of(key), None, set_aside=True)
         self._up()
         return _ABSENT if got is None else self._decode(key, got.value, got.mod_revision)
 
@@ -386,9 +485,7 @@ class EtcdReplica:
                 return
             if known is None:
                 known = await self._read(key)
-            if not known.readable:
-                return  # reported when read; never overwritten
-            remote = known.doc
+            remote = known.doc  # None: no key, or a document set aside (replaced here)
             if remote is not None and covers(remote, doc):
                 self._merge(key, remote)
                 return
@@ -400,13 +497,16 @@ class EtcdReplica:
                 )
                 check_cluster_plan(value)
             except (LayoutMismatch, ShapeMismatch) as error:
-                self._reject(key, f"cannot join this node's group: {error}")
+                self._reject(key, "not_joinable", f"cannot join this node's group: {error}")
                 return
             except InvalidArgument as error:
-                self._reject(key, f"its join with this node's group is out of range: {error}")
+                self._reject(
+                    key, "not_joinable", f"its join with this node's group is out of range: {error}"
+                )
                 return
             try:
-                result = await self._client.put_if(key, encode_cluster_plan(value), known.revision)
+                sealed = seal_document(self._settings.rules, key, value)
+                result = await self._client.put_if(key, sealed, known.revision)
             except EtcdUnavailable:
                 self._known.pop(key, None)
                 raise

@@ -13,8 +13,8 @@ at its end). Options, named after ``etcdctl``'s flags: ``cacert``, ``cert``,
 (the name to verify in the server's certificate; TLS only) and ``timeout``
 (seconds per call).
 
-Split out of :mod:`moe_sidecar.etcd_client` (which re-exports every name)
-so that the configuration can check a URL without importing gRPC.
+Apart from :mod:`moe_sidecar.etcd_client` (which re-exports its names) so
+that the configuration can check a URL without importing gRPC.
 """
 
 from __future__ import annotations
@@ -136,6 +136,35 @@ def parse_etcd_url(value: str) -> EtcdTarget:
     def fail(reason: str) -> EtcdUrlError:
         return EtcdUrlError(f"etcd URL {value!r}: {reason}")
 
+    tls, netloc, path, query = _split_url(value, fail)
+    endpoints = _parse_endpoints(netloc, fail)
+    prefix = _parse_prefix(path, fail)
+    options = _parse_options(query, fail)
+    _check_options(options, tls, fail)
+
+    def path_of(name: str) -> Path | None:
+        return Path(options[name]) if name in options else None
+
+    return EtcdTarget(
+        endpoints=endpoints,
+        prefix=prefix,
+        tls=tls,
+        ca_file=path_of("cacert"),
+        cert_file=path_of("cert"),
+        key_file=path_of("key"),
+        server_name=options.get("server-name"),
+        user=options.get("user"),
+        password_file=path_of("password-file"),
+        timeout=_parse_timeout(options, fail),
+    )
+
+
+_Fail = Callable[[str], EtcdUrlError]
+
+
+def _split_url(value: str, fail: _Fail) -> tuple[bool, str, str, str]:
+    """``(tls, endpoints, path, query)`` of the URL, split by hand: urllib's
+    URL parsing refuses several bracketed IPv6 hosts."""
     scheme, sep, rest = value.partition("://")
     if not sep:
         raise fail(
@@ -143,8 +172,6 @@ def parse_etcd_url(value: str) -> EtcdTarget:
         )
     if scheme not in ("etcd", "etcds"):
         raise fail(f"the scheme must be etcd:// or etcds:// (TLS), not {scheme}://")
-    tls = scheme == "etcds"
-    # Split by hand: urllib's URL parsing refuses several bracketed IPv6 hosts.
     rest, fragment, _ = rest.partition("#")
     if fragment:
         raise fail("a '#' fragment has no meaning here")
@@ -155,31 +182,46 @@ def parse_etcd_url(value: str) -> EtcdTarget:
             "credentials do not go before the host; use ?user=NAME&password-file=PATH "
             "(the password is never written in the URL)"
         )
+    return scheme == "etcds", netloc, slash + raw_path, query
+
+
+def _parse_endpoints(netloc: str, fail: _Fail) -> tuple[str, ...]:
     endpoints = tuple(_parse_endpoint(item, fail) for item in netloc.split(","))
     duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
     if duplicates:
         raise fail(f"endpoint {duplicates[0]} is given twice")
+    return endpoints
 
-    path = unquote(slash + raw_path)
+
+def _parse_prefix(raw_path: str, fail: _Fail) -> str:
+    path = unquote(raw_path)
     if any(ord(c) < 0x20 or c == "\x7f" for c in path):
         raise fail("the prefix holds a control character")
-    prefix = DEFAULT_PREFIX if path in ("", "/") else path.rstrip("/") + "/"
+    return DEFAULT_PREFIX if path in ("", "/") else path.rstrip("/") + "/"
 
+
+def _parse_options(query: str, fail: _Fail) -> dict[str, str]:
+    """The ``?name=value&...`` options, each known, given once and not empty."""
     options: dict[str, str] = {}
-    if query:
-        try:
-            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
-        except ValueError as error:
-            raise fail(f"the options {query!r} are malformed ({error})") from error
-        for name, item in pairs:
-            if name not in URL_OPTIONS:
-                raise fail(f"unknown option {name!r}; known: {', '.join(URL_OPTIONS)}")
-            if name in options:
-                raise fail(f"option {name!r} is given twice")
-            if not item:
-                raise fail(f"option {name!r} has an empty value")
-            options[name] = item
+    if not query:
+        return options
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError as error:
+        raise fail(f"the options {query!r} are malformed ({error})") from error
+    for name, item in pairs:
+        if name not in URL_OPTIONS:
+            raise fail(f"unknown option {name!r}; known: {', '.join(URL_OPTIONS)}")
+        if name in options:
+            raise fail(f"option {name!r} is given twice")
+        if not item:
+            raise fail(f"option {name!r} has an empty value")
+        options[name] = item
+    return options
 
+
+def _check_options(options: dict[str, str], tls: bool, fail: _Fail) -> None:
+    """The options that only go with TLS, or only together."""
     if not tls:
         tls_only = [name for name in ("cacert", "cert", "key", "server-name") if name in options]
         if tls_only:
@@ -193,33 +235,22 @@ def parse_etcd_url(value: str) -> EtcdTarget:
         )
     if "password-file" in options and user is None:
         raise fail("option 'password-file' needs 'user'")
-    timeout = DEFAULT_TIMEOUT
-    if "timeout" in options:
-        try:
-            timeout = float(options["timeout"])
-        except ValueError as error:
-            raise fail(f"timeout={options['timeout']!r} is not a number of seconds") from error
-        if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
-            raise fail(f"timeout={options['timeout']!r} must be in (0, {MAX_TIMEOUT:g}] seconds")
-
-    def path_of(name: str) -> Path | None:
-        return Path(options[name]) if name in options else None
-
-    return EtcdTarget(
-        endpoints=endpoints,
-        prefix=prefix,
-        tls=tls,
-        ca_file=path_of("cacert"),
-        cert_file=path_of("cert"),
-        key_file=path_of("key"),
-        server_name=options.get("server-name"),
-        user=user,
-        password_file=path_of("password-file"),
-        timeout=timeout,
-    )
 
 
-def _parse_endpoint(item: str, fail: Callable[[str], EtcdUrlError]) -> str:
+def _parse_timeout(options: dict[str, str], fail: _Fail) -> float:
+    if "timeout" not in options:
+        return DEFAULT_TIMEOUT
+    text = options["timeout"]
+    try:
+        timeout = float(text)
+    except ValueError as error:
+        raise fail(f"timeout={text!r} is not a number of seconds") from error
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
+        raise fail(f"timeout={text!r} must be in (0, {MAX_TIMEOUT:g}] seconds")
+    return timeout
+
+
+def _parse_endpoint(item: str, fail: _Fail) -> str:
     if not item:
         raise fail("an endpoint is empty (two commas, or none at all)")
     if item.startswith("["):

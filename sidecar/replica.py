@@ -117,8 +117,8 @@ class StoreMetrics:
         )
         self.rejected = Counter(
             "moe_sidecar_store_rejected_documents",
-            "Documents from the cluster store that were skipped: unreadable, out of "
-            "range, or not joinable with this node's group.",
+            "Documents from the cluster store that were set aside: too big, without a valid "
+            "HMAC, unreadable, out of range, implausible, or not joinable with this node's group.",
             registry=registry,
         )
         self.resyncs = Counter(

@@ -39,7 +39,7 @@ from moe_sidecar.config import (
     SqliteStore,
 )
 from moe_sidecar.etcd_client import EtcdClient
-from moe_sidecar.etcd_replica import EtcdReplica
+from moe_sidecar.etcd_replica import EtcdReplica, replica_settings
 from moe_sidecar.health import HealthServicer
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
 from moe_sidecar.replica import Replica, StoreMetrics
@@ -527,7 +527,7 @@ def _open_replica(config: SidecarConfig, metrics: SidecarMetrics) -> Replica | N
     """The cluster store beside the node's SQLite (None: SQLite alone).
 
     Raises:
-        StartupError: a file the etcd URL names cannot be read.
+        StartupError: a file the etcd URL or --store-key-file names cannot be read.
     """
     target = config.store_target
     if isinstance(target, SqliteStore):
@@ -536,7 +536,11 @@ def _open_replica(config: SidecarConfig, metrics: SidecarMetrics) -> Replica | N
         client = EtcdClient.from_target(target)
     except ValueError as error:  # EtcdUrlError: a TLS or password file
         raise StartupError(f"--store: {error}") from None
-    return EtcdReplica(client, target.prefix, StoreMetrics(metrics.registry))
+    try:
+        settings = replica_settings(config)
+    except ValueError as error:  # the --store-key-file
+        raise StartupError(str(error)) from None
+    return EtcdReplica(client, target.prefix, StoreMetrics(metrics.registry), settings)
 
 
 async def _start_metrics(
@@ -598,6 +602,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             metrics=metrics,
             clock=clock,
             max_groups=config.max_groups,
+            max_merged_groups=config.max_merged_groups,
             max_watchers=config.max_watchers,
             replica=replica,
             node=node_name(config),

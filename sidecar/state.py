@@ -35,7 +35,6 @@ import asyncio
 import bisect
 import enum
 import logging
-import sqlite3
 import time
 from collections.abc import Callable
 from typing import TypeAlias
@@ -62,7 +61,7 @@ from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, 
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
 from moe_sidecar.replica import Replica
-from moe_sidecar.store import StateStore
+from moe_sidecar.store import StateStore, StoreError
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
@@ -73,6 +72,11 @@ Clock: TypeAlias = Callable[[], float]
 """Seconds since the epoch (stored in history and shown as timestamps)."""
 
 _log = logging.getLogger("moe_sidecar.state")
+
+
+def _merged_only(state: GroupState) -> bool:
+    """A group made here from the cluster store that no local rank has proposed for."""
+    return not state.ranks and not state.busy()
 
 
 def _answer(outcome: Outcome) -> Decision:
@@ -107,12 +111,15 @@ class Coordinator:
         clock: Clock = time.time,
         watch_queue_limit: int = WATCH_QUEUE_LIMIT,
         max_groups: int = 128,
+        max_merged_groups: int = 128,
         max_watchers: int = 64,
         replica: Replica | None = None,
         node: str = "",
     ) -> None:
         self._store = store
         self._max_groups = max_groups
+        self._max_merged_groups = max_merged_groups
+        """Groups made here from the cluster store alone; not part of ``max_groups``."""
         self._replica = replica
         self.node = node
         """This node's name, recorded on every growth decided here."""
@@ -184,7 +191,7 @@ class Coordinator:
         try:
             self._store.save_many(self._groups[name] for name in sorted(self._dirty))
             self._dirty.clear()
-        except sqlite3.Error:
+        except StoreError:
             _log.exception("could not save waiting proposals at shutdown")
         finally:
             self._phase = _Phase.CLOSED
@@ -230,7 +237,7 @@ class Coordinator:
                     self._store.save(step.state, pending=replicate)
                 else:
                     self._store.mark_pending((name,))
-            except sqlite3.Error as error:
+            except StoreError as error:
                 _log.error("cannot persist group", extra={"group": name, "error": str(error)})
                 raise CoordinatorUnavailable(
                     f"cannot persist group {name!r}: {error}; nothing was decided"
@@ -267,14 +274,8 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         before = self._groups.get(proposal.group)
-        if before is None and len(self._groups) >= self._max_groups:
-            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
-            self.metrics.refused("groups")
-            raise ResourceExhausted(
-                f"group={proposal.group!r} would be group {len(self._groups) + 1} of this "
-                f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
-                "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
-            )
+        if before is None or _merged_only(before):
+            self._check_group_budget(proposal)
         step = policy.propose(before, proposal, self._clock(), self._round_timeout, node=self.node)
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
@@ -432,7 +433,7 @@ class Coordinator:
         policy.check_removable(state)
         try:
             self._store.delete(name)
-        except sqlite3.Error as error:
+        except StoreError as error:
             raise CoordinatorUnavailable(f"cannot remove group {name!r}: {error}") from error
         del self._groups[name]
         self._removed.add(name)
@@ -447,7 +448,7 @@ class Coordinator:
     def _forget_removed(self, name: str) -> None:
         try:
             self._store.forget_removed(name)
-        except sqlite3.Error as error:
+        except StoreError as error:
             raise CoordinatorUnavailable(f"cannot record group {name!r} again: {error}") from error
         self._removed.discard(name)
 
@@ -507,11 +508,13 @@ class Coordinator:
         before = self._groups.get(remote.name)
         if before is None and remote.name in self._removed:
             return False  # removed here; back only when a rank of this node proposes for it
-        if before is None and len(self._groups) >= self._max_groups:
-            self.metrics.refused("groups")
+        merged = len(self._groups) - self._local_group_count()
+        if before is None and merged >= self._max_merged_groups:
+            self.metrics.refused("merged_groups")
             _log.warning(
-                "cluster plan not merged: --max-groups reached",
-                extra={"group": remote.name, "max_groups": self._max_groups},
+                "cluster plan not merged: --max-merged-groups reached; merged once a rank "
+                "of this node proposes for it",
+                extra={"group": remote.name, "max_merged_groups": self._max_merged_groups},
             )
             return False
         step = policy.merge(before, remote, self._clock(), node=self.node)
@@ -520,11 +523,32 @@ class Coordinator:
         self._execute(step, before)
         return step.persists
 
+    def _check_group_budget(self, proposal: Proposal) -> None:
+        """A rank of this node proposes for a group none of them used yet.
+
+        Raises:
+            InvalidArgument: the proposal is malformed (checked first).
+            ResourceExhausted: ``max_groups`` groups have local ranks already.
+        """
+        local = self._local_group_count()
+        if local >= self._max_groups:
+            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
+            self.metrics.refused("groups")
+            raise ResourceExhausted(
+                f"group={proposal.group!r} would be group {local + 1} of this "
+                f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
+                "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
+            )
+
+    def _local_group_count(self) -> int:
+        """Groups a rank of this node has proposed for (what ``max_groups`` bounds)."""
+        return sum(1 for state in self._groups.values() if not _merged_only(state))
+
     def pending_replication(self) -> list[tuple[str, int]]:
         """Groups the cluster store has not got yet, each with its outbox ``seq``.
 
         Raises:
-            sqlite3.Error: the local database cannot be read.
+            StoreError: the local database cannot be read.
         """
         return self._store.pending()
 
@@ -533,7 +557,7 @@ class Coordinator:
         unless it was saved again since. Returns whether it was forgotten.
 
         Raises:
-            sqlite3.Error: the local database cannot be written.
+            StoreError: the local database cannot be written.
         """
         return self._store.clear_pending(name, seq)
 
@@ -541,7 +565,7 @@ class Coordinator:
         """Records that the cluster store must get these groups again.
 
         Raises:
-            sqlite3.Error: the local database cannot be written.
+            StoreError: the local database cannot be written.
         """
         self._store.mark_pending(names)
 

@@ -21,10 +21,11 @@ writers would overwrite each other's groups.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from moe_sidecar.core.group import GroupState
@@ -78,7 +79,12 @@ _UPSERT = (
 
 
 class StoreError(Exception):
-    """The state directory cannot be used: locked, corrupt, or an unknown schema."""
+    """The state store failed: at start, the state directory cannot be used
+    (locked, corrupt, an unknown schema); later, a read or write failed (the
+    database driver's error is the ``__cause__``) and nothing of it happened.
+
+    The store's callers catch this, never the driver's own errors.
+    """
 
 
 # --- the store ----------------------------------------------------------------------
@@ -211,46 +217,38 @@ class StateStore:
         records in it that the cluster store must get the group.
 
         Raises:
-            sqlite3.Error: the write failed; nothing of it is stored.
+            StoreError: the write failed; nothing of it is stored.
         """
-        if not pending:
-            self._db.execute(_UPSERT, (state.name, encode_group(state)))
-            return
         row = (state.name, encode_group(state))
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            self._db.execute(_UPSERT, row)
-            self._db.execute(_MARK, (state.name,))
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._driver_errors(f"save group {state.name!r}"):
+            if not pending:
+                self._db.execute(_UPSERT, row)
+                return
+            with self._transaction():
+                self._db.execute(_UPSERT, row)
+                self._db.execute(_MARK, (state.name,))
 
     def mark_pending(self, names: Iterable[str]) -> None:
         """Records that the cluster store must get these groups (one transaction).
 
         Raises:
-            sqlite3.Error: the write failed; nothing of it is stored.
+            StoreError: the write failed; nothing of it is stored.
         """
         rows = [(name,) for name in names]
         if not rows:
             return
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._driver_errors("record groups for the cluster store"), self._transaction():
             self._db.executemany(_MARK, rows)
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     def pending(self) -> list[tuple[str, int]]:
         """The groups the cluster store has not got yet, by name, each with its
         ``seq`` (pass it to :meth:`clear_pending`).
 
         Raises:
-            sqlite3.Error: the read failed.
+            StoreError: the read failed.
         """
-        rows = self._db.execute("SELECT name, seq FROM outbox ORDER BY name").fetchall()
+        with self._driver_errors("read the groups pending for the cluster store"):
+            rows = self._db.execute("SELECT name, seq FROM outbox ORDER BY name").fetchall()
         return [(str(name), int(seq)) for name, seq in rows]
 
     def clear_pending(self, name: str, seq: int) -> bool:
@@ -258,9 +256,10 @@ class StateStore:
         ``seq`` was read; True if it was forgotten.
 
         Raises:
-            sqlite3.Error: the write failed.
+            StoreError: the write failed.
         """
-        cursor = self._db.execute("DELETE FROM outbox WHERE name = ? AND seq = ?", (name, seq))
+        with self._driver_errors(f"clear group {name!r} from the outbox"):
+            cursor = self._db.execute("DELETE FROM outbox WHERE name = ? AND seq = ?", (name, seq))
         return cursor.rowcount > 0
 
     def delete(self, name: str) -> None:
@@ -268,49 +267,58 @@ class StateStore:
         removal, in one committed transaction.
 
         Raises:
-            sqlite3.Error: the write failed; nothing changed.
+            StoreError: the write failed; nothing changed.
         """
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._driver_errors(f"remove group {name!r}"), self._transaction():
             self._db.execute("DELETE FROM groups WHERE name = ?", (name,))
             self._db.execute("DELETE FROM outbox WHERE name = ?", (name,))
             self._db.execute("INSERT OR IGNORE INTO removed (name) VALUES (?)", (name,))
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     def removed(self) -> set[str]:
         """Groups an admin removed and no rank of this node proposed for since.
 
         Raises:
-            sqlite3.Error: the read failed.
+            StoreError: the read failed.
         """
-        return {str(row[0]) for row in self._db.execute("SELECT name FROM removed")}
+        with self._driver_errors("read the removed groups"):
+            return {str(row[0]) for row in self._db.execute("SELECT name FROM removed")}
 
     def forget_removed(self, name: str) -> None:
         """A rank of this node proposes for a removed group again: merges resume.
 
         Raises:
-            sqlite3.Error: the write failed.
+            StoreError: the write failed.
         """
-        self._db.execute("DELETE FROM removed WHERE name = ?", (name,))
+        with self._driver_errors(f"record group {name!r} again"):
+            self._db.execute("DELETE FROM removed WHERE name = ?", (name,))
 
     def save_many(self, states: Iterable[GroupState]) -> None:
         """Writes several groups in one committed transaction.
 
         Raises:
-            sqlite3.Error: the write failed; none of it is stored.
+            StoreError: the write failed; none of it is stored.
         """
         rows = [(s.name, encode_group(s)) for s in states]
         if not rows:
             return
+        with self._driver_errors(f"save {len(rows)} groups"), self._transaction():
+            self._db.executemany(_UPSERT, rows)
+
+    @contextlib.contextmanager
+    def _driver_errors(self, what: str) -> Iterator[None]:
+        """Turns the driver's error into a :class:`StoreError` naming ``what``
+        failed, the driver's error chained as its cause."""
+        try:
+            yield
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot {what} in {str(self.path)!r}: {error}") from error
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One committed transaction around the block; rolled back if it raises."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.executemany(
-                _UPSERT,
-                rows,
-            )
+            yield
         except BaseException:
             self._db.execute("ROLLBACK")
             raise

@@ -32,12 +32,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_sidecar.etcd_client import prefix_range_end
+from moe_sidecar.etcd_client import EtcdClient, prefix_range_end
+from moe_sidecar.etcd_transport import key_bytes
 from moe_workspace.etcd.v3 import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
 __all__ = [
     "ETCD_PACKAGE",
     "EtcdServer",
+    "EtcdStatus",
+    "EtcdTestClient",
     "TlsFiles",
     "etcd_binary",
     "etcd_factory",
@@ -141,7 +144,9 @@ class EtcdServer:
         binary: str,
         tls: TlsFiles | None = None,
         client_cert_auth: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
+        """``extra_args``: more flags for etcd (e.g. ``--max-request-bytes=N``)."""
         self.workdir = workdir
         self.name = f"moe-test-{uuid.uuid4().hex[:8]}"
         self.data_dir = workdir / f"{self.name}.etcd"
@@ -149,6 +154,7 @@ class EtcdServer:
         self.binary = binary
         self.tls = tls
         self.client_cert_auth = client_cert_auth
+        self.extra_args = extra_args
         self.client_port = free_port()
         self.peer_port = free_port()
         self.root_password: str | None = None
@@ -196,7 +202,7 @@ class EtcdServer:
             if self.client_cert_auth:
                 # etcd demands a client certificate as soon as it has a CA to check it with.
                 command += ["--client-cert-auth", f"--trusted-ca-file={self.tls.ca}"]
-        return command
+        return command + list(self.extra_args)
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         """Starts etcd and returns once it has a leader and answers.
@@ -364,6 +370,86 @@ class EtcdServer:
             )
 
 
+@dataclass(frozen=True)
+class EtcdStatus:
+    """What one member says about itself (``Maintenance.Status``)."""
+
+    endpoint: str
+    version: str
+    leader: int
+    member_id: int
+    revision: int
+    db_size: int
+
+
+class EtcdTestClient(EtcdClient):
+    """The product's client plus the calls only tests make: unconditional
+    writes, deletes, compaction and a member's status. They go through the
+    client's own transport (failover, deadline, login), as its reads do."""
+
+    async def put(self, key: str | bytes, value: bytes, *, timeout: float | None = None) -> int:  # noqa: ASYNC109 (a gRPC deadline)
+        """Writes ``value`` unconditionally; returns the key's new ``mod_revision``.
+
+        Raises:
+            EtcdError: as :meth:`EtcdClient.get` does.
+        """
+        request = rpc_pb2.PutRequest(key=key_bytes(key), value=value)
+        _, response = await self.transport.call(
+            "put", lambda s: s.kv.Put, request, deadline=self.transport.deadline(timeout)
+        )
+        return response.header.revision
+
+    async def delete(self, key: str | bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109 (a gRPC deadline)
+        """Deletes the key; True if it existed.
+
+        Raises:
+            EtcdError: as :meth:`EtcdClient.get` does.
+        """
+        request = rpc_pb2.DeleteRangeRequest(key=key_bytes(key))
+        _, response = await self.transport.call(
+            "delete", lambda s: s.kv.DeleteRange, request, deadline=self.transport.deadline(timeout)
+        )
+        return response.deleted > 0
+
+    async def compact(self, revision: int, *, timeout: float | None = None) -> None:  # noqa: ASYNC109 (a gRPC deadline)
+        """Discards the history before ``revision`` (returns once it is applied).
+
+        Raises:
+            EtcdCompacted: ``revision`` is already compacted.
+            EtcdError: as :meth:`EtcdClient.get` does.
+        """
+        request = rpc_pb2.CompactionRequest(revision=revision, physical=True)
+        await self.transport.call(
+            "compact",
+            lambda s: s.kv.Compact,
+            request,
+            deadline=self.transport.deadline(timeout),
+            revision=revision,
+        )
+
+    async def status(self, *, timeout: float | None = None) -> EtcdStatus:  # noqa: ASYNC109 (a gRPC deadline)
+        """What the endpoint that answers says about itself (needs no login).
+
+        Raises:
+            EtcdError: as :meth:`EtcdClient.get` does.
+        """
+        address, response = await self.transport.call(
+            "status",
+            lambda s: s.maintenance.Status,
+            rpc_pb2.StatusRequest(),
+            deadline=self.transport.deadline(timeout),
+            authenticate=False,
+        )
+        return EtcdStatus(
+            endpoint=address,
+            version=response.version,
+            leader=response.leader,
+            member_id=response.header.member_id,
+            revision=response.header.revision,
+            db_size=response.dbSize,
+        )
+
+
 StartEtcd = Callable[..., EtcdServer]
 
 
@@ -384,18 +470,28 @@ def etcd_factory(tmp_path: Path) -> Iterator[StartEtcd]:
     ``etcd_factory(auth_password="pw")`` enables auth (user ``root``);
     ``etcd_factory(tls=True)`` serves TLS with a throwaway CA
     (``server.tls`` has the files), ``client_cert_auth=True`` also demands a
-    client certificate.
+    client certificate; ``extra_args`` are more flags for etcd.
     """
     binary = _binary_or_skip()
     started: list[EtcdServer] = []
 
     def start(
-        *, auth_password: str | None = None, tls: bool = False, client_cert_auth: bool = False
+        *,
+        auth_password: str | None = None,
+        tls: bool = False,
+        client_cert_auth: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> EtcdServer:
         workdir = tmp_path / f"etcd{len(started)}"
         workdir.mkdir(mode=0o700)
         files = make_tls_files(workdir / "tls") if tls else None
-        server = EtcdServer(workdir, binary=binary, tls=files, client_cert_auth=client_cert_auth)
+        server = EtcdServer(
+            workdir,
+            binary=binary,
+            tls=files,
+            client_cert_auth=client_cert_auth,
+            extra_args=extra_args,
+        )
         started.append(server)
         server.start()
         if auth_password is not None:

@@ -1,4 +1,4 @@
-"""moe_sidecar.etcd_client against a real etcd: CAS races, prefix reads, watches
+"""moe_sidecar.etcd_client (and its transport and watch) against a real etcd: CAS races, prefix reads, watches
 that survive a restart, compaction, auth, TLS, failover and deadlines."""
 
 from __future__ import annotations
@@ -10,15 +10,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import grpc
 import pytest
 
 from moe_sidecar.etcd_client import (
     EtcdAuthError,
-    EtcdClient,
     EtcdClientClosed,
     EtcdClusterReset,
     EtcdCompacted,
+    EtcdEventTooLarge,
     EtcdPermissionDenied,
+    EtcdRequestError,
     EtcdStale,
     EtcdTimeout,
     EtcdTls,
@@ -29,7 +31,7 @@ from moe_sidecar.etcd_client import (
     WatchEvent,
     parse_etcd_url,
 )
-from tests.etcd_server import EtcdServer, StartEtcd, free_port
+from tests.etcd_server import EtcdServer, EtcdTestClient, StartEtcd, free_port
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 
@@ -58,7 +60,7 @@ async def next_events(watch: EtcdWatch, count: int, *, within: float = 20.0) -> 
 
 
 async def test_get_put_if_and_delete(etcd_server: EtcdServer) -> None:
-    async with EtcdClient([etcd_server.endpoint]) as client:
+    async with EtcdTestClient([etcd_server.endpoint]) as client:
         assert await client.get("/t/k") is None
 
         created = await client.put_if("/t/k", b"a", 0)
@@ -99,8 +101,8 @@ async def test_two_concurrent_writers_one_wins_and_the_loser_learns_its_value(
     etcd_server: EtcdServer,
 ) -> None:
     async with (
-        EtcdClient([etcd_server.endpoint]) as one,
-        EtcdClient([etcd_server.endpoint]) as two,
+        EtcdTestClient([etcd_server.endpoint]) as one,
+        EtcdTestClient([etcd_server.endpoint]) as two,
     ):
         start = await one.put_if("/t/plan", b"v0", 0)
         assert start.current is not None
@@ -126,7 +128,7 @@ async def test_two_concurrent_writers_one_wins_and_the_loser_learns_its_value(
 
 
 async def test_get_prefix_reads_one_snapshot_in_pages(etcd_server: EtcdServer) -> None:
-    async with EtcdClient([etcd_server.endpoint], page_size=3) as client:
+    async with EtcdTestClient([etcd_server.endpoint], page_size=3) as client:
         keys = [f"/t/p/{i:02d}" for i in range(10)]
         for key in reversed(keys):
             await client.put(key, key.encode())
@@ -151,8 +153,8 @@ async def test_get_prefix_reads_one_snapshot_in_pages(etcd_server: EtcdServer) -
 
 async def test_watch_sees_another_clients_writes_in_order(etcd_server: EtcdServer) -> None:
     async with (
-        EtcdClient([etcd_server.endpoint]) as watcher,
-        EtcdClient([etcd_server.endpoint]) as writer,
+        EtcdTestClient([etcd_server.endpoint]) as watcher,
+        EtcdTestClient([etcd_server.endpoint]) as writer,
     ):
         snapshot = await watcher.get_prefix("/t/w/")
         async with watcher.watch_prefix("/t/w/", snapshot.revision + 1) as watch:
@@ -173,7 +175,7 @@ async def test_watch_sees_another_clients_writes_in_order(etcd_server: EtcdServe
 
 
 async def test_watch_from_now_and_from_an_old_revision(etcd_server: EtcdServer) -> None:
-    async with EtcdClient([etcd_server.endpoint]) as client:
+    async with EtcdTestClient([etcd_server.endpoint]) as client:
         first = await client.put("/t/h/a", b"1")
         await client.put("/t/h/b", b"2")
         async with client.watch_prefix("/t/h/", first) as replay:
@@ -191,8 +193,8 @@ async def test_watch_from_now_and_from_an_old_revision(etcd_server: EtcdServer) 
 
 async def test_watch_resumes_after_etcd_is_killed_and_restarted(etcd_server: EtcdServer) -> None:
     async with (
-        EtcdClient([etcd_server.endpoint]) as watcher,
-        EtcdClient([etcd_server.endpoint]) as writer,
+        EtcdTestClient([etcd_server.endpoint]) as watcher,
+        EtcdTestClient([etcd_server.endpoint]) as writer,
     ):
         start = await watcher.get_prefix("/t/r/")
         async with watcher.watch_prefix("/t/r/", start.revision + 1) as watch:
@@ -219,7 +221,7 @@ async def test_watch_resumes_after_etcd_is_killed_and_restarted(etcd_server: Etc
 async def test_watch_from_a_compacted_revision_raises_a_typed_error(
     etcd_server: EtcdServer,
 ) -> None:
-    async with EtcdClient([etcd_server.endpoint]) as client:
+    async with EtcdTestClient([etcd_server.endpoint]) as client:
         first = await client.put("/t/c/k", b"0")
         for i in range(1, 5):
             latest = await client.put("/t/c/k", str(i).encode())
@@ -246,8 +248,8 @@ async def test_a_watch_that_must_resume_past_compacted_history_raises_compacted(
     etcd_server: EtcdServer,
 ) -> None:
     async with (
-        EtcdClient([etcd_server.endpoint]) as watcher,
-        EtcdClient([etcd_server.endpoint]) as writer,
+        EtcdTestClient([etcd_server.endpoint]) as watcher,
+        EtcdTestClient([etcd_server.endpoint]) as writer,
     ):
         start = await watcher.get_prefix("/t/x/")
         async with watcher.watch_prefix("/t/x/", start.revision + 1) as watch:
@@ -272,8 +274,8 @@ async def test_auth_with_the_right_password_survives_an_etcd_restart(
 ) -> None:
     server = etcd_factory(auth_password="root-pw")
     async with (
-        EtcdClient([server.endpoint], user="root", password="root-pw") as client,
-        EtcdClient([server.endpoint], user="root", password="root-pw") as writer,
+        EtcdTestClient([server.endpoint], user="root", password="root-pw") as client,
+        EtcdTestClient([server.endpoint], user="root", password="root-pw") as writer,
     ):
         await client.put("/t/a/k", b"1")
         assert await client.get("/t/a/k") is not None
@@ -281,15 +283,15 @@ async def test_auth_with_the_right_password_survives_an_etcd_restart(
         async with client.watch_prefix("/t/a/", start.revision + 1) as watch:
             await writer.put("/t/a/k", b"2")
             assert [e.value for e in await next_events(watch, 1)] == [b"2"]
-            token = client._token
+            token = client.transport._token
 
             # etcd's simple tokens live in its memory: after a restart it no longer
             # knows them. The client logs in again (calls and the watch alike).
             await asyncio.to_thread(server.kill)
             await asyncio.to_thread(server.start)
             assert await eventually(lambda: client.get("/t/a/k")) is not None
-            assert client._token is not None
-            assert client._token != token
+            assert client.transport._token is not None
+            assert client.transport._token != token
             await eventually(lambda: writer.put("/t/a/k", b"3"))
             assert [e.value for e in await next_events(watch, 1)] == [b"3"]
 
@@ -297,8 +299,8 @@ async def test_auth_with_the_right_password_survives_an_etcd_restart(
 async def test_clients_recover_when_etcd_is_recreated_empty(etcd_factory: StartEtcd) -> None:
     server = etcd_factory(auth_password="root-pw")
     async with (
-        EtcdClient([server.endpoint], user="root", password="root-pw", timeout=2) as client,
-        EtcdClient([server.endpoint], user="root", password="root-pw", timeout=2) as watcher,
+        EtcdTestClient([server.endpoint], user="root", password="root-pw", timeout=2) as client,
+        EtcdTestClient([server.endpoint], user="root", password="root-pw", timeout=2) as watcher,
     ):
         start = await watcher.get_prefix("/t/")
         async with watcher.watch_prefix("/t/", start.revision + 1) as watch:
@@ -327,21 +329,21 @@ async def test_clients_recover_when_etcd_is_recreated_empty(etcd_factory: StartE
 
 async def test_auth_errors_are_typed(etcd_factory: StartEtcd) -> None:
     server = etcd_factory(auth_password="root-pw")
-    async with EtcdClient([server.endpoint], user="root", password="wrong") as client:
+    async with EtcdTestClient([server.endpoint], user="root", password="wrong") as client:
         with pytest.raises(EtcdAuthError, match="authentication failed") as raised:
             await client.get("/t/k")
         assert not isinstance(raised.value, EtcdPermissionDenied)
         with pytest.raises(EtcdAuthError):
             async with client.watch_prefix("/t/") as watch:
                 await next_events(watch, 1)
-    async with EtcdClient([server.endpoint]) as anonymous:
+    async with EtcdTestClient([server.endpoint]) as anonymous:
         with pytest.raises(EtcdAuthError, match="user name is empty"):
             await anonymous.put("/t/k", b"v")
         # Status needs no login: it is what a health check can use.
         assert (await anonymous.status()).version
 
     server.add_user("moe", "moe-pw", readwrite_prefix="/moe/")
-    async with EtcdClient([server.endpoint], user="moe", password="moe-pw") as limited:
+    async with EtcdTestClient([server.endpoint], user="moe", password="moe-pw") as limited:
         await limited.put("/moe/k", b"v")
         assert (await limited.get_prefix("/moe/")).items[0].value == b"v"
         with pytest.raises(EtcdPermissionDenied, match="permission denied"):
@@ -354,14 +356,14 @@ async def test_auth_errors_are_typed(etcd_factory: StartEtcd) -> None:
 async def test_credentials_for_a_cluster_without_auth_are_refused(
     etcd_server: EtcdServer,
 ) -> None:
-    async with EtcdClient([etcd_server.endpoint], user="root", password="pw") as client:
+    async with EtcdTestClient([etcd_server.endpoint], user="root", password="pw") as client:
         with pytest.raises(EtcdAuthError, match="not enabled"):
             await client.get("/t/k")
 
 
 async def test_a_dead_first_endpoint_fails_over_to_the_second(etcd_server: EtcdServer) -> None:
     dead = f"127.0.0.1:{free_port()}"
-    async with EtcdClient([dead, etcd_server.endpoint]) as client:
+    async with EtcdTestClient([dead, etcd_server.endpoint]) as client:
         await client.put("/t/f", b"1")
         assert await client.get("/t/f") is not None
         assert (await client.status()).endpoint == etcd_server.endpoint
@@ -370,7 +372,7 @@ async def test_a_dead_first_endpoint_fails_over_to_the_second(etcd_server: EtcdS
 
     # A watch fails over too.
     async with (
-        EtcdClient([dead, etcd_server.endpoint]) as watcher,
+        EtcdTestClient([dead, etcd_server.endpoint]) as watcher,
         watcher.watch_prefix("/t/", start.revision + 1) as watch,
     ):
         await eventually(lambda: etcd_client_put(etcd_server, "/t/g", b"2"))
@@ -378,13 +380,13 @@ async def test_a_dead_first_endpoint_fails_over_to_the_second(etcd_server: EtcdS
 
 
 async def etcd_client_put(server: EtcdServer, key: str, value: bytes) -> int:
-    async with EtcdClient([server.endpoint]) as client:
+    async with EtcdTestClient([server.endpoint]) as client:
         return await client.put(key, value)
 
 
 async def test_no_endpoint_alive_is_unavailable_at_once() -> None:
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    async with EtcdClient(dead, timeout=10) as client:
+    async with EtcdTestClient(dead, timeout=10) as client:
         started = time.monotonic()
         with pytest.raises(EtcdUnavailable) as raised:
             await client.get("/t/k")
@@ -396,7 +398,7 @@ async def test_no_endpoint_alive_is_unavailable_at_once() -> None:
 async def test_a_hung_etcd_hits_the_deadline_and_a_killed_one_is_unavailable(
     etcd_server: EtcdServer,
 ) -> None:
-    async with EtcdClient([etcd_server.endpoint], timeout=0.5) as client:
+    async with EtcdTestClient([etcd_server.endpoint], timeout=0.5) as client:
         await client.put("/t/d", b"1")
         etcd_server.pause()
         try:
@@ -421,15 +423,15 @@ async def test_tls_with_the_test_ca(etcd_factory: StartEtcd) -> None:
     server = etcd_factory(tls=True)
     assert server.tls is not None
     tls = EtcdTls(ca=server.tls.ca.read_bytes())
-    async with EtcdClient([server.endpoint], tls=tls) as client:
+    async with EtcdTestClient([server.endpoint], tls=tls) as client:
         await client.put("/t/tls", b"1")
         assert await client.get("/t/tls") is not None
     # Without the CA the server's certificate is not trusted.
-    async with EtcdClient([server.endpoint], tls=EtcdTls(), timeout=3) as untrusting:
+    async with EtcdTestClient([server.endpoint], tls=EtcdTls(), timeout=3) as untrusting:
         with pytest.raises(EtcdUnavailable):
             await untrusting.get("/t/tls")
     # Plaintext to a TLS port does not answer either.
-    async with EtcdClient([server.endpoint], timeout=3) as plaintext:
+    async with EtcdTestClient([server.endpoint], timeout=3) as plaintext:
         with pytest.raises(EtcdUnavailable):
             await plaintext.get("/t/tls")
 
@@ -438,14 +440,14 @@ async def test_mutual_tls_from_an_etcds_url(etcd_factory: StartEtcd) -> None:
     server = etcd_factory(tls=True, client_cert_auth=True)
     assert server.tls is not None
     files = server.tls
-    async with EtcdClient([server.endpoint], tls=EtcdTls(ca=files.ca.read_bytes())) as no_cert:
+    async with EtcdTestClient([server.endpoint], tls=EtcdTls(ca=files.ca.read_bytes())) as no_cert:
         with pytest.raises(EtcdUnavailable):
             await no_cert.get("/t/k", timeout=3)
     target = parse_etcd_url(
         f"etcds://{server.endpoint}/moe?cacert={files.ca}&cert={files.client_cert}"
         f"&key={files.client_key}&timeout=3"
     )
-    async with EtcdClient.from_target(target) as client:
+    async with EtcdTestClient.from_target(target) as client:
         await client.put(target.prefix + "k", b"1")
         assert (await client.get_prefix(target.prefix)).items[0].key == b"/moe/k"
 
@@ -453,7 +455,7 @@ async def test_mutual_tls_from_an_etcds_url(etcd_factory: StartEtcd) -> None:
 async def test_a_closed_client_refuses_calls_and_ends_its_watches(
     etcd_server: EtcdServer,
 ) -> None:
-    client = EtcdClient([etcd_server.endpoint])
+    client = EtcdTestClient([etcd_server.endpoint])
     watch = client.watch_prefix("/t/")
     pending = asyncio.ensure_future(anext(watch, None))
     for _ in range(500):
@@ -471,7 +473,7 @@ async def test_a_closed_client_refuses_calls_and_ends_its_watches(
 def test_a_client_made_outside_any_loop_opens_its_channel_inside(
     etcd_server: EtcdServer,
 ) -> None:
-    client = EtcdClient([etcd_server.endpoint])
+    client = EtcdTestClient([etcd_server.endpoint])
 
     async def use() -> Versioned | None:
         async with client:
@@ -479,3 +481,54 @@ def test_a_client_made_outside_any_loop_opens_its_channel_inside(
             return await client.get("/t/lazy")
 
     assert asyncio.run(use()) is not None
+
+
+async def test_a_prefix_beyond_one_response_is_read_in_smaller_pages(
+    etcd_server: EtcdServer,
+) -> None:
+    value = b"v" * 1_400_000
+    async with EtcdTestClient([etcd_server.endpoint], timeout=30) as client:
+        for i in range(50):  # 70 MB: more than the client's 64 MiB receive limit
+            await client.put(f"/t/big/{i:02d}", value)
+        pages = [page async for page in client.read_prefix("/t/big/", keys=1000)]
+    # The first page was asked for again with fewer keys; nothing is lost or repeated.
+    assert len(pages) > 1
+    keys = [item.key for page in pages for item in page.items]
+    assert keys == [f"/t/big/{i:02d}".encode() for i in range(50)]
+    assert all(not page.too_large for page in pages)
+    assert len({page.revision for page in pages}) == 1
+
+
+async def test_a_value_beyond_one_response_is_named_not_read(etcd_factory: StartEtcd) -> None:
+    # etcd takes requests this large only when told to.
+    server = etcd_factory(extra_args=("--max-request-bytes=70000000",))
+    async with EtcdTestClient([server.endpoint], timeout=30) as client:
+        await client.put("/t/v/a", b"small")
+        huge = await client.put("/t/v/b", b"x" * (65 << 20))
+        await client.put("/t/v/c", b"small")
+        pages = [page async for page in client.read_prefix("/t/v/", keys=10)]
+        assert [item.key for page in pages for item in page.items] == [b"/t/v/a", b"/t/v/c"]
+        assert [(kv.key, kv.mod_revision) for p in pages for kv in p.too_large] == [
+            (b"/t/v/b", huge)
+        ]
+        with pytest.raises(EtcdRequestError) as raised:
+            await client.get("/t/v/b")
+        assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await client.revision_of("/t/v/b") == huge
+        assert await client.revision_of("/t/v/none") == 0
+
+
+async def test_a_watch_event_beyond_one_response_asks_for_a_re_read(
+    etcd_factory: StartEtcd,
+) -> None:
+    server = etcd_factory(extra_args=("--max-request-bytes=70000000",))
+    async with EtcdTestClient([server.endpoint], timeout=30) as client:
+        start = await client.get_prefix("/t/w/")
+        async with client.watch_prefix("/t/w/", start.revision + 1) as watch:
+            small = await client.put("/t/w/a", b"small")
+            assert [e.mod_revision for e in await next_events(watch, 1)] == [small]
+            await client.put("/t/w/b", b"x" * (65 << 20))
+            # Reconnecting would meet the same event again: the watch says so instead.
+            with pytest.raises(EtcdEventTooLarge, match="re-read") as raised:
+                await next_events(watch, 1)
+            assert isinstance(raised.value, EtcdStale)

@@ -1,4 +1,4 @@
-"""The pure parts of moe_sidecar.etcd_client: URL parsing, key ranges, error mapping."""
+"""The pure parts of the etcd client (moe_sidecar.etcd_url, .etcd_errors, .etcd_transport): URL parsing, key ranges, error mapping."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ from moe_sidecar.etcd_client import (
     EtcdTimeout,
     EtcdUnavailable,
     EtcdUrlError,
-    _mapped_error,
-    _status_from_reason,
     parse_etcd_url,
     prefix_range_end,
 )
+from moe_sidecar.etcd_errors import mapped_error, status_from_reason
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -155,12 +154,12 @@ def test_prefix_range_end(prefix: bytes, end: bytes) -> None:
 
 def test_watch_cancel_reasons_are_read_as_statuses() -> None:
     reason = "rpc error: code = PermissionDenied desc = etcdserver: permission denied"
-    assert _status_from_reason(reason) == (
+    assert status_from_reason(reason) == (
         grpc.StatusCode.PERMISSION_DENIED,
         "etcdserver: permission denied",
     )
-    assert _status_from_reason("something else") == (None, "something else")
-    assert _status_from_reason("rpc error: code = Bogus desc = x") == (None, "x")
+    assert status_from_reason("something else") == (None, "something else")
+    assert status_from_reason("rpc error: code = Bogus desc = x") == (None, "x")
 
 
 @pytest.mark.parametrize(
@@ -197,7 +196,7 @@ def test_watch_cancel_reasons_are_read_as_statuses() -> None:
 def test_etcd_statuses_map_to_typed_errors(
     code: grpc.StatusCode, text: str, kind: type[Exception]
 ) -> None:
-    error = _mapped_error(code, text, what="get", endpoint="h:2379")
+    error = mapped_error(code, text, what="get", endpoint="h:2379")
     assert type(error) is kind
     assert "h:2379" in str(error)
     assert text in str(error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from dataclasses import replace
 from pathlib import Path
@@ -149,5 +150,22 @@ def test_a_database_without_the_outbox_gets_one(tmp_path: Path) -> None:
         assert store.pending() == []
         store.save(rich_state(), pending=True)
         assert len(store.pending()) == 1
+    finally:
+        store.close()
+
+
+def test_a_failed_write_raises_the_stores_error_with_the_drivers_cause(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    try:
+        # Another program drops the outbox: the write's transaction fails half-way.
+        with contextlib.closing(sqlite3.connect(tmp_path / DATABASE_FILE)) as other:
+            other.execute("DROP TABLE outbox")
+            other.commit()
+        with pytest.raises(StoreError, match=r"cannot save group .* no such table: outbox") as info:
+            store.save(rich_state(), pending=True)
+        assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+        assert store.load() == {}  # rolled back: nothing of it is stored
+        with pytest.raises(StoreError, match="no such table: outbox"):
+            store.pending()
     finally:
         store.close()
