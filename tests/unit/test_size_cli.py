@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,7 +86,7 @@ def test_beyond_the_sidecar_limits_it_answers_and_says_who_refuses() -> None:
         ("0.6", (2, 128, 7168, 8, 256, ("bf16",)), "--flashinfer='0.6'"),
     ],
 )
-def test_refused_flags_are_named(release: str, args: tuple, needle: str) -> None:
+def test_refused_flags_are_named(release: str, args: tuple[Any, ...], needle: str) -> None:
     with pytest.raises(SizeError, match=needle.replace("(", r"\(")):
         plan_sizes(release, *args)
 
