@@ -147,6 +147,8 @@ def test_the_wire_reaches_only_the_core() -> None:
         "moe_sidecar.client.errors",
         "moe_sidecar.client.prewarm.command",
         "moe_sidecar.client.simulate.command",
+        "moe_sidecar.client.size.command",
+        "moe_sidecar.client.sizing_moe_ep",
         "moe_sidecar.cli",
     ],
 )
