@@ -1,12 +1,13 @@
 """Health of FlashInfer's JIT cache, seen from an inference rank.
 
 Before the first all-to-all of a process is built, :func:`prepare_module`
-asks FlashInfer where it will find its all-to-all module (``mnnvl_moe_alltoall``)
+asks FlashInfer where it will find its all-to-all module (``mnnvl_moe_alltoall``
+in 0.7.2.post1, ``nvlink_one_sided_alltoall`` in 0.7.4: :data:`ALLTOALL_MODULES`)
 and logs it once per process: the cache directory, and whether the module is
 already compiled there, shipped ahead of time, or about to be compiled (about
 3 minutes; ``moe-sidecar prewarm`` does it ahead of time). It then loads the
-module through FlashInfer (``get_moe_alltoall_module()``, which compiles when
-needed), times that, and tells whether the library was written meanwhile,
+module through FlashInfer (``get_moe_alltoall_module()``, or 0.7.4's
+``get_nvlink_one_sided_alltoall_module()``, which compile when needed), times that, and tells whether the library was written meanwhile,
 i.e. whether this start paid for a compile (its own, or another process's
 under FlashInfer's build lock). The result is kept for the life of the
 process: the module is loaded once per process, whatever the number of EP
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
+    "ALLTOALL_MODULES",
+    "AlltoAllModule",
     "JitCacheReport",
     "ModuleLoad",
     "inspect_jit_cache",
@@ -39,6 +42,37 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 ModuleSource = Literal["ahead-of-time", "cache", "compile"]
+
+
+@dataclass(frozen=True)
+class AlltoAllModule:
+    """The JIT module behind one FlashInfer release's one-sided all-to-all."""
+
+    release: str
+    name: str
+    """The module's name: its cache directory and library are ``<name>/<name>.so``."""
+    generator: str
+    """The ``flashinfer.jit.comm`` function that returns its JIT spec."""
+    sources: tuple[str, ...]
+    """Its own sources under ``flashinfer/data/csrc`` (the rest are FlashInfer's
+    shared headers and ``nv_internal``)."""
+
+
+ALLTOALL_MODULES: dict[str, AlltoAllModule] = {
+    "0.7.2.post1": AlltoAllModule(
+        "0.7.2.post1", "mnnvl_moe_alltoall", "gen_moe_alltoall_module", ("trtllm_moe_alltoall.cu",)
+    ),
+    "0.7.4": AlltoAllModule(
+        "0.7.4",
+        "nvlink_one_sided_alltoall",
+        "gen_nvlink_one_sided_alltoall_module",
+        ("nvlink_one_sided_alltoall.cu", "nvlink_one_sided_lamport.cu"),
+    ),
+}
+"""Per supported FlashInfer release. Both releases lay out the JIT cache the
+same way (``flashinfer/jit/env.py``, ``cpp_ext.py`` and the compilation
+context are identical) and read the same build variables; 0.7.4 adds
+``FLASHINFER_JIT_BUILD_LOG``, a timing log that changes no build command."""
 
 
 @dataclass(frozen=True)
@@ -119,11 +153,12 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return (st.st_mtime_ns, st.st_size)
 
 
-def inspect_jit_cache() -> JitCacheReport:
+def inspect_jit_cache(module: AlltoAllModule | None = None) -> JitCacheReport:
     """Asks FlashInfer where its all-to-all module would come from, now.
 
     Imports FlashInfer (its JIT environment and spec) and builds the spec
-    object of ``MoeAlltoAll``'s default backend; compiles and loads nothing.
+    object of the all-to-all module (``module``, default: the one of the
+    imported FlashInfer's release); compiles and loads nothing.
 
     Raises:
         ImportError: FlashInfer is not installed.
@@ -133,7 +168,11 @@ def inspect_jit_cache() -> JitCacheReport:
     jit_env: Any = importlib.import_module("flashinfer.jit.env")
     jit_comm: Any = importlib.import_module("flashinfer.jit.comm")
     jit_core: Any = importlib.import_module("flashinfer.jit.core")
-    spec = jit_comm.gen_moe_alltoall_module()
+    if module is None:
+        module = ALLTOALL_MODULES.get(
+            str(jit_env.flashinfer_version), ALLTOALL_MODULES["0.7.2.post1"]
+        )
+    spec = getattr(jit_comm, module.generator)()
     library = Path(spec.jit_library_path)
     artifacts = tuple(spec.aot_artifacts)
     archs = tuple(
@@ -160,8 +199,9 @@ def loaded_module() -> ModuleLoad | None:
 def prepare_module(get_module: Callable[[], object]) -> ModuleLoad:
     """Reports the JIT cache, then loads (or compiles) the module, timed; once per process.
 
-    ``get_module`` is FlashInfer's ``get_moe_alltoall_module`` (cached by
-    FlashInfer: the ``MoeAlltoAll`` built afterwards reuses what it loaded).
+    ``get_module`` is FlashInfer's loader of the all-to-all module
+    (``get_moe_alltoall_module``, or 0.7.4's ``get_nvlink_one_sided_alltoall_module``;
+    cached by FlashInfer: the objects built afterwards reuse what it loaded).
     Later calls return the first call's :class:`ModuleLoad` without calling
     it again.
 

@@ -7,7 +7,11 @@ client's ``flashinfer`` backend loads: ``MoeAlltoAll(backend="trtllm")``,
 which is also what ``flashinfer.moe_ep``'s ``NVLinkOneSidedAlltoAll`` builds
 on) with FlashInfer's own build code, into the very directory an inference
 process will look in, on a machine with nvcc and no GPU (an image build, an
-init container).
+init container). With FlashInfer 0.7.4 installed it builds that release's
+module instead, ``nvlink_one_sided_alltoall`` (83 s measured on an H200
+host), the one behind 0.7.4's ``NVLinkOneSidedAlltoAll`` and the client's
+``flashinfer-moe-ep`` backend: same cache rules, same build variables
+(:data:`~moe_sidecar.client.backends.jit_cache.ALLTOALL_MODULES`).
 
 Where FlashInfer 0.7.2.post1 looks (``flashinfer/jit/env.py``)::
 
@@ -41,7 +45,7 @@ which needs a GPU driver.
 
 Exit status of :func:`run_cli`: 0 when every target is compiled (now or
 before) or shipped ahead of time; 1 when a build failed or timed out; 2 for a
-bad flag or a missing prerequisite (torch, flashinfer-python 0.7.2.post1,
+bad flag or a missing prerequisite (torch, flashinfer-python 0.7.2.post1 or 0.7.4,
 nvcc, ninja, a C++ compiler); 130 when interrupted.
 """
 
@@ -66,7 +70,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
+from moe_sidecar.client.backends.jit_cache import ALLTOALL_MODULES, AlltoAllModule
 
 __all__ = [
     "BUILD_ENV",
@@ -548,25 +552,33 @@ class FlashInferInstall:
     package_dir: Path
     """The ``flashinfer`` package directory, resolved as FlashInfer resolves it."""
 
-    def aot_library(self, module: str = MODULE_NAME) -> Path:
-        """``flashinfer/data/aot/<module>/<module>.so`` (``jit_env.FLASHINFER_AOT_DIR``)."""
-        return self.package_dir / "data" / "aot" / module / f"{module}.so"
+    @property
+    def module(self) -> AlltoAllModule:
+        """The all-to-all JIT module of this release (:data:`ALLTOALL_MODULES`)."""
+        return ALLTOALL_MODULES[self.version]
+
+    def aot_library(self, module: str | None = None) -> Path:
+        """``flashinfer/data/aot/<module>/<module>.so`` (``jit_env.FLASHINFER_AOT_DIR``);
+        ``module`` defaults to this release's all-to-all module."""
+        name = self.module.name if module is None else module
+        return self.package_dir / "data" / "aot" / name / f"{name}.so"
 
 
 def find_flashinfer() -> FlashInferInstall:
-    """The installed flashinfer-python, checked to be the release the backend drives.
+    """The installed flashinfer-python, checked to be a release the client drives.
 
     Raises:
         FlashInferMissing: not importable, no distribution metadata, or its
             all-to-all sources (``data/csrc``) are missing.
         FlashInferVersionMismatch: another release.
     """
-    install_hint = "pip install 'moe-sidecar[flashinfer]'"
+    releases = " or ".join(ALLTOALL_MODULES)
+    install_hint = "pip install 'moe-sidecar[flashinfer]' or 'moe-sidecar[flashinfer074]'"
     spec = importlib.util.find_spec("flashinfer")
     if spec is None or not spec.submodule_search_locations:
         raise FlashInferMissing(
             f"flashinfer-python is not installed: prewarm needs flashinfer-python "
-            f"{SUPPORTED_FLASHINFER}, the client's flashinfer extra ({install_hint})"
+            f"{releases}, the client's flashinfer extras ({install_hint})"
         )
     package_dir = Path(next(iter(spec.submodule_search_locations))).resolve()
     try:
@@ -574,21 +586,22 @@ def find_flashinfer() -> FlashInferInstall:
     except importlib.metadata.PackageNotFoundError as error:
         raise FlashInferMissing(
             f"flashinfer is importable from {package_dir} but no {FLASHINFER_DISTRIBUTION} "
-            f"distribution is installed; install flashinfer-python {SUPPORTED_FLASHINFER} "
+            f"distribution is installed; install flashinfer-python {releases} "
             f"({install_hint})"
         ) from error
-    if version != SUPPORTED_FLASHINFER:
+    if version not in ALLTOALL_MODULES:
         raise FlashInferVersionMismatch(
-            f"flashinfer-python {version} is installed; the client's all-to-all backend "
-            f"drives {SUPPORTED_FLASHINFER} (0.7.4 removed MoeAlltoAll): "
-            f"pip install flashinfer-python=={SUPPORTED_FLASHINFER} ({install_hint})"
+            f"flashinfer-python {version} is installed; the client's all-to-all backends "
+            f"drive {releases}: "
+            + " or ".join(f"pip install flashinfer-python=={r}" for r in ALLTOALL_MODULES)
         )
-    source = package_dir / "data" / "csrc" / "trtllm_moe_alltoall.cu"
-    if not source.is_file():
-        raise FlashInferMissing(
-            f"{package_dir} lacks {source.relative_to(package_dir)}: this flashinfer-python "
-            "install has no source for the all-to-all module to compile"
-        )
+    for name in ALLTOALL_MODULES[version].sources:
+        source = package_dir / "data" / "csrc" / name
+        if not source.is_file():
+            raise FlashInferMissing(
+                f"{package_dir} lacks {source.relative_to(package_dir)}: this flashinfer-python "
+                "install has no source for the all-to-all module to compile"
+            )
     return FlashInferInstall(version=version, package_dir=package_dir)
 
 
@@ -788,7 +801,10 @@ def _worker_main(argv: Sequence[str] | None = None) -> None:
                     f"the build process imports flashinfer from {imported}, not from "
                     f"{request['package_dir']}"
                 )
-        spec = jit_comm.gen_moe_alltoall_module()
+        # The module of the release the child imports (the parent checked the
+        # same release and, with package_dir, the same install).
+        module = ALLTOALL_MODULES[str(jit_env.flashinfer_version)]
+        spec = getattr(jit_comm, module.generator)()
         library = Path(spec.jit_library_path)
         result["library"] = str(library)
         result["jit_dir"] = str(jit_env.FLASHINFER_JIT_DIR)
@@ -918,7 +934,8 @@ def build_target(
                         )
                     if progress is not None and not verbose and now >= next_line:
                         line = (
-                            f"  {target.label}: compiling {MODULE_NAME} ... {now - started:.0f} s"
+                            f"  {target.label}: compiling {target.paths.library.stem} ... "
+                            f"{now - started:.0f} s"
                         )
                         progress.write(f"\r{line}" if tty else f"{line}\n")
                         progress.flush()
@@ -1042,6 +1059,7 @@ def _prepare(
         refresh=args.refresh,
         warnings=_env_warnings(env),
         package_dir=install.package_dir,
+        module=install.module.name,
     )
     if not plan.to_build:
         return plan, {}, None

@@ -14,11 +14,13 @@ PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Compile FlashInfer's all-to-all module (mnnvl_moe_alltoall, the one the client's "
-        "flashinfer backend loads) into FlashInfer's JIT cache ahead of time, with nvcc and "
-        "no GPU, so an inference process finds it instead of compiling it for about 3 "
-        "minutes. A module already in the cache is not built again. Needs the client and "
-        "flashinfer extras (pip install 'moe-sidecar[client,flashinfer]'), nvcc, ninja and "
+        "Compile FlashInfer's all-to-all module (the one the client's flashinfer backend "
+        "loads: mnnvl_moe_alltoall with flashinfer-python 0.7.2.post1, "
+        "nvlink_one_sided_alltoall with 0.7.4) into FlashInfer's JIT cache ahead of time, "
+        "with nvcc and no GPU, so an inference process finds it instead of compiling it for "
+        "minutes. A module already in the cache is not built again. Needs the client and a "
+        "flashinfer extra (pip install 'moe-sidecar[client,flashinfer]' or "
+        "'moe-sidecar[client,flashinfer074]'), nvcc, ninja and "
         "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
         "flag or a missing prerequisite, 130 interrupted."
     )
@@ -81,8 +83,9 @@ def _run(args: argparse.Namespace) -> int:
         if error.name != "torch":
             raise
         message = (
-            "needs torch and flashinfer-python 0.7.2.post1, i.e. the client and flashinfer "
-            "extras: pip install 'moe-sidecar[client,flashinfer]'"
+            "needs torch and flashinfer-python 0.7.2.post1 or 0.7.4, i.e. the client and a "
+            "flashinfer extra: pip install 'moe-sidecar[client,flashinfer]' (or "
+            "'[client,flashinfer074]')"
         )
         print(f"moe-sidecar prewarm: {message}", file=sys.stderr)
         if args.json:
