@@ -53,8 +53,8 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.errors import BackendError, InvalidArgument
-from moe_sidecar.defaults import VLLM_LOW_PRECISION_COMBINE
-from moe_sidecar.plan import Capacities
+from moe_sidecar.core.defaults import VLLM_LOW_PRECISION_COMBINE
+from moe_sidecar.core.plan import Capacities
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferMoeEpBackend", "vllm_compatible_class"]
 

@@ -291,7 +291,7 @@ def _overflow_rank(rank: int, world_size: int) -> dict[str, Any]:
 
     from moe_sidecar.client.backends import BuildSpec
     from moe_sidecar.client.backends.flashinfer_moe_ep import FlashInferMoeEpBackend
-    from moe_sidecar.plan import Capacities
+    from moe_sidecar.core.plan import Capacities
     from tests.gpu.workers import world
 
     out = _setup(rank, world_size)
