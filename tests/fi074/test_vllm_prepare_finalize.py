@@ -11,6 +11,10 @@ value into FlashInfer's own ``runtime_max_tokens_per_rank`` check, which
 refuses a value above the capacity by name. The real dispatch and combine run
 on the GPU machine (tests/gpu/test_fi074_alltoall.py).
 
+Through the plugin: vLLM's ``load_general_plugins()`` and its EP group in a
+rank process, then vLLM's own statement building the manager: in a 0.7.4
+environment the manager is ours, with the ``flashinfer-moe-ep`` backend.
+
 vLLM's prepare/finalize object is made without its ``__init__`` (which needs
 vLLM's EP group and a built manager); its ``all2all_manager`` is an object
 whose ``get_communication()`` returns the communication object under test.
@@ -129,3 +133,48 @@ def test_both_names_must_agree() -> None:
     ids = torch.zeros(1, TOP_K, dtype=torch.int32)
     with pytest.raises(ValueError, match="max_tokens_per_rank=2 and runtime_max_tokens_per_rank=3"):
         obj.dispatch(x, ids, max_tokens_per_rank=2, runtime_max_tokens_per_rank=3)
+
+
+def _plugin_rank(rank: int, world_size: int, dp_port: int) -> dict[str, Any]:
+    """vLLM's plugin loading and its EP group, then the statement vLLM's
+    CudaCommunicator runs to build the manager."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what WorkerWrapperBase.init_worker does first
+    from tests.vllm.workers import _init_dp_environment
+
+    _init_dp_environment(world_size, rank, 0, world_size, dp_port)
+    from vllm.distributed.device_communicators.all2all import FlashInferNVLinkOneSidedManager
+    from vllm.distributed.parallel_state import destroy_model_parallel, get_ep_group
+
+    manager = FlashInferNVLinkOneSidedManager(get_ep_group().cpu_group)
+    out = {
+        "class": type(manager).__name__,
+        "generation": type(manager).vllm_generation.value,
+        "backend": manager.backend.name,
+        "backend_module": type(manager.backend).__module__,
+    }
+    manager.cleanup()
+    destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_through_the_plugin_vllm_0_33_gets_the_0_7_4_backend(tmp_path: Any) -> None:
+    # Construction only: a build would compile FlashInfer's CUDA module.
+    from tests.multiprocess.harness import free_port, run_ranks
+
+    [result] = run_ranks(
+        _plugin_rank,
+        1,
+        timeout=200,
+        tmp_path=tmp_path,
+        args=(free_port(),),
+        envs=[{"MOE_SIDECAR_VLLM": "1", "MOE_SIDECAR_TARGET": "", "MOE_SIDECAR_BACKEND": ""}],
+    )
+    assert result == {
+        "class": "MoeSidecarOneSidedManager",
+        "generation": "vLLM 0.33",
+        "backend": "flashinfer-moe-ep",
+        "backend_module": "moe_sidecar.client.backends.flashinfer_moe_ep",
+    }
