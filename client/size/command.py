@@ -1,7 +1,8 @@
 """The ``moe-sidecar size`` subcommand (entry point group ``moe_sidecar.commands``).
 
-Pure like :mod:`moe_sidecar.client.size`: it runs where neither torch nor
-FlashInfer is installed.
+Its flags, and a run that loads the answer (:mod:`.answer`) only when it
+starts. Pure like the answer: it runs where neither torch nor FlashInfer is
+installed.
 """
 
 from __future__ import annotations
@@ -11,11 +12,22 @@ import importlib.metadata
 import json
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moe_sidecar.client.size import DISPATCH_KINDS, RELEASES, SizeAnswer, SizeError, plan_sizes
+from moe_sidecar.client.size.releases import DISPATCH_KINDS, RELEASES
 
-__all__ = ["add_command", "answer_as_json", "default_release", "format_answer", "run"]
+if TYPE_CHECKING:
+    from moe_sidecar.client.size.answer import SizeAnswer
+
+__all__ = [
+    "DISPATCH_KINDS",
+    "RELEASES",
+    "add_command",
+    "answer_as_json",
+    "default_release",
+    "format_answer",
+    "run",
+]
 
 
 def default_release() -> str:
@@ -123,6 +135,8 @@ def format_answer(answer: SizeAnswer) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``moe-sidecar size``; returns the exit status."""
+    from moe_sidecar.client.size.answer import SizeError, plan_sizes
+
     release = args.flashinfer or default_release()
     try:
         answer = plan_sizes(

@@ -148,6 +148,7 @@ def test_the_wire_reaches_only_the_core() -> None:
         "moe_sidecar.client.prewarm.command",
         "moe_sidecar.client.simulate.command",
         "moe_sidecar.client.size.command",
+        "moe_sidecar.client.size",
         "moe_sidecar.client.sizing_moe_ep",
         "moe_sidecar.cli",
     ],

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from moe_sidecar.client import sizing_moe_ep
-from moe_sidecar.client.size import SizeError, plan_sizes
+from moe_sidecar.client.size.answer import SizeError, plan_sizes
 from moe_sidecar.core.sizing import workspace_size_per_rank
 
 pytestmark = pytest.mark.timeout(60)
