@@ -7,9 +7,11 @@ weights of the top-k routing; the combine payload is bf16 hidden states. It
 is :func:`moe_sidecar.client.vllm_sizing.classify_call` with 0.30's keywords,
 where the other generations' rules live beside it.
 
-The byte arithmetic itself lives in :mod:`moe_sidecar.core.sizing` (standard
-library only), because the decision core needs it too and must not import
-torch through this package; it is re-exported here.
+The byte arithmetic and the per-layer rule itself
+(:func:`dispatch_bytes_per_token`, :func:`combine_bytes_per_token`) live in
+:mod:`moe_sidecar.core.sizing` (standard library only), because the decision
+core needs them too and must not import torch through this package; they are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from moe_sidecar.core.sizing import (
     align,
     aux_data_size,
     aux_offsets,
+    combine_bytes_per_token,
+    dispatch_bytes_per_token,
     workspace_size_per_rank,
 )
 
@@ -41,17 +45,6 @@ __all__ = [
     "layer_capacities",
     "workspace_size_per_rank",
 ]
-
-
-def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_token: int) -> int:
-    """vLLM's dispatch payload per token: hidden states, their scales, and
-    the int32 expert ids plus float32 weights of the top-k routing."""
-    return x_bytes_per_token + x_sf_bytes_per_token + 8 * top_k
-
-
-def combine_bytes_per_token(hidden_size: int) -> int:
-    """vLLM's combine payload per token: bf16 hidden states."""
-    return 2 * hidden_size
 
 
 def layer_capacities(

@@ -17,7 +17,8 @@ PR #42976           ``dispatch_dtype_bytes_per_elem`` (0 NVFP4,     ``hidden // 
                     per_token`` (defaults None, 0)
 ==================  ==============================================  =====================================
 
-Every generation then sizes the layer alike: dispatch bytes per token
+Every generation then sizes the layer alike, by the one per-layer rule
+(:func:`moe_sidecar.core.layer.layer_capacities`): dispatch bytes per token
 ``A + 4 * top_k + 4 * top_k`` (int32 expert ids, float32 weights), combine
 bytes per token ``2 * hidden`` (bf16 rows; 0.33 computes
 ``hidden * max(bf16.itemsize, 2)``), and FlashInfer's
@@ -43,8 +44,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.layer import layer_capacities
 from moe_sidecar.core.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
 from moe_sidecar.core.plan import Capacities
+from moe_sidecar.core.sizing import bf16_row_bytes, routing_bytes_per_token
 
 __all__ = [
     "DISPATCH_FORMAT_BYTES",
@@ -137,11 +140,6 @@ class LayerCall:
     layout: Layout
 
 
-def routing_bytes_per_token(top_k: int) -> int:
-    """Bytes per token of the routing payloads: int32 expert ids and float32 weights."""
-    return 4 * top_k + 4 * top_k
-
-
 def dispatch_format_name(value: object, argument: str = "dispatch_format") -> str | None:
     """The ``QuantFormat`` name of ``value`` (None stays None: bf16 rows).
 
@@ -188,8 +186,8 @@ def describe_activation(hidden_size: int, activation_bytes: int) -> tuple[str | 
     NVFP4 with no extra (a description only: the workspace is sized by the
     capacities).
     """
-    if activation_bytes >= 2 * hidden_size:
-        return None, activation_bytes - 2 * hidden_size
+    if activation_bytes >= bf16_row_bytes(hidden_size):
+        return None, activation_bytes - bf16_row_bytes(hidden_size)
     best: tuple[str, int] | None = None
     for name, size in DISPATCH_FORMAT_BYTES.items():
         need = size(hidden_size)
@@ -274,7 +272,11 @@ def _v0_33(hidden: int, dispatch_format: object, extra: object) -> tuple[int, La
     format_name = dispatch_format_name(dispatch_format)
     extra_bytes = _integer(KEYWORDS[Generation.V0_33][1], extra, 0)
     # vLLM 0.33 builds MoEEpCommParams(dtype=torch.bfloat16, ...): None is bf16 rows.
-    format_bytes = 2 * hidden if format_name is None else DISPATCH_FORMAT_BYTES[format_name](hidden)
+    format_bytes = (
+        bf16_row_bytes(hidden)
+        if format_name is None
+        else DISPATCH_FORMAT_BYTES[format_name](hidden)
+    )
     layout = Layout(
         hidden_size=hidden,
         dispatch_format=dispatch_format,
@@ -287,7 +289,7 @@ def _v0_33(hidden: int, dispatch_format: object, extra: object) -> tuple[int, La
 
 def _described(hidden: int, activation: int) -> Layout:
     name, extra = describe_activation(hidden, activation)
-    size = 2 * hidden if name is None else DISPATCH_FORMAT_BYTES[name](hidden)
+    size = bf16_row_bytes(hidden) if name is None else DISPATCH_FORMAT_BYTES[name](hidden)
     return Layout(
         hidden_size=hidden,
         dispatch_format=name,
@@ -381,6 +383,24 @@ def classify_call(
             argument given twice, a missing required one, or a range error.
     """
     check_count("hidden_size", hidden_size, 1, MAX_BYTES_PER_TOKEN)
+    given = _given_keywords(keywords, positional)
+    generation = _generation_of(hidden_size, positional, given)
+    first, second = _trailing_arguments(generation, positional, given)
+    activation, layout = _SIZING[generation](hidden_size, first, second)
+    capacities = layer_capacities(max_num_tokens, top_k, num_experts, hidden_size, activation)
+    check_capacities("layer", capacities, ep_size)
+    return LayerCall(generation=generation, capacities=capacities, layout=layout)
+
+
+def _given_keywords(
+    keywords: Mapping[str, object], positional: tuple[object, ...]
+) -> dict[str, object]:
+    """The trailing keywords the caller passed (UNSET ones dropped).
+
+    Raises:
+        InvalidArgument: a keyword no generation has, or more than two
+            trailing positional arguments.
+    """
     given = {name: value for name, value in keywords.items() if value is not UNSET}
     unknown = sorted(set(given) - {k for pair in KEYWORDS.values() for k in pair})
     if unknown:
@@ -392,6 +412,19 @@ def classify_call(
             "initialize() takes at most 6 (max_num_tokens, top_k, num_experts, hidden_size and "
             "one generation's two payload arguments)",
         )
+    return given
+
+
+def _generation_of(
+    hidden_size: int, positional: tuple[object, ...], given: Mapping[str, object]
+) -> Generation:
+    """The generation whose keywords were used, else the one the 5th
+    positional argument belongs to, else vLLM 0.33 (bf16 rows).
+
+    Raises:
+        InvalidArgument: keywords of two generations, or a 5th argument no
+            generation (or more than one) accepts.
+    """
     families = [g for g, pair in KEYWORDS.items() if any(k in given for k in pair)]
     if len(families) > 1:
         named = [(k, g) for g in families for k in KEYWORDS[g] if k in given]
@@ -404,11 +437,21 @@ def classify_call(
             + "; pass one generation's pair",
         )
     if families:
-        generation = families[0]
-    elif positional:
-        generation = _positional_generation(hidden_size, positional[0])
-    else:
-        generation = Generation.V0_33
+        return families[0]
+    if positional:
+        return _positional_generation(hidden_size, positional[0])
+    return Generation.V0_33
+
+
+def _trailing_arguments(
+    generation: Generation, positional: tuple[object, ...], given: Mapping[str, object]
+) -> tuple[object, object]:
+    """The generation's two trailing arguments: positional, by keyword, or defaults.
+
+    Raises:
+        InvalidArgument: an argument given twice, or vLLM 0.30's required
+            first one missing.
+    """
     names = KEYWORDS[generation]
     values = list(_DEFAULTS[generation])
     for index, value in enumerate(positional):
@@ -428,15 +471,4 @@ def classify_call(
             None,
             f"missing: vLLM 0.30's initialize() takes {names[0]} and {names[1]} together",
         )
-    activation, layout = _SIZING[generation](hidden_size, values[0], values[1])
-    # A malformed top_k is left to check_capacities, which names it.
-    routing = routing_bytes_per_token(top_k) if isinstance(top_k, int) else 0
-    capacities = Capacities(
-        max_tokens=max_num_tokens,
-        dispatch_bytes_per_token=activation + routing,
-        combine_bytes_per_token=2 * hidden_size,
-        top_k=top_k,
-        num_experts=num_experts,
-    )
-    check_capacities("layer", capacities, ep_size)
-    return LayerCall(generation=generation, capacities=capacities, layout=layout)
+    return values[0], values[1]

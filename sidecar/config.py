@@ -49,8 +49,11 @@ LIMIT_FIELDS = (
     "max_metrics_connections",
     "max_group_series",
     "max_page_size",
+    *("max_listener_connections", "max_health_connections", "max_queued_rpcs"),
 )
 """Every bounded resource's limit (all flags; the metrics export them too)."""
+LISTENER_TIMEOUT_FIELDS = ("idle_connection_timeout", "metrics_request_timeout")
+"""The listeners' timeouts in seconds (flags; the metrics export them too)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_SECONDS = 86400.0
 DEFAULT_STATE_DIR = Path("/var/lib/moe-sidecar")
@@ -161,6 +164,27 @@ class SidecarConfig:
     """RPCs in flight at once on the health port (kubelet probes, Health.Watch)."""
     max_metrics_connections: int = 16
     """Connections the metrics endpoint serves at once."""
+    # Listener bounds: what a flood of connections can hold. An idle HTTP/2
+    # connection costs the sidecar about 15 KiB; with these defaults every
+    # port together holds at most a few MiB of them however many arrive.
+    max_listener_connections: int = 256
+    """Connections each coordinator listener (each ``--listen``) holds at once;
+    one more is closed as it arrives."""
+    max_health_connections: int = 64
+    """Connections the health port holds at once; one more is closed as it arrives."""
+    max_queued_rpcs: int = 16384
+    """Calls a listener has received but not yet started that may wait at
+    once. gRPC cancels (CANCELLED) calls beyond its own default of 1,000-3,000
+    instead of refusing them; up to this many wait and are answered, beyond
+    the RPC limits RESOURCE_EXHAUSTED."""
+    idle_connection_timeout: float = 60.0
+    """Seconds a gRPC connection (coordinator or health port) stays open with
+    no call in flight, or in its TLS handshake, before the sidecar closes it.
+    A rank's Session stream is a call in flight: it is never closed for this."""
+    metrics_request_timeout: float = 5.0
+    """Seconds a metrics connection may take to send its request (and to read
+    the answer); when every slot is taken, the connection waiting longest for
+    its request is closed to make room, so a scrape always gets one."""
     max_group_series: int = 256
     """Groups with metric series of their own; the rest are summed under group="_other"."""
     max_page_size: int = 500
@@ -200,6 +224,8 @@ class SidecarConfig:
         self._check_node_name()
         _check_seconds("round_timeout", self.round_timeout, low=0.0, low_inclusive=False)
         _check_seconds("grace_period", self.grace_period, low=0.0, low_inclusive=True)
+        for name in LISTENER_TIMEOUT_FIELDS:
+            _check_seconds(name, getattr(self, name), low=0.0, low_inclusive=False)
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format={self.log_format!r}: must be one of {LOG_FORMATS}")
         if self.log_level not in LOG_LEVELS:
@@ -419,6 +445,45 @@ _OPTIONS = (
         int,
         "connections the metrics endpoint serves at once (default 16)",
         "N",
+    ),
+    _Option(
+        "--max-listener-connections",
+        "max_listener_connections",
+        int,
+        "connections each --listen listener holds at once; more are closed on arrival "
+        "(default 256)",
+        "N",
+    ),
+    _Option(
+        "--max-health-connections",
+        "max_health_connections",
+        int,
+        "connections the health port holds at once; more are closed on arrival (default 64)",
+        "N",
+    ),
+    _Option(
+        "--max-queued-rpcs",
+        "max_queued_rpcs",
+        int,
+        "calls received but not yet started that may wait per server; beyond them gRPC "
+        "cancels new calls (default 16384)",
+        "N",
+    ),
+    _Option(
+        "--idle-connection-timeout",
+        "idle_connection_timeout",
+        float,
+        "seconds a gRPC connection with no call in flight (or in its TLS handshake) stays "
+        "open (default 60)",
+        "SECONDS",
+    ),
+    _Option(
+        "--metrics-request-timeout",
+        "metrics_request_timeout",
+        float,
+        "seconds a metrics connection may take to send its request; when all are taken the "
+        "one waiting longest is closed for a new one (default 5)",
+        "SECONDS",
     ),
     _Option(
         "--max-group-series",

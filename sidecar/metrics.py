@@ -7,9 +7,10 @@ series colliding, and keeps the endpoint to the project's own series.
 Everything is bounded: at most ``max_group_series`` groups get series of
 their own (later ones are summed under ``group="_other"``, and a removed
 group's series go with it), and the endpoint (:class:`MetricsEndpoint`, an
-asyncio server on the sidecar's loop) serves at most ``max_connections``
-connections at once, each with a deadline, so idle connections cost no
-threads and cannot pile up.
+asyncio server on the sidecar's loop) holds at most ``max_connections``
+connections at once, each with a deadline, closing the one idle longest
+when another arrives: idle connections cost no threads, cannot pile up,
+and cannot keep a scrape out.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ ROUND_LATENCY_BUCKETS = (
 OTHER_GROUPS = "_other"
 """The ``group`` label of every group beyond ``max_group_series``."""
 REQUEST_TIMEOUT_S = 5.0
-"""A metrics connection must send its request within this long."""
+"""A metrics connection must send its request within this long (the default
+of ``--metrics-request-timeout``)."""
 MAX_REQUEST_BYTES = 8192
 
 _log = logging.getLogger("moe_sidecar.metrics")
@@ -101,7 +103,7 @@ class SidecarMetrics:
     """
 
     def __init__(
-        self, max_group_series: int = 256, limits: Mapping[str, int] | None = None
+        self, max_group_series: int = 256, limits: Mapping[str, float] | None = None
     ) -> None:
         self.registry = CollectorRegistry()
         self._max_group_series = max_group_series
@@ -212,29 +214,44 @@ class SidecarMetrics:
 
 
 @dataclass
+class _MetricsConnection:
+    """One connection of the endpoint: its task and whether its request came."""
+
+    task: asyncio.Task[None]
+    answering: bool = False
+    """True once its request was read: it is being answered, not idle."""
+
+
+@dataclass
 class MetricsEndpoint:
     """The HTTP endpoint exposing a registry; ``port`` is the bound port."""
 
     port: int
     _server: asyncio.Server
-    _connections: set[asyncio.Task[None]]
+    _connections: dict[asyncio.Task[None], _MetricsConnection]
 
     async def stop(self) -> None:
         """Stops serving, ends open connections and frees the port. Idempotent."""
         self._server.close()
-        for task in list(self._connections):
+        tasks = list(self._connections)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._server.wait_closed()
 
 
 async def _serve_one(
-    metrics: SidecarMetrics, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    metrics: SidecarMetrics,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    connection: _MetricsConnection,
+    seconds: float,
 ) -> None:
     try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), seconds)
     except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
         return
+    connection.answering = True
     method, _, rest = head.partition(b" ")
     path = rest.partition(b" ")[0].partition(b"?")[0]
     if method not in (b"GET", b"HEAD"):
@@ -258,34 +275,56 @@ async def _serve_one(
         + (body if method != b"HEAD" else b"")
     )
     with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-        await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+        await asyncio.wait_for(writer.drain(), seconds)
+
+
+def _make_room(connections: dict[asyncio.Task[None], _MetricsConnection]) -> bool:
+    """Closes the connection that has waited longest for its request (the
+    dict keeps arrival order). Returns False when every one is being answered."""
+    for connection in connections.values():
+        if not connection.answering:
+            connection.task.cancel()
+            del connections[connection.task]
+            return True
+    return False
 
 
 async def start_metrics_endpoint(
-    metrics: SidecarMetrics, port: int, host: str = "0.0.0.0", *, max_connections: int = 16
+    metrics: SidecarMetrics,
+    port: int,
+    host: str = "0.0.0.0",
+    *,
+    max_connections: int = 16,
+    request_timeout: float = REQUEST_TIMEOUT_S,
 ) -> MetricsEndpoint:
     """Serves ``metrics`` over HTTP on ``host:port`` (port 0: any free port).
 
-    At most ``max_connections`` connections are served at once; one more is
-    closed at once (and counted as a refusal of ``metrics_connections``).
+    At most ``max_connections`` connections are held at once. When one more
+    arrives, the held connection that has waited longest for its request is
+    closed to make room (a scraper sends its request at once, so idle
+    sockets cannot keep scrapes out); only when every held one is being
+    answered is the new one closed instead. Either is counted as a refusal
+    of ``metrics_connections``. A connection has ``request_timeout`` seconds
+    to send its request and as long to read the answer.
 
     Raises:
         OSError: the port cannot be bound.
     """
-    connections: set[asyncio.Task[None]] = set()
+    connections: dict[asyncio.Task[None], _MetricsConnection] = {}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         if len(connections) >= max_connections:
             metrics.refused("metrics_connections")
-            writer.close()
-            return
-        connections.add(task)
+            if not _make_room(connections):
+                writer.close()
+                return
+        connection = connections[task] = _MetricsConnection(task)
         try:
-            await _serve_one(metrics, reader, writer)
+            await _serve_one(metrics, reader, writer, connection, request_timeout)
         finally:
-            connections.discard(task)
+            connections.pop(task, None)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

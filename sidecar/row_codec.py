@@ -31,6 +31,7 @@ import json
 from typing import Any
 
 from moe_sidecar.core import limits
+from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
 from moe_sidecar.core.errors import ErrorCode, InvalidArgument
 from moe_sidecar.core.group import (
@@ -76,14 +77,7 @@ class RowError(ValueError):
 
 
 def _capacities(c: Capacities) -> dict[str, Any]:
-    return {
-        "max_tokens": c.max_tokens,
-        "dispatch_bytes_per_token": c.dispatch_bytes_per_token,
-        "combine_bytes_per_token": c.combine_bytes_per_token,
-        "top_k": c.top_k,
-        "num_experts": c.num_experts,
-        "eplb_experts": c.eplb_experts,
-    }
+    return {field.name: getattr(c, field.name) for field in CAPACITY_FIELDS}
 
 
 def _plan(p: Plan | None) -> dict[str, Any] | None:
@@ -274,15 +268,20 @@ def _checked(check: Any, *args: Any) -> None:
         raise RowError(error.message) from None
 
 
+def _typed_capacities(d: Any) -> Capacities:
+    """Every field of the capacity table, typed (ranges unchecked); a field
+    that documents written before it existed lack reads as its declared value."""
+    values = {}
+    for field in CAPACITY_FIELDS:
+        if field.missing_reads_as is not None and field.name not in d:
+            values[field.name] = field.missing_reads_as
+        else:
+            values[field.name] = _int(d, field.name)
+    return Capacities(**values)
+
+
 def _decode_capacities(d: Any, ep_size: int, where: str) -> Capacities:
-    capacities = Capacities(
-        max_tokens=_int(d, "max_tokens"),
-        dispatch_bytes_per_token=_int(d, "dispatch_bytes_per_token"),
-        combine_bytes_per_token=_int(d, "combine_bytes_per_token"),
-        top_k=_int(d, "top_k"),
-        num_experts=_int(d, "num_experts"),
-        eplb_experts=_int(d, "eplb_experts"),
-    )
+    capacities = _typed_capacities(d)
     _checked(limits.check_capacities, where, capacities, ep_size)
     return capacities
 
@@ -528,16 +527,8 @@ def _typed_plan(d: Any, key: str) -> Plan | None:
     value = _get(d, key, (dict, type(None)))
     if value is None:
         return None
-    c = _get(value, "capacities", dict)
     return Plan(
-        capacities=Capacities(
-            max_tokens=_int(c, "max_tokens"),
-            dispatch_bytes_per_token=_int(c, "dispatch_bytes_per_token"),
-            combine_bytes_per_token=_int(c, "combine_bytes_per_token"),
-            top_k=_int(c, "top_k"),
-            num_experts=_int(c, "num_experts"),
-            eplb_experts=_int(c, "eplb_experts"),
-        ),
+        capacities=_typed_capacities(_get(value, "capacities", dict)),
         epoch=_int(value, "epoch"),
         generation=_int(value, "generation"),
     )

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from moe_sidecar.config import LIMIT_FIELDS, SidecarConfig, SqliteStore
+from moe_sidecar.config import LIMIT_FIELDS, LISTENER_TIMEOUT_FIELDS, SidecarConfig, SqliteStore
 from moe_sidecar.etcd_client import EtcdClient
 from moe_sidecar.etcd_replica import EtcdReplica
 from moe_sidecar.health import HealthServicer
@@ -66,6 +66,43 @@ _log = logging.getLogger("moe_sidecar.server")
 # same TCP port and silently split the ranks of a group between two state
 # holders; a second sidecar must fail to start instead.
 _SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def _listener_options(
+    max_connections: int, idle_timeout: float, max_queued_rpcs: int
+) -> tuple[tuple[str, int], ...]:
+    """gRPC core's bounds of one server's listeners (each verified against a
+    real server: tests/integration/test_attacks_net.py).
+
+    - ``grpc.max_allowed_incoming_connections``: connections each listening
+      port holds at once; one more is closed as it arrives.
+    - ``grpc.max_connection_idle_ms``: a connection with no call in flight is
+      sent GOAWAY and closed (a plaintext connection counts from its accept).
+    - ``grpc.server_handshake_timeout_ms``: a TLS handshake that does not
+      finish in time is closed (120 s by default).
+    - ``grpc.server.max_pending_requests`` and its hard limit: calls received
+      but not yet started. Beyond its defaults (1,000 soft, 3,000 hard) gRPC
+      cancels new calls (CANCELLED), where the sidecar would have answered
+      RESOURCE_EXHAUSTED naming the limit.
+    """
+    idle_ms = max(1, round(idle_timeout * 1000))
+    return (
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.max_connection_idle_ms", idle_ms),
+        ("grpc.server_handshake_timeout_ms", idle_ms),
+        ("grpc.server.max_pending_requests", max_queued_rpcs),
+        ("grpc.server.max_pending_requests_hard_limit", max_queued_rpcs),
+    )
+
+
+def _exported_limits(config: SidecarConfig) -> dict[str, float]:
+    """Every limit of ``config`` by resource name, for ``moe_sidecar_limit``."""
+    limits: dict[str, float] = {
+        name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS
+    }
+    for name in LISTENER_TIMEOUT_FIELDS:
+        limits[name.removesuffix("_timeout") + "_seconds"] = getattr(config, name)
+    return limits
 
 
 class StartupError(Exception):
@@ -163,6 +200,7 @@ class RunningServer:
     coordinator: Coordinator
     metrics: SidecarMetrics
     _server: grpc.aio.Server
+    _servicer: CoordinatorServicer
     _health: HealthServicer
     _health_server: grpc.aio.Server | None
     _metrics_endpoint: MetricsEndpoint | None
@@ -188,6 +226,9 @@ class RunningServer:
         try:
             # The ranks first: they are told to retry before anything else happens.
             self.coordinator.drain()
+            # Session streams wait on their ranks' next message, not on the
+            # coordinator: ended here, they leave nothing for the grace period.
+            self._servicer.end_sessions()
             self._health.enter_graceful_shutdown()
             _log.info("draining", extra={"grace_period": self.config.grace_period})
             await self._server.stop(self.config.grace_period)
@@ -255,7 +296,7 @@ async def _start_coordinator_server(
     coordinator: Coordinator,
     health_servicer: HealthServicer,
     metrics: SidecarMetrics,
-) -> tuple[grpc.aio.Server, tuple[str, ...]]:
+) -> tuple[grpc.aio.Server, CoordinatorServicer, tuple[str, ...]]:
     """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
 
     Raises:
@@ -265,6 +306,11 @@ async def _start_coordinator_server(
         options=(
             *_SERVER_OPTIONS,
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            *_listener_options(
+                config.max_listener_connections,
+                config.idle_connection_timeout,
+                config.max_queued_rpcs,
+            ),
         ),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
@@ -282,7 +328,7 @@ async def _start_coordinator_server(
     for address in config.listen_addresses:
         if address.unix_path is not None:
             os.chmod(address.unix_path, SOCKET_MODE)
-    return server, bound
+    return server, servicer, bound
 
 
 class _StreamSlots:
@@ -350,8 +396,24 @@ class _HealthPortReflection(reflection.aio.ReflectionServicer):  # type: ignore[
                 yield response
 
 
+def _health_port_options(config: SidecarConfig) -> tuple[tuple[str, int], ...]:
+    """The health port's bounds: connections, idle time, and streams per
+    connection (no more than the port's RPC limit, which probes share)."""
+    return (
+        *_SERVER_OPTIONS,
+        ("grpc.max_concurrent_streams", config.max_health_rpcs),
+        *_listener_options(
+            config.max_health_connections, config.idle_connection_timeout, config.max_queued_rpcs
+        ),
+    )
+
+
 async def _start_health_server(
-    port: int, health_servicer: HealthServicer, max_rpcs: int, metrics: SidecarMetrics
+    port: int,
+    health_servicer: HealthServicer,
+    max_rpcs: int,
+    metrics: SidecarMetrics,
+    options: tuple[tuple[str, int], ...] = _SERVER_OPTIONS,
 ) -> tuple[grpc.aio.Server, int]:
     """The plain-TCP health port for kubelet probes: Health and reflection only,
     at most ``max_rpcs`` calls at once, of which at most half long-lived
@@ -361,7 +423,7 @@ async def _start_health_server(
     Raises:
         StartupError: the port cannot be bound.
     """
-    server = grpc.aio.server(options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_rpcs)
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_rpcs)
     slots = _StreamSlots(max(1, max_rpcs // 2), metrics)
     health_pb2_grpc.add_HealthServicer_to_server(_HealthPortHealth(health_servicer, slots), server)
     # grpcurl (and anything else without the .proto) finds Health/Check
@@ -406,7 +468,11 @@ async def _start_metrics(
     """
     try:
         return await start_metrics_endpoint(
-            metrics, port, config.metrics_host, max_connections=config.max_metrics_connections
+            metrics,
+            port,
+            config.metrics_host,
+            max_connections=config.max_metrics_connections,
+            request_timeout=config.metrics_request_timeout,
         )
     except OSError as error:
         raise StartupError(
@@ -426,7 +492,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
     """
     metrics = SidecarMetrics(
         config.max_group_series,
-        limits={name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS},
+        limits=_exported_limits(config),
     )
     replica = _open_replica(config, metrics)
     store = StateStore(config.state_dir)
@@ -456,7 +522,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             replica_started = True
             await replica.start(coordinator)
         health_servicer = _health_servicer()
-        server, bound = await _start_coordinator_server(
+        server, servicer, bound = await _start_coordinator_server(
             config, coordinator, health_servicer, metrics
         )
         started.append(server)
@@ -464,7 +530,11 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         health_port: int | None = None
         if config.health_port is not None:
             health_server, health_port = await _start_health_server(
-                config.health_port, health_servicer, config.max_health_rpcs, metrics
+                config.health_port,
+                health_servicer,
+                config.max_health_rpcs,
+                metrics,
+                _health_port_options(config),
             )
             started.append(health_server)
         if config.metrics_port is not None:
@@ -505,6 +575,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         coordinator=coordinator,
         metrics=metrics,
         _server=server,
+        _servicer=servicer,
         _health=health_servicer,
         _health_server=health_server,
         _metrics_endpoint=endpoint,

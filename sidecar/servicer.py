@@ -13,9 +13,10 @@ logged, instead of grpc's own UNKNOWN before any code of ours runs.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -46,9 +47,12 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "MAX_PAGE_BYTES",
     "MAX_PENDING_RESPONSE_BYTES",
+    "QUOTED_NAME_CHARACTERS",
     "SERVICE_NAME",
+    "SHUTDOWN_DETAILS",
     "CoordinatorServicer",
     "coordinator_handler",
+    "quote_name",
 ]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["WorkspaceCoordinator"]
@@ -70,6 +74,67 @@ Beyond this, such calls are RESOURCE_EXHAUSTED until readers catch up."""
 
 _Context = grpc.aio.ServicerContext[Any, Any]
 _Response = TypeVar("_Response", bound=Message)
+_Identity: TypeAlias = tuple[str, int, str]
+"""(group, ep_rank, lifetime id): whom a session message speaks for."""
+
+QUOTED_NAME_CHARACTERS = 64
+"""How much of a name an error message quotes; a longer name is cut (an
+ellipsis and its length follow), so no answer echoes a huge name whole."""
+SHUTDOWN_DETAILS = (
+    "the sidecar is shutting down; open a new session once it is back (rounds are kept)"
+)
+
+
+def quote_name(name: str, limit: int = QUOTED_NAME_CHARACTERS) -> str:
+    """``name`` quoted for an error message: whole up to ``limit`` characters,
+    else its first ``limit`` followed by an ellipsis and its length."""
+    if len(name) <= limit:
+        return repr(name)
+    return f"{name[:limit]!r}… ({len(name)} characters)"
+
+
+class _OpenSessions:
+    """The Session streams being served, so that a shutdown ends them at once
+    instead of leaving each to the end of the grace period.
+
+    A stream waiting for its rank's next message is woken by cancelling its
+    task right at that wait (nothing else of it runs then); one busy with an
+    answer ends once the answer is sent.
+    """
+
+    def __init__(self) -> None:
+        self._reading: set[asyncio.Task[Any]] = set()
+        self._ending = False
+
+    async def next_message(self, messages: AsyncIterator[bytes], context: _Context) -> bytes | None:
+        """The stream's next message, None at its end.
+
+        Raises:
+            grpc.aio.AbortError: the sidecar is shutting down (the stream is
+                ended with UNAVAILABLE).
+        """
+        if not self._ending:
+            task = asyncio.current_task()
+            assert task is not None
+            self._reading.add(task)
+            try:
+                return await anext(messages)
+            except StopAsyncIteration:
+                return None
+            except asyncio.CancelledError:
+                if not self._ending:
+                    raise
+                task.uncancel()  # our own wake-up, not the call's cancellation
+            finally:
+                self._reading.discard(task)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_DETAILS)
+        raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+
+    def end_all(self) -> None:
+        """Ends every stream: those waiting for a message now. Idempotent."""
+        self._ending = True
+        for task in self._reading:
+            task.cancel()
 
 
 class _PendingResponses:
@@ -137,6 +202,7 @@ class CoordinatorServicer:
         self._max_page_size = max_page_size
         self._pending = _PendingResponses(max_pending_response_bytes, coordinator.metrics)
         self._encoded: tuple[Decision, int, pb.ProposeResponse] | None = None
+        self._sessions = _OpenSessions()
 
     def _decision_proto(self, decision: Decision, ep_size: int) -> pb.ProposeResponse:
         """The wire form of ``decision``, encoded once per round: every rank
@@ -159,50 +225,73 @@ class CoordinatorServicer:
         self, requests: AsyncIterator[bytes], context: _Context
     ) -> AsyncIterator[pb.SessionResponse]:
         """One rank's session: each message answered in turn; the stream's end
-        is the rank's departure."""
-        binding: tuple[str, int, str] | None = None
+        is the rank's departure.
+
+        The first message answered without an error binds the session to its
+        (group, rank, lifetime); a refused one binds nothing, so a stranger's
+        bad first message cannot claim a session (nor depart a rank). While the
+        sidecar shuts down (:meth:`end_sessions`) the stream ends UNAVAILABLE.
+        """
+        binding: _Identity | None = None
+        in_flight: _Identity | None = None
+        """The identity of an unbound session's first message while it is
+        answered: a rank that dies waiting in its first round still departs."""
+        messages = aiter(requests)
         try:
-            async for data in requests:
+            while True:
+                data = await self._sessions.next_message(messages, context)
+                if data is None:
+                    return
                 request = await self._errors.answer(context, "Session", _decode_session(data))
                 if isinstance(request, tuple):
                     yield session_error_to_proto(0, request[0].name, request[1])
                     continue
                 identity = _identity(request)
-                if binding is None:
-                    binding = identity
-                method = request.WhichOneof("message")
-                if identity != binding:
+                if binding is not None and identity != binding:
                     yield session_error_to_proto(
                         request.id,
                         grpc.StatusCode.INVALID_ARGUMENT.name,
                         f"session: one session carries one rank's lifetime; this one is rank "
-                        f"{binding[1]} of group {binding[0]!r}",
+                        f"{binding[1]} of group {quote_name(binding[0])}, the message speaks "
+                        f"for rank {identity[1]} of group {quote_name(identity[0])}",
                     )
-                elif method == "propose":
-                    answer = await self._errors.answer(
-                        context, "Session", self._propose_message(request)
-                    )
-                    yield (
-                        session_error_to_proto(request.id, answer[0].name, answer[1])
-                        if isinstance(answer, tuple)
-                        else answer
-                    )
-                else:
-                    committed = await self._errors.answer(
-                        context, "Session", self._commit(request.commit)
-                    )
-                    yield (
-                        session_error_to_proto(request.id, committed[0].name, committed[1])
-                        if isinstance(committed, tuple)
-                        else session_committed_to_proto(request.id)
-                    )
+                    continue
+                if binding is None:
+                    in_flight = identity
+                response = await self._session_answer(request, context)
+                if binding is None and not response.HasField("error"):
+                    binding = identity
+                in_flight = None
+                yield response
         finally:
-            if binding is not None:
+            departing = binding or in_flight
+            if departing is not None:
                 self._coordinator.depart(
-                    *binding,
+                    *departing,
                     why="its session stream closed (the process exited, was killed, or lost "
                     "its connection)",
                 )
+
+    def end_sessions(self) -> None:
+        """Ends every open Session stream with UNAVAILABLE (the sidecar is
+        shutting down): at once where it waits for its rank's next message,
+        after its answer where one is being made. Idempotent."""
+        self._sessions.end_all()
+
+    async def _session_answer(
+        self, request: pb.SessionRequest, context: _Context
+    ) -> pb.SessionResponse:
+        """The answer to one session message (an error answer, not an error
+        status, when the coordinator refuses it)."""
+        if request.WhichOneof("message") == "propose":
+            answer = await self._errors.answer(context, "Session", self._propose_message(request))
+            if isinstance(answer, tuple):
+                return session_error_to_proto(request.id, answer[0].name, answer[1])
+            return answer
+        committed = await self._errors.answer(context, "Session", self._commit(request.commit))
+        if isinstance(committed, tuple):
+            return session_error_to_proto(request.id, committed[0].name, committed[1])
+        return session_committed_to_proto(request.id)
 
     async def _propose_message(self, request: pb.SessionRequest) -> pb.SessionResponse:
         decision = await self._coordinator.propose(proposal_from_proto(request.propose))
@@ -296,7 +385,7 @@ async def _decode_session(data: bytes) -> pb.SessionRequest:
     return request
 
 
-def _identity(request: pb.SessionRequest) -> tuple[str, int, str]:
+def _identity(request: pb.SessionRequest) -> _Identity:
     """(group, ep_rank, lifetime id) a session message speaks for."""
     inner = request.propose if request.WhichOneof("message") == "propose" else request.commit
     return inner.group, inner.ep_rank, lifetime_id(inner.lifetime)

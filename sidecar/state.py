@@ -1,10 +1,13 @@
 """The one state holder of the sidecar: :class:`Coordinator`.
 
 It owns every mutable thing the sidecar has: the groups (moved only by the
-pure functions of :mod:`moe_sidecar.core.policy`), the store they persist to, the
-futures of Proposes waiting for their round, the round deadline timers, the
-Watch subscribers, and the metrics and logs that describe them. Everything
-runs on one asyncio event loop, so no locks.
+pure functions of :mod:`moe_sidecar.core.policy`) and the store they persist
+to, and it holds one collaborator per other job: the futures of Proposes
+waiting for their round (:class:`~moe_sidecar.waiters.RoundWaiters`), the round
+deadline timers (:class:`~moe_sidecar.timers.RoundTimers`), the Watch streams
+(:class:`~moe_sidecar.watch.Watchers`), and the metrics and logs that describe
+the groups (:class:`~moe_sidecar.observer.EventObserver`). Everything runs on
+one asyncio event loop, so no locks.
 
 Each call applies one policy step and executes its effects
 (:mod:`moe_sidecar.core.effects`) in order: :class:`~moe_sidecar.core.effects.Persist`
@@ -51,17 +54,18 @@ from moe_sidecar.core.effects import (
 )
 from moe_sidecar.core.errors import (
     AdminDisabled,
-    CoordinatorError,
     CoordinatorUnavailable,
     GroupNotFound,
     ResourceExhausted,
 )
 from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
-from moe_sidecar.core.plan import Action
 from moe_sidecar.metrics import SidecarMetrics
+from moe_sidecar.observer import EventObserver
 from moe_sidecar.replica import Replica
 from moe_sidecar.store import StateStore
-from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription
+from moe_sidecar.timers import RoundTimers
+from moe_sidecar.waiters import RoundWaiters
+from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
 
 __all__ = ["Clock", "Coordinator"]
 
@@ -69,17 +73,6 @@ Clock: TypeAlias = Callable[[], float]
 """Seconds since the epoch (stored in history and shown as timestamps)."""
 
 _log = logging.getLogger("moe_sidecar.state")
-
-_RoundKey: TypeAlias = tuple[int, int]
-"""(lifetime index, round number): round numbers restart with every lifetime."""
-_Wakeup: TypeAlias = "Outcome | CoordinatorUnavailable"
-
-_CLOSED_AS = {
-    EventKind.ROUND_REFUSED: "refused",
-    EventKind.RANK_TIMEOUT: "timed_out",
-    EventKind.ROUND_ABORTED: "aborted",
-}
-"""The metric label of a round that closed without a decision, by event."""
 
 
 def _answer(outcome: Outcome) -> Decision:
@@ -120,7 +113,6 @@ class Coordinator:
     ) -> None:
         self._store = store
         self._max_groups = max_groups
-        self._max_watchers = max_watchers
         self._replica = replica
         self.node = node
         """This node's name, recorded on every growth decided here."""
@@ -128,18 +120,18 @@ class Coordinator:
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
-        self._watch_queue_limit = watch_queue_limit
         self._groups: dict[str, GroupState] = store.load()
         self._removed: set[str] = store.removed()
         """Groups an admin removed here: the cluster store's copy stays out."""
         self._dirty: set[str] = set()
-        self._waiters: dict[str, dict[_RoundKey, list[asyncio.Future[_Wakeup]]]] = {}
-        self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._subscribers: list[Subscription] = []
+        self._waiters = RoundWaiters()
+        self._timers = RoundTimers(clock, self._on_timer)
+        self._watchers = Watchers(watch_queue_limit, max_watchers)
+        self._observer = EventObserver(self.metrics, self.ep_size_of)
         self._phase = _Phase.OPEN
         self._loop: asyncio.AbstractEventLoop | None = None
         for state in self._groups.values():
-            self._update_gauges(state)
+            self._observer.update_gauges(state)
         self.metrics.groups.set(len(self._groups))
 
     # --- lifecycle ------------------------------------------------------------------
@@ -151,13 +143,14 @@ class Coordinator:
             RuntimeError: no event loop is running.
         """
         self._loop = asyncio.get_running_loop()
+        self._timers.bind(self._loop)
         now = self._clock()
         for name, state in list(self._groups.items()):
             # The time this sidecar was down does not count against the ranks.
             if state.busy():
                 state = self._groups[name] = policy.resume(state, now, self._round_timeout)
                 self._dirty.add(name)
-            self._set_deadline(name, state.next_deadline())
+            self._timers.set(name, state.next_deadline())
 
     @property
     def serving(self) -> bool:
@@ -174,23 +167,14 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             return
         self._phase = _Phase.DRAINING
-        for handle in self._timers.values():
-            handle.cancel()
-        self._timers.clear()
-        for by_round in self._waiters.values():
-            for futures in by_round.values():
-                for future in futures:
-                    if not future.done():
-                        future.set_result(
-                            CoordinatorUnavailable(
-                                "the sidecar is shutting down; retry the proposal once it is "
-                                "back (the round is kept)"
-                            )
-                        )
-        self._waiters.clear()
-        for subscription in self._subscribers:
-            subscription.end(CoordinatorUnavailable("the sidecar is shutting down"))
-        self._subscribers.clear()
+        self._timers.stop()
+        self._waiters.wake_all(
+            CoordinatorUnavailable(
+                "the sidecar is shutting down; retry the proposal once it is back (the round "
+                "is kept)"
+            )
+        )
+        self._watchers.end_all(CoordinatorUnavailable("the sidecar is shutting down"))
 
     def close(self) -> None:
         """Drains, writes every unsaved group, and closes the store. Idempotent."""
@@ -216,6 +200,29 @@ class Coordinator:
                 nothing of it happened.
         """
         name = step.state.name
+        self._persist(step, before)
+        self._groups[name] = step.state
+        if before is None:
+            self.metrics.groups.set(len(self._groups))
+        self._observer.update_gauges(step.state)
+        for effect in step.effects:
+            if isinstance(effect, Answer):
+                self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
+            elif isinstance(effect, Publish):
+                self._publish(effect.event)
+            elif isinstance(effect, Deadline):
+                self._timers.set(name, effect.at)
+            elif isinstance(effect, Replicate) and self._replica is not None:
+                self._replica.replicate(name)
+
+    def _persist(self, step: Step, before: GroupState | None) -> None:
+        """Writes the step's state when it persists (recording it pending for
+        the cluster store when it replicates), or marks it dirty.
+
+        Raises:
+            CoordinatorUnavailable: the write failed.
+        """
+        name = step.state.name
         replicate = self._replica is not None and step.replicates
         if step.persists or replicate:
             try:
@@ -232,112 +239,11 @@ class Coordinator:
             self._dirty.discard(name)
         elif step.state is not before:
             self._dirty.add(name)
-        self._groups[name] = step.state
-        if before is None:
-            self.metrics.groups.set(len(self._groups))
-        self._update_gauges(step.state)
-        for effect in step.effects:
-            if isinstance(effect, Answer):
-                self._wake(name, (effect.lifetime_index, effect.round), effect.outcome)
-            elif isinstance(effect, Publish):
-                self._publish(effect.event)
-            elif isinstance(effect, Deadline):
-                self._set_deadline(name, effect.at)
-            elif isinstance(effect, Replicate) and self._replica is not None:
-                self._replica.replicate(name)
 
     def _publish(self, event: GroupEvent) -> None:
         """Counts, logs and fans out one event."""
-        self._observe(event)
-        for subscription in list(self._subscribers):
-            if subscription.wants(event) and not subscription.offer(event):
-                self._subscribers.remove(subscription)
-
-    def _observe(self, event: GroupEvent) -> None:
-        if event.kind is EventKind.GROUP_REMOVED:
-            _log.warning("group removed", extra={"group": event.group, "detail": event.message})
-            return
-        series = self.metrics.group(event.group)
-        if event.latency is not None:
-            self.metrics.round_latency.observe(event.latency)
-        fields: dict[str, object] = {"group": event.group}
-        if event.round:
-            fields["round"] = event.round
-        if event.ranks:
-            fields["ranks"] = list(event.ranks)
-        if event.layer:
-            fields["layer"] = event.layer
-        if event.kind is EventKind.ROUND_DECIDED:
-            assert event.action is not None and event.plan is not None
-            series.round_closed(event.action.value)
-            if event.action is Action.REBUILD:
-                series.rebuilds.inc()
-            capacities = event.plan.capacities
-            _log.info(
-                "round decided",
-                extra={
-                    **fields,
-                    "action": event.action.value,
-                    "workspace_bytes": self._workspace_bytes(event),
-                    "max_tokens": capacities.max_tokens,
-                    "dispatch_bytes_per_token": capacities.dispatch_bytes_per_token,
-                    "combine_bytes_per_token": capacities.combine_bytes_per_token,
-                    "epoch": event.plan.epoch,
-                    "generation": event.plan.generation,
-                    "grew": event.grew,
-                },
-            )
-        elif event.kind in _CLOSED_AS:
-            outcome = _CLOSED_AS[event.kind]
-            series.round_closed(outcome)
-            if event.ep_rank >= 0:
-                fields["rank"] = event.ep_rank
-            if event.missing_ranks:
-                fields["missing_ranks"] = list(event.missing_ranks)
-            _log.warning(
-                f"round {outcome.replace('_', ' ')}", extra={**fields, "reason": event.message}
-            )
-        elif event.kind is EventKind.COMMIT:
-            assert event.plan is not None
-            _log.info(
-                "commit",
-                extra={
-                    **fields,
-                    "rank": event.ep_rank,
-                    "generation": event.plan.generation,
-                    "workspace_bytes": self._workspace_bytes(event),
-                    "detail": event.message,
-                },
-            )
-        elif event.kind is EventKind.RANK_LEFT:
-            _log.warning(
-                "rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message}
-            )
-        elif event.kind is EventKind.RESET:
-            _log.warning("group reset", extra={**fields, "detail": event.message})
-        elif event.kind is EventKind.LIFETIME_STARTED:
-            _log.info(
-                "lifetime started",
-                extra={**fields, "rank": event.ep_rank, "detail": event.message},
-            )
-        elif event.kind is EventKind.PLAN_MERGED:
-            _log.info(
-                "plan merged",
-                extra={
-                    **fields,
-                    "from_node": event.node,
-                    "epoch": event.plan.epoch if event.plan else None,
-                    "generation": event.plan.generation if event.plan else None,
-                    "workspace_bytes": self._workspace_bytes(event),
-                    "detail": event.message,
-                },
-            )
-
-    def _workspace_bytes(self, event: GroupEvent) -> int:
-        ep_size = self.ep_size_of(event.group)
-        if event.plan is None or ep_size is None:
-            return 0
-        return event.plan.capacities.workspace_bytes(ep_size)
+        self._observer.observe(event)
+        self._watchers.publish(event)
 
     # --- proposals ------------------------------------------------------------------
 
@@ -375,70 +281,27 @@ class Coordinator:
         self._execute(step, before)
         reply = step.reply
         if isinstance(reply, Wait):
-            return _answer(await self._wait(proposal.group, (reply.lifetime_index, reply.round)))
+            assert self._loop is not None, "Coordinator.start() was not called"
+            key = (reply.lifetime_index, reply.round)
+            return _answer(await self._waiters.wait(self._loop, proposal.group, key))
         assert reply is not None
         return _answer(reply)
 
-    async def _wait(self, group: str, key: _RoundKey) -> Outcome:
-        assert self._loop is not None, "Coordinator.start() was not called"
-        future: asyncio.Future[_Wakeup] = self._loop.create_future()
-        self._waiters.setdefault(group, {}).setdefault(key, []).append(future)
-        try:
-            woken = await future
-        finally:
-            # A caller that went away (cancelled, deadline) leaves no trace.
-            self._forget_waiter(group, key, future)
-        if isinstance(woken, CoordinatorError):
-            raise woken
-        return woken
-
-    def _forget_waiter(self, group: str, key: _RoundKey, future: asyncio.Future[_Wakeup]) -> None:
-        by_round = self._waiters.get(group)
-        if by_round is None:
-            return
-        futures = by_round.get(key)
-        if futures is not None and future in futures:
-            futures.remove(future)
-            if not futures:
-                del by_round[key]
-                if not by_round:
-                    del self._waiters[group]
-
-    def _wake(self, group: str, key: _RoundKey, outcome: Outcome) -> None:
-        by_round = self._waiters.get(group)
-        if by_round is None:
-            return
-        for future in by_round.pop(key, ()):
-            if not future.done():
-                future.set_result(outcome)
-        if not by_round:
-            del self._waiters[group]
-
     def waiting_calls(self) -> int:
         """How many Propose calls wait for their round now."""
-        return sum(len(f) for by_round in self._waiters.values() for f in by_round.values())
+        return self._waiters.count()
 
     # --- deadlines ------------------------------------------------------------------
 
-    def _set_deadline(self, group: str, at: float | None) -> None:
-        current = self._timers.pop(group, None)
-        if current is not None:
-            current.cancel()
-        if at is None or self._phase is not _Phase.OPEN or self._loop is None:
-            return
-        delay = max(0.0, at - self._clock())
-        self._timers[group] = self._loop.call_later(delay, self._on_timer, group)
-
     def _on_timer(self, group: str) -> None:
-        self._timers.pop(group, None)
         try:
             state = self._groups.get(group)
             if state is not None and self._phase is _Phase.OPEN:
                 self._expire(state, self._clock())
         except CoordinatorUnavailable:
             # Retry in a second; the waiters keep waiting meanwhile.
-            if self._loop is not None and self._phase is _Phase.OPEN:
-                self._timers[group] = self._loop.call_later(1.0, self._on_timer, group)
+            if self._phase is _Phase.OPEN:
+                self._timers.retry(group, 1.0)
         except Exception:
             # A timer callback has no caller to tell; log it and keep serving.
             _log.exception("round deadline handling failed", extra={"group": group})
@@ -466,7 +329,7 @@ class Coordinator:
         step = policy.expire(state, now)
         if step is None:
             # The clock moved less than the timer thought: look again at the deadline.
-            self._set_deadline(state.name, state.next_deadline())
+            self._timers.set(state.name, state.next_deadline())
             return 0
         self._execute(step, state)
         return 1
@@ -574,7 +437,7 @@ class Coordinator:
         del self._groups[name]
         self._removed.add(name)
         self._dirty.discard(name)
-        self._set_deadline(name, None)
+        self._timers.set(name, None)
         self.metrics.groups.set(len(self._groups))
         self._publish(
             GroupEvent(name, EventKind.GROUP_REMOVED, self._clock(), message="removed by an admin")
@@ -697,27 +560,16 @@ class Coordinator:
             self.group(group)
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down")
-        if len(self._subscribers) >= self._max_watchers:
+        try:
+            return self._watchers.subscribe(group)
+        except ResourceExhausted:
             self.metrics.refused("watchers")
-            raise ResourceExhausted(
-                f"{len(self._subscribers)} Watch streams are open; --max-watchers is "
-                f"{self._max_watchers}"
-            )
-        subscription = Subscription(group, self._watch_queue_limit)
-        self._subscribers.append(subscription)
-        return subscription
+            raise
 
     def watcher_count(self) -> int:
         """How many Watch streams are subscribed now."""
-        return len(self._subscribers)
+        return self._watchers.count()
 
     def unwatch(self, subscription: Subscription) -> None:
         """Drops a subscription. Idempotent."""
-        if subscription in self._subscribers:
-            self._subscribers.remove(subscription)
-
-    def _update_gauges(self, state: GroupState) -> None:
-        self.metrics.group(state.name).set_sizes(
-            state.plan.capacities.workspace_bytes(state.ep_size) if state.plan is not None else 0,
-            len(state.open_round.proposals) if state.open_round is not None else 0,
-        )
+        self._watchers.unsubscribe(subscription)

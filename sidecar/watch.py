@@ -1,4 +1,5 @@
-"""Watch streams: a bounded queue of group events per subscriber.
+"""Watch streams: a bounded queue of group events per subscriber, and the
+sidecar's set of them (:class:`Watchers`).
 
 A subscriber that falls behind by more than its limit is cut off (told to
 reconnect and resynchronise), so a slow watcher can neither block rounds nor
@@ -11,9 +12,9 @@ import asyncio
 import collections
 
 from moe_sidecar.core.effects import GroupEvent
-from moe_sidecar.core.errors import CoordinatorError, CoordinatorUnavailable
+from moe_sidecar.core.errors import CoordinatorError, CoordinatorUnavailable, ResourceExhausted
 
-__all__ = ["WATCH_QUEUE_LIMIT", "Subscription"]
+__all__ = ["WATCH_QUEUE_LIMIT", "Subscription", "Watchers"]
 
 WATCH_QUEUE_LIMIT = 1024
 """Undelivered events a Watch stream may hold before it is cut off."""
@@ -38,6 +39,7 @@ class Subscription:
         self._finished = False
 
     def wants(self, event: GroupEvent) -> bool:
+        """Whether ``event`` is of the watched group."""
         return not self.group or self.group == event.group
 
     def offer(self, event: GroupEvent) -> bool:
@@ -84,3 +86,52 @@ class Subscription:
                 raise StopAsyncIteration
             self._wake.clear()
             await self._wake.wait()
+
+
+class Watchers:
+    """Every open Watch stream of the sidecar, at most ``max_watchers``.
+
+    Each subscriber's queue holds at most ``queue_limit`` events. Not
+    thread-safe: use it from the sidecar's event loop.
+    """
+
+    def __init__(self, queue_limit: int, max_watchers: int) -> None:
+        self._queue_limit = queue_limit
+        self._max_watchers = max_watchers
+        self._subscriptions: list[Subscription] = []
+
+    def subscribe(self, group: str) -> Subscription:
+        """A new stream of the events of ``group`` (``""``: every group).
+
+        Raises:
+            ResourceExhausted: ``max_watchers`` streams are open.
+        """
+        if len(self._subscriptions) >= self._max_watchers:
+            raise ResourceExhausted(
+                f"{len(self._subscriptions)} Watch streams are open; --max-watchers is "
+                f"{self._max_watchers}"
+            )
+        subscription = Subscription(group, self._queue_limit)
+        self._subscriptions.append(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Drops a subscription. Idempotent."""
+        if subscription in self._subscriptions:
+            self._subscriptions.remove(subscription)
+
+    def publish(self, event: GroupEvent) -> None:
+        """Offers ``event`` to every stream that wants it; one that overflows is dropped."""
+        for subscription in list(self._subscriptions):
+            if subscription.wants(event) and not subscription.offer(event):
+                self._subscriptions.remove(subscription)
+
+    def end_all(self, error: CoordinatorError) -> None:
+        """Ends every stream with ``error`` and forgets them."""
+        for subscription in self._subscriptions:
+            subscription.end(error)
+        self._subscriptions.clear()
+
+    def count(self) -> int:
+        """How many streams are subscribed now."""
+        return len(self._subscriptions)

@@ -2,12 +2,14 @@
 
 Before the first all-to-all of a process is built, :func:`prepare_module`
 asks FlashInfer where it will find its all-to-all module (``mnnvl_moe_alltoall``
-in 0.7.2.post1, ``nvlink_one_sided_alltoall`` in 0.7.4: :data:`ALLTOALL_MODULES`)
+in 0.7.2.post1, ``nvlink_one_sided_alltoall`` in 0.7.4: the release's entry of
+:data:`moe_sidecar.client.prewarm.install.JIT_MODULES`, what ``prewarm`` builds)
 and logs it once per process: the cache directory, and whether the module is
 already compiled there, shipped ahead of time, or about to be compiled (about
 3 minutes; ``moe-sidecar prewarm`` does it ahead of time). It then loads the
 module through FlashInfer (``get_moe_alltoall_module()``, or 0.7.4's
-``get_nvlink_one_sided_alltoall_module()``, which compile when needed), times that, and tells whether the library was written meanwhile,
+``get_nvlink_one_sided_alltoall_module()``, which compile when needed), times
+that, and tells whether the library was written meanwhile,
 i.e. whether this start paid for a compile (its own, or another process's
 under FlashInfer's build lock). The result is kept for the life of the
 process: the module is loaded once per process, whatever the number of EP
@@ -29,9 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from moe_sidecar.client.prewarm.cache import JitModule
+from moe_sidecar.client.prewarm.install import JIT_MODULES
+from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
+
 __all__ = [
-    "ALLTOALL_MODULES",
-    "AlltoAllModule",
     "JitCacheReport",
     "ModuleLoad",
     "inspect_jit_cache",
@@ -42,37 +46,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 ModuleSource = Literal["ahead-of-time", "cache", "compile"]
-
-
-@dataclass(frozen=True)
-class AlltoAllModule:
-    """The JIT module behind one FlashInfer release's one-sided all-to-all."""
-
-    release: str
-    name: str
-    """The module's name: its cache directory and library are ``<name>/<name>.so``."""
-    generator: str
-    """The ``flashinfer.jit.comm`` function that returns its JIT spec."""
-    sources: tuple[str, ...]
-    """Its own sources under ``flashinfer/data/csrc`` (the rest are FlashInfer's
-    shared headers and ``nv_internal``)."""
-
-
-ALLTOALL_MODULES: dict[str, AlltoAllModule] = {
-    "0.7.2.post1": AlltoAllModule(
-        "0.7.2.post1", "mnnvl_moe_alltoall", "gen_moe_alltoall_module", ("trtllm_moe_alltoall.cu",)
-    ),
-    "0.7.4": AlltoAllModule(
-        "0.7.4",
-        "nvlink_one_sided_alltoall",
-        "gen_nvlink_one_sided_alltoall_module",
-        ("nvlink_one_sided_alltoall.cu", "nvlink_one_sided_lamport.cu"),
-    ),
-}
-"""Per supported FlashInfer release. Both releases lay out the JIT cache the
-same way (``flashinfer/jit/env.py``, ``cpp_ext.py`` and the compilation
-context are identical) and read the same build variables; 0.7.4 adds
-``FLASHINFER_JIT_BUILD_LOG``, a timing log that changes no build command."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +126,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return (st.st_mtime_ns, st.st_size)
 
 
-def inspect_jit_cache(module: AlltoAllModule | None = None) -> JitCacheReport:
+def inspect_jit_cache(module: JitModule | None = None) -> JitCacheReport:
     """Asks FlashInfer where its all-to-all module would come from, now.
 
     Imports FlashInfer (its JIT environment and spec) and builds the spec
@@ -166,13 +139,12 @@ def inspect_jit_cache(module: AlltoAllModule | None = None) -> JitCacheReport:
             0.7.2.post1's (callers treat the report as unavailable).
     """
     jit_env: Any = importlib.import_module("flashinfer.jit.env")
-    jit_comm: Any = importlib.import_module("flashinfer.jit.comm")
     jit_core: Any = importlib.import_module("flashinfer.jit.core")
     if module is None:
-        module = ALLTOALL_MODULES.get(
-            str(jit_env.flashinfer_version), ALLTOALL_MODULES["0.7.2.post1"]
-        )
-    spec = getattr(jit_comm, module.generator)()
+        # Another release is tried as 0.7.2.post1 (best effort, as documented).
+        module = JIT_MODULES.get(str(jit_env.flashinfer_version), MNNVL_MOE_ALLTOALL)
+    factory_module, factory_name = module.spec_factory.split(":")
+    spec = getattr(importlib.import_module(factory_module), factory_name)()
     library = Path(spec.jit_library_path)
     artifacts = tuple(spec.aot_artifacts)
     archs = tuple(

@@ -1,6 +1,24 @@
 """``moe-sidecar prewarm``: FlashInfer's all-to-all module compiled into its JIT cache ahead of time.
 
-The implementation loads on first use of a name below, so that
+``prewarm`` builds exactly the module an inference rank will load, with
+FlashInfer's own build code, into the very directory an inference process
+will look in, on a machine with nvcc and no GPU (an image build, an init
+container). One module per job:
+
+- :mod:`.archs`: CUDA architectures as FlashInfer spells and normalises them;
+- :mod:`.cache`: the cache's paths, what makes a build found again, and
+  :class:`JitModule`, one FlashInfer release's module with its cache rule;
+- :mod:`.mnnvl_moe_alltoall`: that entry for FlashInfer 0.7.2.post1, and
+  :mod:`.nvlink_one_sided_alltoall` for 0.7.4;
+- :mod:`.install`: the installed flashinfer-python and its entry
+  (:data:`JIT_MODULES`);
+- :mod:`.toolchain`: nvcc, ninja and the C++ compiler;
+- :mod:`.build_plan`: what is built and why (pure);
+- :mod:`.builder` and :mod:`.worker`: one build in a child process that
+  imports FlashInfer, with a timeout;
+- :mod:`.run`: the command's run and its report; :mod:`.command` its flags.
+
+The names below load their module on first use, so that
 ``moe-sidecar prewarm --help`` and the sidecar's own commands import no torch.
 """
 
@@ -10,41 +28,52 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moe_sidecar.client.prewarm.build import (
-        BUILD_ENV,
+    from moe_sidecar.client.prewarm.archs import (
         DEFAULT_ARCHS,
         ENV_ARCH_LIST,
-        ENV_WORKSPACE_BASE,
-        FLASHINFER_DISTRIBUTION,
-        MODULE_NAME,
-        ArchError,
-        BuildFailed,
-        CachePaths,
         CudaArch,
-        CudaToolkit,
-        FlashInferInstall,
-        FlashInferMissing,
-        FlashInferVersionMismatch,
-        Plan,
-        PrewarmError,
-        Target,
-        TargetResult,
-        ToolMissing,
         arch_dir_name,
-        build_target,
-        cache_paths,
-        find_build_tools,
-        find_cuda_toolkit,
-        find_flashinfer,
-        flashinfer_cache_dir,
-        make_plan,
         normalize_capability,
         parse_arch,
         parse_arch_flags,
         parse_flashinfer_arch_list,
-        run_cli,
         visible_gpu_archs,
+    )
+    from moe_sidecar.client.prewarm.build_plan import BuildPlan, Target, make_plan
+    from moe_sidecar.client.prewarm.builder import TargetResult, build_target
+    from moe_sidecar.client.prewarm.cache import (
+        BUILD_ENV,
+        ENV_WORKSPACE_BASE,
+        CachePaths,
+        JitModule,
+        flashinfer_cache_dir,
         workspace_base,
+    )
+    from moe_sidecar.client.prewarm.errors import (
+        ArchError,
+        BuildFailed,
+        FlashInferMissing,
+        FlashInferVersionMismatch,
+        PrewarmError,
+        ToolMissing,
+    )
+    from moe_sidecar.client.prewarm.install import (
+        FLASHINFER_DISTRIBUTION,
+        JIT_MODULES,
+        FlashInferInstall,
+        find_flashinfer,
+    )
+    from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import (
+        MNNVL_MOE_ALLTOALL,
+        MODULE_NAME,
+        cache_paths,
+    )
+    from moe_sidecar.client.prewarm.nvlink_one_sided_alltoall import NVLINK_ONE_SIDED_ALLTOALL
+    from moe_sidecar.client.prewarm.run import run_cli
+    from moe_sidecar.client.prewarm.toolchain import (
+        CudaToolkit,
+        find_build_tools,
+        find_cuda_toolkit,
     )
 
 __all__ = [
@@ -53,16 +82,20 @@ __all__ = [
     "ENV_ARCH_LIST",
     "ENV_WORKSPACE_BASE",
     "FLASHINFER_DISTRIBUTION",
+    "JIT_MODULES",
+    "MNNVL_MOE_ALLTOALL",
     "MODULE_NAME",
+    "NVLINK_ONE_SIDED_ALLTOALL",
     "ArchError",
     "BuildFailed",
+    "BuildPlan",
     "CachePaths",
     "CudaArch",
     "CudaToolkit",
     "FlashInferInstall",
     "FlashInferMissing",
     "FlashInferVersionMismatch",
-    "Plan",
+    "JitModule",
     "PrewarmError",
     "Target",
     "TargetResult",
@@ -84,10 +117,61 @@ __all__ = [
     "workspace_base",
 ]
 
-_IMPLEMENTATION = "moe_sidecar.client.prewarm.build"
+_IMPLEMENTATION: dict[str, str] = {
+    name: f"{__name__}.{module}"
+    for module, names in {
+        "archs": (
+            "DEFAULT_ARCHS",
+            "ENV_ARCH_LIST",
+            "CudaArch",
+            "arch_dir_name",
+            "normalize_capability",
+            "parse_arch",
+            "parse_arch_flags",
+            "parse_flashinfer_arch_list",
+            "visible_gpu_archs",
+        ),
+        "build_plan": ("BuildPlan", "Target", "make_plan"),
+        "builder": ("TargetResult", "build_target"),
+        "cache": (
+            "BUILD_ENV",
+            "ENV_WORKSPACE_BASE",
+            "CachePaths",
+            "JitModule",
+            "flashinfer_cache_dir",
+            "workspace_base",
+        ),
+        "errors": (
+            "ArchError",
+            "BuildFailed",
+            "FlashInferMissing",
+            "FlashInferVersionMismatch",
+            "PrewarmError",
+            "ToolMissing",
+        ),
+        "install": (
+            "FLASHINFER_DISTRIBUTION",
+            "JIT_MODULES",
+            "FlashInferInstall",
+            "find_flashinfer",
+        ),
+        "mnnvl_moe_alltoall": ("MNNVL_MOE_ALLTOALL", "MODULE_NAME", "cache_paths"),
+        "nvlink_one_sided_alltoall": ("NVLINK_ONE_SIDED_ALLTOALL",),
+        "run": ("run_cli",),
+        "toolchain": ("CudaToolkit", "find_build_tools", "find_cuda_toolkit"),
+    }.items()
+    for name in names
+}
+"""Each public name's module, imported when the name is first used."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module(_IMPLEMENTATION), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The public ``name``, from its module (imported now if it was not yet).
+
+    Raises:
+        AttributeError: not a public name of this package.
+    """
+    module = _IMPLEMENTATION.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

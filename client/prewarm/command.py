@@ -1,15 +1,16 @@
-"""``moe-sidecar prewarm``: its flags, and the run that imports torch only when it starts."""
+"""``moe-sidecar prewarm``: its flags, and the run, loaded only when it starts (it needs torch)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
 __all__ = ["PREWARM_DEFAULT_ARCHS", "add_command"]
 
 PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
-"""``build.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
+"""``archs.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,12 +77,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # Imported here: the client needs torch, which serve and groups must not import.
-    try:
-        from moe_sidecar.client.prewarm.build import run_cli
-    except ModuleNotFoundError as error:
-        if error.name != "torch":
-            raise
+    """Runs the command; without torch, names the extras to install and returns 2.
+
+    Raises:
+        ModuleNotFoundError: a module of the project is missing (a broken install).
+    """
+    # This process never imports torch (only the build process does, through
+    # FlashInfer), so its absence is checked, not caught: a build that could
+    # only fail is not started.
+    if importlib.util.find_spec("torch") is None:
         message = (
             "needs torch and flashinfer-python 0.7.2.post1 or 0.7.4, i.e. the client and a "
             "flashinfer extra: pip install 'moe-sidecar[client,flashinfer]' (or "
@@ -91,6 +95,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "exit_status": 2, "error": message}))
         return 2
+    # Imported here: building the parser loads only the flags.
+    from moe_sidecar.client.prewarm.run import run_cli
+
     return run_cli(args)
 
 

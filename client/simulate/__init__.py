@@ -1,6 +1,12 @@
 """``moe-sidecar simulate``: a model's MoE layers on N CPU rank processes against a sidecar.
 
-The implementation loads on first use of a name below, so that
+One module per job: :mod:`.presets` the models; :mod:`.records` the
+configuration, what the ranks report and the result; :mod:`.rank` a rank
+process; :mod:`.sidecars` the sidecars it reaches or starts (``--nodes``);
+:mod:`.parent` the orchestration of the ranks; :mod:`.summary` the text at
+the end; :mod:`.run` the command's run and :mod:`.command` its flags.
+
+The names below load their module on first use, so that
 ``moe-sidecar simulate --help`` and the sidecar's own commands import no torch.
 """
 
@@ -10,30 +16,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moe_sidecar.client.simulate.simulation import (
-        MODELS,
-        ModelPreset,
-        MoeLayer,
+    from moe_sidecar.client.simulate.parent import run_simulation
+    from moe_sidecar.client.simulate.presets import MODELS, ModelPreset, MoeLayer
+    from moe_sidecar.client.simulate.records import (
         NodeView,
-        RankFailure,
         RankReport,
         RoundRecord,
+        SimulatedRankFailure,
         SimulationConfig,
         SimulationResult,
-        format_summary,
         resolve_target,
-        run_cli,
-        run_simulation,
     )
+    from moe_sidecar.client.simulate.run import run_cli
+    from moe_sidecar.client.simulate.summary import format_summary
 
 __all__ = [
     "MODELS",
     "ModelPreset",
     "MoeLayer",
     "NodeView",
-    "RankFailure",
     "RankReport",
     "RoundRecord",
+    "SimulatedRankFailure",
     "SimulationConfig",
     "SimulationResult",
     "format_summary",
@@ -42,10 +46,35 @@ __all__ = [
     "run_simulation",
 ]
 
-_IMPLEMENTATION = "moe_sidecar.client.simulate.simulation"
+_IMPLEMENTATION: dict[str, str] = {
+    name: f"{__name__}.{module}"
+    for module, names in {
+        "parent": ("run_simulation",),
+        "presets": ("MODELS", "ModelPreset", "MoeLayer"),
+        "records": (
+            "NodeView",
+            "RankReport",
+            "RoundRecord",
+            "SimulatedRankFailure",
+            "SimulationConfig",
+            "SimulationResult",
+            "resolve_target",
+        ),
+        "run": ("run_cli",),
+        "summary": ("format_summary",),
+    }.items()
+    for name in names
+}
+"""Each public name's module, imported when the name is first used."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module(_IMPLEMENTATION), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The public ``name``, from its module (imported now if it was not yet).
+
+    Raises:
+        AttributeError: not a public name of this package.
+    """
+    module = _IMPLEMENTATION.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

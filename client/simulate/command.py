@@ -10,7 +10,8 @@ from moe_sidecar.core.defaults import ENV_TARGET
 __all__ = ["add_command"]
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs, and against which sidecars."""
     parser.add_argument(
         "--ranks", type=int, default=2, metavar="N", help="rank processes = EP size (default 2)"
     )
@@ -45,6 +46,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --nodes: the etcd the started sidecars share, "
         "etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
     )
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sizes, timeouts, checks and the output's form."""
     parser.add_argument(
         "--max-tokens",
         type=int,
@@ -79,10 +84,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Runs the command; without torch, names the extra to install and returns 2.
+
+    Raises:
+        ModuleNotFoundError: another module than torch is missing (a broken install).
+    """
     # Imported here: the demo needs torch (the client extra), serve and groups
     # must not (the sidecar image has no torch).
     try:
-        from moe_sidecar.client.simulate.simulation import run_cli
+        from moe_sidecar.client.simulate.run import run_cli
     except ModuleNotFoundError as error:
         if error.name != "torch":
             raise
@@ -102,5 +112,6 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="run a model's MoE layers on N CPU ranks against a sidecar (needs the client extra)",
         description="run a model's MoE layers on N CPU ranks against a sidecar (needs the client extra)",
     )
-    _add_arguments(parser)
+    _add_run_arguments(parser)
+    _add_limit_arguments(parser)
     parser.set_defaults(run=_run)

@@ -6,7 +6,7 @@ plan, its generation counter and its growth history, each growth naming the
 node that made it. Round state (lifetimes, ranks, open rounds, retained
 outcomes, what a lifetime built) stays on the node that runs the ranks.
 
-Cluster plans form a lattice on top of :func:`moe_sidecar.core.plan.join`, so
+Cluster plans form a lattice on top of :func:`moe_sidecar.core.plan.join_epoch_plans`, so
 stores that exchange them converge whatever the order, and nothing merges by
 any other rule (:func:`join_cluster_plans`):
 
@@ -25,13 +25,13 @@ The join is commutative and idempotent, and its result covers both inputs
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 from typing import Final
 
 from moe_sidecar.core import limits
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.group import GroupState, Growth
-from moe_sidecar.core.plan import Plan, dominates, join
+from moe_sidecar.core.plan import EpochPlan, Plan, dominates, join_epoch_plans
 
 __all__ = [
     "JOINED_LAYER",
@@ -67,6 +67,11 @@ class ClusterPlan:
     """The last generation any node that contributed issued."""
     history: tuple[Growth, ...] = ()
     """The growths of ``epoch``, oldest first, each with its node."""
+
+    @property
+    def held(self) -> EpochPlan:
+        """Where the group stands in the plans' lattice."""
+        return EpochPlan(self.epoch, self.plan, self.generation)
 
 
 class LayoutMismatch(ValueError):
@@ -121,21 +126,17 @@ def join_cluster_plans(a: ClusterPlan, b: ClusterPlan, *, node: str, now: float)
             f"group {a.name!r} with ep_size={a.ep_size} cannot join group {b.name!r} with "
             f"ep_size={b.ep_size}; the group name must change with the parallel layout"
         )
-    generation = max(a.generation, b.generation)
+    held = join_epoch_plans(a.held, b.held)
     if a.epoch != b.epoch:
         winner = a if a.epoch > b.epoch else b
-        return replace(winner, generation=generation, history=_unite(winner.epoch, winner.history))
-    if a.plan is None or b.plan is None:
-        plan = a.plan if b.plan is None else b.plan
-    else:
-        plan = join(a.plan, b.plan)
+        history = _unite(winner.epoch, winner.history)
+        return ClusterPlan(a.name, a.ep_size, held.epoch, held.plan, held.generation, history)
     history = _unite(a.epoch, a.history, b.history)
+    plan = held.plan
     if plan is not None and plan != a.plan and plan != b.plan:
         joined = Growth(plan=plan, layer=JOINED_LAYER, ep_rank=0, round=0, at=now, node=node)
         history = _unite(a.epoch, history, (joined,))
-    if plan is not None:
-        generation = max(generation, plan.generation)
-    return ClusterPlan(a.name, a.ep_size, a.epoch, plan, generation, history)
+    return ClusterPlan(a.name, a.ep_size, held.epoch, plan, held.generation, history)
 
 
 def covers(a: ClusterPlan, b: ClusterPlan) -> bool:

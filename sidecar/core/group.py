@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 from moe_sidecar.core.errors import CoordinatorError, ErrorCode, error_for_code
 from moe_sidecar.core.identity import short_id
-from moe_sidecar.core.plan import Action, Capacities, Plan
+from moe_sidecar.core.plan import Action, Capacities, EpochPlan, Plan
 
 __all__ = [
     "CommitRecord",
@@ -165,6 +165,11 @@ class GroupState:
     def last_activity(self) -> float:
         """When a rank last proposed or committed, or the plan last grew (0: never)."""
         return max([r.last_seen for r in self.ranks] + [g.at for g in self.history], default=0.0)
+
+    @property
+    def held(self) -> EpochPlan:
+        """Where the group stands in the plans' lattice: epoch, plan, generation counter."""
+        return EpochPlan(self.epoch, self.plan, self.generation)
 
     def busy(self) -> bool:
         """Whether a round or a restart is collecting proposals."""

@@ -11,6 +11,13 @@ from __future__ import annotations
 import math
 from typing import Final
 
+from moe_sidecar.core.capacity_fields import (
+    CAPACITY_FIELDS,
+    MAX_BYTES_PER_TOKEN,
+    MAX_NUM_EXPERTS,
+    MAX_TOKENS,
+    MAX_TOP_K,
+)
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.plan import Capacities, Plan
 
@@ -36,13 +43,6 @@ __all__ = [
 
 MAX_EP_SIZE: Final = 64
 """FlashInfer's kMaxRanks."""
-MAX_TOP_K: Final = 22
-"""FlashInfer's kMaxTopK."""
-MAX_NUM_EXPERTS: Final = 1 << 16
-MAX_TOKENS: Final = (1 << 31) - 1
-"""FlashInfer holds max_num_tokens in an int32."""
-MAX_BYTES_PER_TOKEN: Final = 1 << 22
-"""4 MiB per token: far above any layer (a 65,536-wide fp32 row is 256 KiB)."""
 MAX_WORKSPACE_BYTES: Final = 1 << 40
 """A plan whose derived workspace exceeds 1 TiB per rank is refused as absurd."""
 MAX_GENERATION: Final = (1 << 53) - 1
@@ -105,22 +105,14 @@ def check_capacities(prefix: str, capacities: Capacities, ep_size: int) -> None:
         InvalidArgument: naming the first bad field (``prefix.field``) and its value.
     """
     c = capacities
-    check_count(f"{prefix}.max_tokens", c.max_tokens, 1, MAX_TOKENS)
-    check_count(
-        f"{prefix}.dispatch_bytes_per_token", c.dispatch_bytes_per_token, 1, MAX_BYTES_PER_TOKEN
-    )
-    check_count(
-        f"{prefix}.combine_bytes_per_token", c.combine_bytes_per_token, 1, MAX_BYTES_PER_TOKEN
-    )
-    check_count(f"{prefix}.top_k", c.top_k, 1, MAX_TOP_K, "FlashInfer's kMaxTopK")
-    check_count(
-        f"{prefix}.num_experts",
-        c.num_experts,
-        ep_size,
-        MAX_NUM_EXPERTS,
-        f"FlashInfer needs num_experts >= ep_size={ep_size}",
-    )
-    check_count(f"{prefix}.eplb_experts", c.eplb_experts, 0, MAX_NUM_EXPERTS)
+    for field in CAPACITY_FIELDS:
+        check_count(
+            f"{prefix}.{field.name}",
+            getattr(c, field.name),
+            field.lowest(ep_size),
+            field.high,
+            field.reason(ep_size),
+        )
     workspace = c.workspace_bytes(ep_size)
     if workspace > MAX_WORKSPACE_BYTES:
         raise InvalidArgument(

@@ -17,6 +17,12 @@ Plans form a lattice, and every union in the project goes through it:
   epoch a plan that dominates the other (capacities and generation) is the
   answer, else the joined capacities under a generation above both, so a
   generation never names two capacity vectors that one node handed out;
+* :func:`join_epoch_plans` joins where two groups stand (:class:`EpochPlan`:
+  epoch, plan, generation counter): the higher epoch wins whole, in one
+  epoch the plans :func:`join` (no plan is the bottom), the counter is the
+  largest either side issued. A round's commit across nodes, the cluster
+  plans' join (merges from other nodes, the etcd store's compare-and-swap)
+  all stand on it;
 * :func:`grow` is a round's decision: the plan itself when it covers the
   round's need, else the join of its capacities with the need under the next
   generation;
@@ -42,6 +48,7 @@ __all__ = [
     "SIZE_FIELDS",
     "Action",
     "Capacities",
+    "EpochPlan",
     "Plan",
     "ShapeMismatch",
     "decide_action",
@@ -49,6 +56,7 @@ __all__ = [
     "grow",
     "join",
     "join_capacities",
+    "join_epoch_plans",
 ]
 
 
@@ -196,6 +204,47 @@ def join(a: Plan, b: Plan) -> Plan:
         epoch=a.epoch,
         generation=max(a.generation, b.generation) + 1,
     )
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Where a group stands in the lattice: its epoch, the plan of that epoch
+    and the last generation it issued."""
+
+    epoch: int
+    plan: Plan | None
+    """None: nothing grown since the epoch began (the bottom of the epoch)."""
+    generation: int
+    """Never below ``plan.generation``: generations are never reused."""
+
+    @classmethod
+    def of(cls, plan: Plan) -> EpochPlan:
+        """Where a lone decided plan stands: its own epoch and generation."""
+        return cls(plan.epoch, plan, plan.generation)
+
+
+def join_epoch_plans(a: EpochPlan, b: EpochPlan) -> EpochPlan:
+    """The least place above both ``a`` and ``b`` (commutative and idempotent).
+
+    The higher epoch wins whole (a reset is never undone by a node that
+    missed it); in one epoch the plans join (:func:`join`; no plan is the
+    bottom). The generation counter is the largest of both counters and the
+    joined plan's: a generation one side issued is never issued again.
+
+    Raises:
+        ShapeMismatch: same epoch, plans of different ``top_k``/``num_experts``.
+    """
+    generation = max(a.generation, b.generation)
+    if a.epoch != b.epoch:
+        winner = a if a.epoch > b.epoch else b
+        return replace(winner, generation=generation)
+    if a.plan is None or b.plan is None:
+        plan = a.plan if b.plan is None else b.plan
+    else:
+        plan = join(a.plan, b.plan)
+    if plan is not None:
+        generation = max(generation, plan.generation)
+    return EpochPlan(a.epoch, plan, generation)
 
 
 def grow(plan: Plan | None, need: Capacities, *, epoch: int, last_generation: int) -> Plan:

@@ -16,6 +16,10 @@ where FlashInfer aligns it)::
     | eplb gathered stats (4*ep*eplb_experts)
     | dispatch payloads (ep*runtime_tokens*bytes, one region per payload)
     | combine payload (ep*runtime_tokens*bytes)
+
+It also holds the one per-layer rule every vLLM generation follows
+(:func:`dispatch_bytes_per_token`, :func:`combine_bytes_per_token`); the
+capacities of a layer are built from it in :mod:`moe_sidecar.core.layer`.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ from dataclasses import dataclass
 
 __all__ = [
     "ALIGNMENT",
+    "BF16_BYTES",
+    "FLOAT32_BYTES",
+    "INT32_BYTES",
     "KMAX_TOP_K",
     "AuxOffsets",
     "align",
     "aux_data_size",
     "aux_offsets",
+    "bf16_row_bytes",
     "combine_bytes_per_token",
     "dispatch_bytes_per_token",
+    "routing_bytes_per_token",
     "workspace_size_per_rank",
 ]
 
@@ -153,12 +162,42 @@ def workspace_size_per_rank(
     )
 
 
-def dispatch_bytes_per_token(top_k: int, x_bytes_per_token: int, x_sf_bytes_per_token: int) -> int:
-    """vLLM's dispatch payload per token: hidden states, their scales, and
-    the int32 expert ids plus float32 weights of the top-k routing."""
-    return x_bytes_per_token + x_sf_bytes_per_token + 8 * top_k
+INT32_BYTES = _INT32
+"""An expert id of the top-k routing (int32)."""
+FLOAT32_BYTES = 4
+"""A routing weight of the top-k routing (float32)."""
+BF16_BYTES = 2
+"""One element of a bf16 row (the combine payload, and vLLM's default dispatch rows)."""
+
+
+def bf16_row_bytes(hidden_size: int) -> int:
+    """Bytes of one token's bf16 hidden states."""
+    return BF16_BYTES * hidden_size
+
+
+def routing_bytes_per_token(top_k: int) -> int:
+    """Bytes per token of the routing payloads: an int32 expert id and a
+    float32 weight for each of the ``top_k`` experts."""
+    return (INT32_BYTES + FLOAT32_BYTES) * top_k
+
+
+def dispatch_bytes_per_token(
+    top_k: int,
+    x_bytes_per_token: int,
+    x_sf_bytes_per_token: int = 0,
+    extra_payload_bytes_per_token: int = 0,
+) -> int:
+    """The per-layer rule for the dispatch payload per token: the hidden
+    states, their scale factors, any extra payload, and the top-k routing
+    (:func:`routing_bytes_per_token`). Every vLLM generation sizes a layer so."""
+    return (
+        x_bytes_per_token
+        + x_sf_bytes_per_token
+        + extra_payload_bytes_per_token
+        + routing_bytes_per_token(top_k)
+    )
 
 
 def combine_bytes_per_token(hidden_size: int) -> int:
-    """vLLM's combine payload per token: bf16 hidden states."""
-    return 2 * hidden_size
+    """The per-layer rule for the combine payload per token: bf16 hidden states."""
+    return bf16_row_bytes(hidden_size)

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from moe_sidecar.core import limits
+from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.effects import EventKind, GroupEvent
 from moe_sidecar.core.errors import InvalidArgument, UndecodableRequest
 from moe_sidecar.core.group import (
@@ -106,27 +107,14 @@ def action_from_proto(action: pb.Action.ValueType) -> Action | None:
 
 
 def capacities_to_proto(c: Capacities) -> pb.Capacities:
-    """The wire form of capacities."""
-    return pb.Capacities(
-        max_tokens=c.max_tokens,
-        dispatch_bytes_per_token=c.dispatch_bytes_per_token,
-        combine_bytes_per_token=c.combine_bytes_per_token,
-        top_k=c.top_k,
-        num_experts=c.num_experts,
-        eplb_experts=c.eplb_experts,
-    )
+    """The wire form of capacities: every field of the capacity table."""
+    return pb.Capacities(**{field.name: getattr(c, field.name) for field in CAPACITY_FIELDS})
 
 
 def capacities_from_proto(c: pb.Capacities) -> Capacities:
-    """The domain form of wire capacities (ranges unchecked)."""
-    return Capacities(
-        max_tokens=c.max_tokens,
-        dispatch_bytes_per_token=c.dispatch_bytes_per_token,
-        combine_bytes_per_token=c.combine_bytes_per_token,
-        top_k=c.top_k,
-        num_experts=c.num_experts,
-        eplb_experts=c.eplb_experts,
-    )
+    """The domain form of wire capacities (ranges unchecked): every field of
+    the capacity table (proto3 reads a field an older peer did not send as 0)."""
+    return Capacities(**{field.name: getattr(c, field.name) for field in CAPACITY_FIELDS})
 
 
 def plan_to_proto(plan: Plan, ep_size: int | None) -> pb.Plan:

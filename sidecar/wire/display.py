@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.cluster import plan_origin
 from moe_sidecar.core.group import GroupSummary, Growth
 from moe_sidecar.core.plan import Capacities, Plan
@@ -45,13 +46,13 @@ def format_time(seconds: float) -> str:
 
 
 def capacities_text(c: Capacities) -> str:
-    """``max_tokens=... dispatch=... B/token combine=... B/token top_k=... num_experts=...``."""
-    text = (
-        f"max_tokens={c.max_tokens}, dispatch={c.dispatch_bytes_per_token} B/token, "
-        f"combine={c.combine_bytes_per_token} B/token, top_k={c.top_k}, "
-        f"num_experts={c.num_experts}"
+    """``max_tokens=..., dispatch=... B/token, combine=... B/token, top_k=..., num_experts=...``:
+    every field of the capacity table (one shown only while set is left out at 0)."""
+    return ", ".join(
+        f"{field.label or field.name}={value}{field.unit}"
+        for field in CAPACITY_FIELDS
+        if (value := getattr(c, field.name)) or field.shown_when_zero
     )
-    return text + (f", eplb_experts={c.eplb_experts}" if c.eplb_experts else "")
 
 
 def _plan_line(plan: Plan, ep_size: int) -> str:
@@ -140,14 +141,7 @@ def plan_as_json(plan: Plan, ep_size: int) -> dict[str, Any]:
     return {
         "workspace_bytes": workspace,
         "workspace": format_bytes(workspace),
-        "capacities": {
-            "max_tokens": c.max_tokens,
-            "dispatch_bytes_per_token": c.dispatch_bytes_per_token,
-            "combine_bytes_per_token": c.combine_bytes_per_token,
-            "top_k": c.top_k,
-            "num_experts": c.num_experts,
-            "eplb_experts": c.eplb_experts,
-        },
+        "capacities": {field.name: getattr(c, field.name) for field in CAPACITY_FIELDS},
         "epoch": plan.epoch,
         "generation": plan.generation,
     }

@@ -19,25 +19,25 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.client.backends.jit_cache import ALLTOALL_MODULES
-from moe_sidecar.client.prewarm.build import (
+from moe_sidecar.client.prewarm import (
     BUILD_ENV,
     ENV_ARCH_LIST,
     ENV_WORKSPACE_BASE,
-    cache_paths,
+    JIT_MODULES,
     find_flashinfer,
     parse_arch,
 )
 
 pytestmark = [pytest.mark.fi074, pytest.mark.timeout(120)]
 
-MODULE = ALLTOALL_MODULES["0.7.4"]
+MODULE = JIT_MODULES["0.7.4"]
 
 _SPEC = """
 import json, sys
-import flashinfer.jit.comm as comm
+import importlib
 from moe_sidecar.client.backends.jit_cache import inspect_jit_cache
-spec = getattr(comm, sys.argv[1])()
+factory_module, factory_name = sys.argv[1].split(":")
+spec = getattr(importlib.import_module(factory_module), factory_name)()
 report = inspect_jit_cache()
 print(json.dumps({
     "name": spec.name,
@@ -52,10 +52,10 @@ print(json.dumps({
 
 def test_the_spec_lands_where_prewarm_builds(tmp_path: Path) -> None:
     install = find_flashinfer()
-    assert install.version == "0.7.4" and install.module == MODULE
+    assert install.version == "0.7.4" and install.jit_module == MODULE
     env = {ENV_WORKSPACE_BASE: str(tmp_path), ENV_ARCH_LIST: "9.0a", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
-        [sys.executable, "-c", _SPEC, MODULE.generator],
+        [sys.executable, "-c", _SPEC, MODULE.spec_factory],
         env=env,
         capture_output=True,
         text=True,
@@ -64,12 +64,11 @@ def test_the_spec_lands_where_prewarm_builds(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     spec = json.loads(done.stdout.splitlines()[-1])
-    paths = cache_paths(tmp_path, "0.7.4", [parse_arch("9.0a")], MODULE.name)
+    paths = MODULE.paths(tmp_path, "0.7.4", [parse_arch("9.0a")])
     assert spec["name"] == MODULE.name
     assert Path(spec["library"]) == paths.library
     assert Path(spec["lock"]) == paths.lock
-    csrc = install.package_dir / "data" / "csrc"
-    assert {str(csrc / s) for s in MODULE.sources} <= set(spec["sources"])
+    assert {str(install.package_dir / s) for s in MODULE.sources} <= set(spec["sources"])
     assert spec["aot"] in ([], [str(install.aot_library())])
     assert spec["report"] == [MODULE.name, "0.7.4", str(paths.library), "compile"]
 

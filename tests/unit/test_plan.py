@@ -12,6 +12,7 @@ from moe_sidecar.core import sizing
 from moe_sidecar.core.plan import (
     Action,
     Capacities,
+    EpochPlan,
     Plan,
     ShapeMismatch,
     decide_action,
@@ -19,6 +20,7 @@ from moe_sidecar.core.plan import (
     grow,
     join,
     join_capacities,
+    join_epoch_plans,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -124,6 +126,35 @@ def test_join_is_commutative_idempotent_and_an_upper_bound(a: Plan, b: Plan) -> 
     assert join(joined, joined) == joined
     assert joined.capacities.covers(a.capacities) and joined.capacities.covers(b.capacities)
     assert joined.generation >= max(a.generation, b.generation)
+
+
+PLACES = [
+    EpochPlan(epoch, p if p is None else replace(p, epoch=epoch), counter)
+    for epoch, p, counter in itertools.product((0, 1), (None, GRID[0], GRID[3]), (2, 5))
+]
+
+
+@pytest.mark.parametrize(("a", "b"), list(itertools.product(PLACES, PLACES)))
+def test_the_epoch_lattice_is_commutative_idempotent_and_keeps_every_counter(
+    a: EpochPlan, b: EpochPlan
+) -> None:
+    joined = join_epoch_plans(a, b)
+    assert joined == join_epoch_plans(b, a)
+    assert join_epoch_plans(joined, joined) == joined
+    assert joined.epoch == max(a.epoch, b.epoch)
+    assert joined.generation >= max(a.generation, b.generation)
+    if joined.plan is not None:
+        assert joined.generation >= joined.plan.generation
+    for side in (a, b):
+        if side.epoch == joined.epoch and side.plan is not None:
+            assert joined.plan is not None and joined.plan.covers(side.plan.capacities)
+
+
+def test_the_higher_epoch_wins_whole_even_over_a_larger_plan() -> None:
+    big = EpochPlan(0, plan(caps(tokens=4096), generation=4), 4)
+    reset = EpochPlan(1, None, 3)
+    assert join_epoch_plans(big, reset) == EpochPlan(1, None, 4)
+    assert join_epoch_plans(EpochPlan.of(GRID[0]), EpochPlan(0, None, 0)).plan is GRID[0]
 
 
 def test_every_merge_order_converges() -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from moe_sidecar.core import limits, policy
+from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.effects import Answer, Deadline, EventKind, Persist, Publish, Step, Wait
 from moe_sidecar.core.errors import (
     ErrorCode,
@@ -545,6 +546,20 @@ def test_a_group_spanning_nodes_commits_and_absorbs_the_agreed_plan() -> None:
     step = policy.propose(step.state, prop(0, 2, NVFP4, local_ranks=1), 4.0, TIMEOUT)
     assert isinstance(step.reply, Decision) and step.reply.action is Action.REUSE
     assert step.reply.plan == agreed
+
+
+def test_a_commit_whose_agreed_plan_has_another_shape_than_the_stored_one_is_refused() -> None:
+    # After a reset here, another node's plan of epoch 1 (top_k=4) merged in;
+    # a rank then commits an agreed plan of epoch 1 with top_k=2: the two
+    # cannot join. The commit is refused (FAILED_PRECONDITION) naming both shapes.
+    state, _ = _decided([NVFP4], local_ranks=1)
+    state = policy.reset(state, 2.0).state
+    other = Plan(caps(top_k=4), epoch=1, generation=3)
+    remote = ClusterPlan(GROUP, 2, epoch=1, plan=other, generation=3)
+    state = policy.merge(state, remote, 3.0).state
+    agreed = Plan(caps(dispatch=900), epoch=1, generation=4)
+    with pytest.raises(PreconditionFailed, match="top_k=4, num_experts=16 cannot join top_k=2"):
+        policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 4.0)
 
 
 def test_a_group_on_one_node_commits_exactly_the_decision() -> None:

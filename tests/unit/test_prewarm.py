@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
-from moe_sidecar.client.backends.jit_cache import ALLTOALL_MODULES
 from moe_sidecar.client.prewarm import (
     DEFAULT_ARCHS,
+    JIT_MODULES,
     MODULE_NAME,
     ArchError,
     CudaArch,
@@ -362,9 +362,10 @@ def _stand_in_flashinfer(root: Path, version: str, *, with_source: bool = True) 
     (package / "__init__.py").write_text("raise ImportError('a stand-in: never imported')\n")
     if with_source:
         (package / "data" / "csrc").mkdir(parents=True)
-        module = ALLTOALL_MODULES.get(version, ALLTOALL_MODULES[SUPPORTED_FLASHINFER])
-        for name in module.sources:
-            (package / "data" / "csrc" / name).write_text("// source\n")
+        module = JIT_MODULES.get(version, JIT_MODULES[SUPPORTED_FLASHINFER])
+        for relative in module.sources:
+            (package / relative).parent.mkdir(parents=True, exist_ok=True)
+            (package / relative).write_text("// source\n")
     info = root / f"flashinfer_python-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from moe_sidecar.client import sizing
+from moe_sidecar.client import sizing, vllm_sizing
+from moe_sidecar.client import sizing as client_sizing
+from moe_sidecar.core import sizing as core_sizing
 from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.layer import layer_capacities
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -106,3 +109,27 @@ def test_bad_arguments_name_the_field(bad: dict[str, object]) -> None:
     (name,) = bad
     with pytest.raises(ValueError, match=name):
         sizing.workspace_size_per_rank(**args)  # type: ignore[arg-type]
+
+
+def test_one_per_layer_rule_serves_the_client_the_core_and_every_vllm_generation() -> None:
+    # The client re-exports the core's rule instead of spelling it again.
+    assert client_sizing.dispatch_bytes_per_token is core_sizing.dispatch_bytes_per_token
+    assert client_sizing.combine_bytes_per_token is core_sizing.combine_bytes_per_token
+    assert vllm_sizing.routing_bytes_per_token is core_sizing.routing_bytes_per_token
+    hidden, top_k = 7168, 8
+    assert core_sizing.dispatch_bytes_per_token(top_k, hidden // 2, hidden // 16) == (
+        hidden // 2 + hidden // 16 + 8 * top_k
+    )
+    assert core_sizing.dispatch_bytes_per_token(top_k, 2 * hidden, 0, 64) == 2 * hidden + 64 + 64
+    assert core_sizing.combine_bytes_per_token(hidden) == 2 * hidden
+    nvfp4 = hidden // 2 + hidden // 16
+    expected = layer_capacities(256, top_k, 256, hidden, nvfp4)
+    assert expected.dispatch_bytes_per_token == nvfp4 + 8 * top_k
+    for positional, keywords in (
+        ((nvfp4, 0), {}),
+        ((), {"dispatch_dtype_bytes_per_elem": 0, "dispatch_scale_bytes_per_token": hidden // 16}),
+        ((), {"dispatch_format": "NVFP4"}),
+    ):
+        call = vllm_sizing.classify_call(8, 256, top_k, 256, hidden, positional, keywords)
+        assert call.capacities == expected
+    assert client_sizing.layer_capacities(8, 256, top_k, 256, hidden, nvfp4, 0) == expected

@@ -1,0 +1,53 @@
+"""The decision core: rounds, lifetimes, commits, resets, merges. Pure.
+
+Frozen values in (:mod:`moe_sidecar.core.group`), a :class:`~moe_sidecar.core.effects.Step`
+out: the new state, the reply for the caller and the effects to carry out.
+No grpc, no asyncio, no torch, no clock: the time is an argument (``now``, in
+seconds of whatever clock the caller uses consistently). The sidecar's state
+holder and the client's embedded mode both drive groups through these
+functions, and plans only move through :mod:`moe_sidecar.core.plan`'s lattice.
+
+One module per event a group meets:
+
+* :mod:`.propose` (with :mod:`.restart` and :mod:`.rounds`): a rank's
+  proposal joins its round; the last local rank closes it with one decision
+  or one refusal for everyone;
+* :mod:`.commit`: a rank holds the decided plan (across nodes: a plan above
+  it in the lattice, joined into the stored one);
+* :mod:`.depart`: a rank's session ended;
+* :mod:`.deadlines`: a round or a restart timed out; a restarted sidecar
+  takes its groups up again;
+* :mod:`.merge`: a plan decided on another node arrives through the cluster store;
+* :mod:`.admin`: a reset forgets the stored plan; a group is checked removable.
+
+Every event a step publishes is made by :func:`.events.group_event`; every
+field is checked by :mod:`.validation` first.
+"""
+
+from __future__ import annotations
+
+from moe_sidecar.core.cluster import MAX_HISTORY
+from moe_sidecar.core.policy.admin import check_removable, reset
+from moe_sidecar.core.policy.commit import commit
+from moe_sidecar.core.policy.deadlines import expire, resume
+from moe_sidecar.core.policy.depart import depart
+from moe_sidecar.core.policy.merge import merge
+from moe_sidecar.core.policy.propose import propose
+from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS, new_group
+from moe_sidecar.core.policy.validation import validate_group_name, validate_proposal
+
+__all__ = [
+    "MAX_HISTORY",
+    "RETAINED_ROUNDS",
+    "check_removable",
+    "commit",
+    "depart",
+    "expire",
+    "merge",
+    "new_group",
+    "propose",
+    "reset",
+    "resume",
+    "validate_group_name",
+    "validate_proposal",
+]

@@ -1,0 +1,111 @@
+"""Deadlines: a round or a restart that waited too long, and a sidecar that
+takes its groups up again after a restart of its own. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moe_sidecar.core.effects import EventKind, Step
+from moe_sidecar.core.errors import ErrorCode
+from moe_sidecar.core.group import GroupState, OpenRound, Refusal
+from moe_sidecar.core.policy.events import group_event, missing_text
+from moe_sidecar.core.policy.rounds import record_outcome, round_closed
+
+__all__ = ["expire", "resume"]
+
+
+def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
+    """Fails the open round past its deadline, naming every rank it missed."""
+    present = {p.ep_rank for p in rnd.proposals}
+    missing = [r for r in state.current_ranks() if r.ep_rank not in present]
+    unseen = state.local_ranks - len(present) - len(missing)
+    parts = missing_text(missing)
+    if unseen > 0:
+        parts.append(f"{unseen} rank(s) never seen in this lifetime")
+    layer = rnd.proposals[0].requirement.layer if rnd.proposals else ""
+    message = (
+        f"round {rnd.number} of group {state.name!r} (layer {layer!r}) timed out after "
+        f"{rnd.deadline - rnd.opened_at:.1f}s: {state.local_ranks - len(present)} of "
+        f"{state.local_ranks} local ranks missing: {'; '.join(parts)}; "
+        f"ranks present: {sorted(present)}"
+    )
+    refusal = Refusal(
+        round=rnd.number,
+        code=ErrorCode.DEADLINE_EXCEEDED,
+        message=message,
+        missing_ranks=tuple(r.ep_rank for r in missing),
+    )
+    event = group_event(
+        state,
+        EventKind.RANK_TIMEOUT,
+        now,
+        closes=rnd,
+        layer=layer,
+        message=message,
+        missing_ranks=refusal.missing_ranks,
+        ranks=tuple(sorted(present)),
+    )
+    return round_closed(record_outcome(state, refusal), state.lifetime_index, rnd, refusal, event)
+
+
+def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
+    """Fails a restart past its deadline; the running lifetime goes on."""
+    present = sorted(p.ep_rank for p in pending.proposals)
+    running = [r for r in state.current_ranks() if r.ep_rank not in present]
+    message = (
+        f"the restart of group {state.name!r} timed out after "
+        f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {state.local_ranks} "
+        f"local ranks began a new lifetime (ranks {present}); a new lifetime begins only "
+        "when every local rank of the group restarts, and the running lifetime's "
+        + ("; ".join(missing_text(running)) or "ranks")
+        + " did not"
+    )
+    refusal = Refusal(
+        round=1,
+        code=ErrorCode.DEADLINE_EXCEEDED,
+        message=message,
+        missing_ranks=tuple(r.ep_rank for r in running),
+    )
+    state = replace(state, pending=None)
+    event = group_event(
+        state,
+        EventKind.RANK_TIMEOUT,
+        now,
+        closes=pending,
+        round=1,
+        message=message,
+        missing_ranks=refusal.missing_ranks,
+        ranks=tuple(present),
+    )
+    return round_closed(state, state.lifetime_index + 1, pending, refusal, event)
+
+
+def expire(state: GroupState, now: float) -> Step | None:
+    """Fails the open round, or the pending restart, whose deadline has
+    passed (the earlier one first); None when nothing is due.
+
+    A refusal names every missing rank and the last layer each reported.
+    """
+    rnd, pending = state.open_round, state.pending
+    open_due = rnd is not None and rnd.deadline <= now
+    pending_due = pending is not None and pending.deadline <= now
+    if (
+        open_due
+        and rnd is not None
+        and not (pending_due and pending and pending.deadline < rnd.deadline)
+    ):
+        return _expire_open(state, rnd, now)
+    if pending_due and pending is not None:
+        return _expire_restart(state, pending, now)
+    return None
+
+
+def resume(state: GroupState, now: float, round_timeout: float) -> GroupState:
+    """The group as a restarted sidecar takes it up: the time the sidecar was
+    down does not count against the ranks, so an open round and an open
+    restart get a full ``round_timeout`` from ``now``."""
+    if state.open_round is not None:
+        state = replace(state, open_round=replace(state.open_round, deadline=now + round_timeout))
+    if state.pending is not None:
+        state = replace(state, pending=replace(state.pending, deadline=now + round_timeout))
+    return state

@@ -1,0 +1,76 @@
+"""A rank's session ended: the rank is gone, and a round waiting for it fails. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
+from moe_sidecar.core.errors import ErrorCode
+from moe_sidecar.core.group import GroupState, OpenRound, Refusal
+from moe_sidecar.core.policy.events import gone_text, group_event
+from moe_sidecar.core.policy.rounds import record_outcome, round_closed, with_proposal, with_rank
+
+__all__ = ["depart"]
+
+
+def _leave_restart(state: GroupState, pending: OpenRound, ep_rank: int) -> Step:
+    """A rank waiting in a restart leaves it: its next lifetime may take its place."""
+    rest = replace(pending, proposals=(), need=None)
+    for q in pending.proposals:
+        if q.ep_rank != ep_rank:
+            rest = with_proposal(rest, q)
+    state = replace(state, pending=rest if rest.proposals else None)
+    return Step(state, effects=(Deadline(state.next_deadline()),))
+
+
+def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float) -> Step | None:
+    """A rank's session ended: the rank (of lifetime ``lifetime``) is gone.
+
+    A rank of the running lifetime is marked gone and the group's open
+    round, if any, fails at once for everyone in it (ABORTED, naming the rank,
+    its last layer and ``why``); later rounds fail the same way until it
+    comes back (proposes again with the same lifetime) or the group restarts.
+    A rank waiting in a restart leaves it, so its next lifetime may take its
+    place. None when the lifetime is not (or no longer) the group's.
+    """
+    pending = state.pending
+    waiting = pending.proposal_of(ep_rank) if pending is not None else None
+    if pending is not None and waiting is not None and waiting.lifetime == lifetime:
+        return _leave_restart(state, pending, ep_rank)
+    record = state.rank(ep_rank)
+    if (
+        record is None
+        or record.lifetime != lifetime
+        or record.lifetime_index != state.lifetime_index
+        or record.left
+    ):
+        return None
+    record = replace(record, left=why, last_seen=now)
+    state = with_rank(state, record)
+    left = Publish(
+        group_event(
+            state,
+            EventKind.RANK_LEFT,
+            now,
+            round=record.last_round,
+            ep_rank=ep_rank,
+            layer=record.last_layer,
+            message=gone_text(record),
+        )
+    )
+    rnd = state.open_round
+    if rnd is None:
+        return Step(state, effects=(Persist(), left))
+    message = f"round {rnd.number} of group {state.name!r} abandoned: {gone_text(record)}"
+    refusal = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
+    closed = record_outcome(state, refusal)
+    event = group_event(
+        state,
+        EventKind.ROUND_ABORTED,
+        now,
+        closes=rnd,
+        ep_rank=ep_rank,
+        layer=record.last_layer,
+        message=message,
+    )
+    return round_closed(closed, closed.lifetime_index, rnd, refusal, event, effects=(left,))

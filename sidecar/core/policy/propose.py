@@ -1,0 +1,236 @@
+"""A proposal: admitting it (a known lifetime, a new one, a restart) and
+adding it to its round. Pure.
+
+The n-th ``initialize()`` of a rank in one process lifetime is round n. A
+round closes when every local rank of the group has proposed it, and every
+one of them gets the same outcome; a retried proposal for a closed round
+gets the same outcome back. The stored plan outlives process lifetimes, so
+round 1 of a restart starts from the historical union.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from moe_sidecar.core.effects import Deadline, Effect, Persist, Step, Wait
+from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted
+from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, RankRecord, Refusal
+from moe_sidecar.core.identity import short_id
+from moe_sidecar.core.plan import ShapeMismatch
+from moe_sidecar.core.policy.events import gone_text, lifetime_started
+from moe_sidecar.core.policy.restart import join_restart
+from moe_sidecar.core.policy.rounds import (
+    decide_round,
+    new_group,
+    refuse_round,
+    why_cannot_join,
+    with_proposal,
+    with_rank,
+)
+from moe_sidecar.core.policy.validation import validate_proposal
+
+__all__ = ["propose"]
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A proposal allowed into its round, with what admitting it did."""
+
+    state: GroupState
+    record: RankRecord
+    effects: tuple[Effect, ...]
+
+
+def _check_layout(state: GroupState, p: Proposal) -> None:
+    """A group's EP size is part of its name: another one is refused."""
+    if p.ep_size != state.ep_size:
+        raise PreconditionFailed(
+            f"group {p.group!r} has ep_size={state.ep_size} but rank {p.ep_rank} proposes "
+            f"ep_size={p.ep_size}; the group name must change with the parallel layout"
+        )
+
+
+def _check_local_ranks(state: GroupState, p: Proposal) -> None:
+    """A running lifetime keeps its number of ranks on this node."""
+    if p.local_ranks != state.local_ranks:
+        raise PreconditionFailed(
+            f"group {p.group!r} has local_ranks={state.local_ranks} on this node but rank "
+            f"{p.ep_rank} proposes local_ranks={p.local_ranks}"
+        )
+
+
+def _accepts_newcomers(state: GroupState) -> bool:
+    """Whether a rank arriving with a new lifetime joins the current one.
+
+    It does while the lifetime is still at round 1: round 1 open, or closed
+    by a refusal before every local rank arrived (a round 1 that decided had
+    every local rank, so a newcomer after it belongs to a restart).
+    """
+    if state.open_round is not None:
+        return state.open_round.number == 1
+    if state.last_closed_round == 0:
+        return True
+    return state.last_closed_round == 1 and isinstance(state.outcome_of(1), Refusal)
+
+
+def _first_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
+    """The group's first lifetime begins with its first proposal."""
+    state = replace(state, lifetime_index=1, local_ranks=p.local_ranks)
+    record = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=1)
+    return _Admitted(state, record, (Persist(), lifetime_started(state, p, now)))
+
+
+def _admit_new_lifetime(
+    state: GroupState,
+    p: Proposal,
+    record: RankRecord | None,
+    now: float,
+    round_timeout: float,
+    node: str,
+) -> _Admitted | Step:
+    """A proposal from a lifetime the group has not seen for this rank.
+
+    It joins the running lifetime while that is still at round 1 and the
+    rank's place in it is free; otherwise it belongs to a restart
+    (:func:`join_restart`), which replaces the running lifetime only once
+    every local rank has joined it.
+    """
+    if p.round != 1:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} from lifetime "
+            f"{short_id(p.lifetime)}, which this sidecar does not know: a lifetime starts at "
+            "round 1 (did the group restart without this rank, or was the sidecar's state "
+            "dir lost?); restart this rank"
+        )
+    if state.lifetime_index == 0:
+        return _first_lifetime(state, p, now)
+    if p.local_ranks != state.local_ranks:
+        raise PreconditionFailed(
+            f"group {p.group!r} runs with local_ranks={state.local_ranks} on this node; a new "
+            f"lifetime of rank {p.ep_rank} with local_ranks={p.local_ranks} is refused (it may "
+            "not end the group's lifetime); use a group name for the new layout, or remove "
+            "the group (an admin call) first"
+        )
+    taken = record is not None and record.lifetime_index == state.lifetime_index
+    if taken or not _accepts_newcomers(state):
+        return join_restart(state, p, now, round_timeout, node)
+    if state.last_closed_round == 1:
+        # Round 1 of this lifetime was refused before this rank arrived: it
+        # is part of the same start and shares the refusal.
+        outcome = state.outcome_of(1)
+        assert outcome is not None
+        return Step(state, reply=outcome)
+    joined = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
+    return _Admitted(state, joined, ())
+
+
+def _admit_known(state: GroupState, p: Proposal, record: RankRecord) -> _Admitted | Step:
+    """A proposal from the lifetime the group already knows for this rank."""
+    if record.lifetime_index != state.lifetime_index:
+        raise RoundAborted(
+            f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {short_id(p.lifetime)}, "
+            "which ended when other ranks of the group restarted; restart this rank"
+        )
+    _check_local_ranks(state, p)
+    if p.round <= state.last_closed_round:
+        outcome = state.outcome_of(p.round)
+        if outcome is None:
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} retries round {p.round}, which "
+                f"closed long ago (latest closed round: {state.last_closed_round})"
+            )
+        if isinstance(outcome, Decision) and not outcome.plan.covers(p.requirement.capacities):
+            # A retry proposes what it proposed, which its round's decision covers.
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
+                f"{p.requirement} after the round was decided with {outcome.plan}, which does "
+                "not serve it; a retry must propose what the rank proposed"
+            )
+        return Step(state, reply=outcome)
+    if p.round > state.last_closed_round + 1:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} but the "
+            f"group's next round is {state.last_closed_round + 1}"
+        )
+    return _Admitted(state, record, ())
+
+
+def _join_round(
+    admitted: _Admitted, p: Proposal, now: float, round_timeout: float, node: str
+) -> Step:
+    """Adds an admitted proposal to its round; closes the round when it is complete."""
+    state, effects = admitted.state, admitted.effects
+    rnd = state.open_round or OpenRound(number=p.round, opened_at=now, deadline=now + round_timeout)
+    earlier = rnd.proposal_of(p.ep_rank)
+    if earlier is not None:
+        if earlier.requirement != p.requirement:
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
+                f"{p.requirement} after proposing {earlier.requirement}"
+            )
+        return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
+
+    record = replace(
+        admitted.record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now, left=""
+    )
+    state = with_rank(state, record)
+    gone = [r for r in state.current_ranks() if r.left]
+    if gone:
+        message = (
+            f"round {p.round} of group {p.group!r} cannot close: "
+            + "; ".join(gone_text(r) for r in gone)
+            + "; restart every rank"
+        )
+        return refuse_round(state, rnd, p, message, now, effects, code=ErrorCode.ABORTED)
+    conflict = why_cannot_join(state, rnd, p)
+    if conflict is not None:
+        return refuse_round(state, rnd, p, conflict, now, effects)
+
+    rnd = with_proposal(rnd, p)
+    if len(rnd.proposals) < state.local_ranks:
+        opens = state.open_round is None
+        state = replace(state, open_round=rnd)
+        return Step(
+            state,
+            reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
+            effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
+        )
+    return decide_round(state, rnd, p, now, effects, node)
+
+
+def propose(
+    state: GroupState | None, p: Proposal, now: float, round_timeout: float, *, node: str = ""
+) -> Step:
+    """Applies one proposal to a group.
+
+    ``node`` names this node in the growth history (``--node-name``).
+
+    ``state`` is None for a group this sidecar has never seen. The step's
+    reply is :class:`~moe_sidecar.core.effects.Wait` when the round still misses
+    ranks, else the round's outcome (a :class:`~moe_sidecar.core.group.Decision`
+    or, when the round was refused for everyone, a
+    :class:`~moe_sidecar.core.group.Refusal`); a retry of a closed round gets that
+    round's outcome and no effects.
+
+    Raises:
+        InvalidArgument: a field is malformed (state unchanged).
+        PreconditionFailed: the proposal contradicts the group alone (wrong
+            layout, out-of-sequence round, a retry that changed content);
+            state unchanged.
+        RoundAborted: the rank belongs to a lifetime the group has left.
+    """
+    validate_proposal(p)
+    if state is None:
+        state = new_group(p.group, p.ep_size, p.local_ranks)
+    _check_layout(state, p)
+    record = state.rank(p.ep_rank)
+    if record is None or record.lifetime != p.lifetime:
+        admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node)
+    else:
+        admitted = _admit_known(state, p, record)
+    if isinstance(admitted, Step):
+        return admitted
+    try:
+        return _join_round(admitted, p, now, round_timeout, node)
+    except ShapeMismatch as error:  # pragma: no cover - why_cannot_join checks shapes first
+        raise PreconditionFailed(f"group {p.group!r}: {error}") from error

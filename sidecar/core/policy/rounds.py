@@ -1,0 +1,256 @@
+"""What every round shares: closing it with a decision or a refusal. Pure.
+
+A round's need is the join of its proposals' capacities (and of what the
+lifetime has built, whose layers still run); the decided plan is
+:func:`~moe_sidecar.core.plan.grow` of the stored plan by that need, and the
+action :func:`~moe_sidecar.core.plan.decide_action` of what the lifetime built.
+Another ``top_k``/``num_experts`` than the plan, ranks disagreeing in a round,
+or a growth out of range closes the round as refused for everyone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moe_sidecar.core import limits
+from moe_sidecar.core.cluster import MAX_HISTORY
+from moe_sidecar.core.effects import (
+    Answer,
+    Deadline,
+    Effect,
+    EventKind,
+    GroupEvent,
+    Persist,
+    Publish,
+    Replicate,
+    Step,
+)
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument
+from moe_sidecar.core.group import (
+    Decision,
+    GroupState,
+    Growth,
+    OpenRound,
+    Outcome,
+    Proposal,
+    RankRecord,
+    Refusal,
+)
+from moe_sidecar.core.plan import Action, decide_action, grow, join_capacities
+from moe_sidecar.core.policy.events import group_event, shape_origin, shape_text, who
+
+__all__ = [
+    "RETAINED_ROUNDS",
+    "decide_round",
+    "new_group",
+    "record_outcome",
+    "refuse_round",
+    "round_closed",
+    "why_cannot_join",
+    "with_proposal",
+    "with_rank",
+]
+
+RETAINED_ROUNDS = 8
+"""Closed rounds kept per group to answer retries."""
+
+
+def new_group(name: str, ep_size: int, local_ranks: int) -> GroupState:
+    """An empty group: no plan, no lifetime yet."""
+    return GroupState(name=name, ep_size=ep_size, local_ranks=local_ranks)
+
+
+def with_rank(state: GroupState, record: RankRecord) -> GroupState:
+    """``state`` with ``record`` in place of the rank's earlier record."""
+    others = tuple(r for r in state.ranks if r.ep_rank != record.ep_rank)
+    return replace(state, ranks=tuple(sorted((*others, record), key=lambda r: r.ep_rank)))
+
+
+def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
+    """``rnd`` with ``p`` among its proposals (in rank order) and in its need.
+
+    Raises:
+        ShapeMismatch: ``p`` has another shape than the round (callers check first).
+    """
+    capacities = p.requirement.capacities
+    return replace(
+        rnd,
+        proposals=tuple(sorted((*rnd.proposals, p), key=lambda q: q.ep_rank)),
+        need=capacities if rnd.need is None else join_capacities(rnd.need, capacities),
+    )
+
+
+def record_outcome(state: GroupState, outcome: Outcome) -> GroupState:
+    """``state`` with its open round closed by ``outcome`` (kept for retries)."""
+    return replace(
+        state,
+        open_round=None,
+        last_closed_round=outcome.round,
+        closed=(*state.closed, outcome)[-RETAINED_ROUNDS:],
+    )
+
+
+def round_closed(
+    state: GroupState,
+    lifetime_index: int,
+    rnd: OpenRound,
+    outcome: Outcome,
+    event: GroupEvent,
+    *,
+    effects: tuple[Effect, ...] = (),
+    replicate: bool = False,
+) -> Step:
+    """The step that closes ``rnd`` (of lifetime ``lifetime_index``) with
+    ``outcome``: persisted before anyone hears of it (and handed to the
+    cluster store when the plan grew, ``replicate``), every waiter answered,
+    the event published, the group's timer set to its next deadline."""
+    return Step(
+        state,
+        reply=outcome,
+        effects=(
+            *effects,
+            Persist(),
+            *((Replicate(),) if replicate else ()),
+            Answer(lifetime_index, rnd.number, outcome),
+            Publish(event),
+            Deadline(state.next_deadline()),
+        ),
+    )
+
+
+def why_cannot_join(state: GroupState, rnd: OpenRound, p: Proposal) -> str | None:
+    """Why ``p`` cannot join ``rnd``, or None."""
+    need = p.requirement.capacities
+    for q in rnd.proposals:
+        other = q.requirement.capacities
+        if other.shape != need.shape:
+            return (
+                f"ranks disagree in round {p.round} of group {p.group!r}: {who(q)} has "
+                f"{shape_text(other)} but {who(p)} has {shape_text(need)}"
+            )
+        if (
+            q.requirement.layer
+            and p.requirement.layer
+            and q.requirement.layer != p.requirement.layer
+        ):
+            return (
+                f"ranks disagree in round {p.round} of group {p.group!r}: rank {q.ep_rank} is at "
+                f"layer {q.requirement.layer!r} but rank {p.ep_rank} is at layer "
+                f"{p.requirement.layer!r}; every rank must run the same layers in the same order"
+            )
+    base = state.plan or state.built
+    if base is not None and base.capacities.shape != need.shape:
+        stored = state.built is None
+        return (
+            f"heterogeneous MoE layers in group {p.group!r}: {who(p)} has "
+            f"{shape_text(need)} but the plan{' (stored from an earlier lifetime)' if stored else ''} "
+            f"has {shape_text(base.capacities)}, fixed by {shape_origin(state)}; FlashInfer's "
+            "all-to-all needs one top_k and num_experts for every layer"
+            + ("; ResetGroup forgets the stored plan" if stored else "")
+        )
+    return None
+
+
+def refuse_round(
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    message: str,
+    now: float,
+    effects: tuple[Effect, ...],
+    *,
+    code: ErrorCode = ErrorCode.FAILED_PRECONDITION,
+) -> Step:
+    """Closes ``rnd`` with a refusal (FAILED_PRECONDITION, or ``code``) for
+    every rank in it."""
+    refusal = Refusal(round=rnd.number, code=code, message=message)
+    state = record_outcome(state, refusal)
+    kind = EventKind.ROUND_ABORTED if code is ErrorCode.ABORTED else EventKind.ROUND_REFUSED
+    event = group_event(
+        state,
+        kind,
+        now,
+        closes=rnd,
+        ep_rank=p.ep_rank,
+        layer=p.requirement.layer,
+        message=message,
+        ranks=tuple(sorted({q.ep_rank for q in rnd.proposals} | {p.ep_rank})),
+    )
+    return round_closed(state, state.lifetime_index, rnd, refusal, event, effects=effects)
+
+
+def _growth_cause(state: GroupState, rnd: OpenRound) -> Proposal:
+    """The proposal a growth is told as caused by: the first whose layer the
+    old plan missed."""
+    return next(
+        (
+            q
+            for q in rnd.proposals
+            if not (state.plan and state.plan.covers(q.requirement.capacities))
+        ),
+        rnd.proposals[0],
+    )
+
+
+def _decided_state(
+    state: GroupState, rnd: OpenRound, decision: Decision, cause: Proposal, now: float, node: str
+) -> GroupState:
+    """``state`` once ``rnd`` is decided: the plan, the counter, what the ranks
+    build, and the growth in the history."""
+    plan = decision.plan
+    history = state.history
+    if decision.grew:
+        growth = Growth(plan, cause.requirement.layer, cause.ep_rank, rnd.number, now, node)
+        history = (*history, growth)[-MAX_HISTORY:]
+    return replace(
+        record_outcome(state, decision),
+        plan=plan,
+        generation=plan.generation if decision.grew else state.generation,
+        # REUSE keeps what the ranks hold, which may exceed the plan after a reset.
+        built=state.built if decision.action is Action.REUSE else plan,
+        history=history,
+    )
+
+
+def decide_round(
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    now: float,
+    effects: tuple[Effect, ...],
+    node: str,
+) -> Step:
+    """Closes a round every local rank proposed with one decision for all."""
+    assert rnd.need is not None
+    # The lifetime's earlier layers still run on what it built: the plan
+    # must keep serving them, whatever a reset or another node did since.
+    need = rnd.need if state.built is None else join_capacities(rnd.need, state.built.capacities)
+    plan = grow(state.plan, need, epoch=state.epoch, last_generation=state.generation)
+    grew = plan is not state.plan
+    cause = _growth_cause(state, rnd)
+    if grew:
+        try:
+            limits.check_plan("plan", plan, state.ep_size)
+        except InvalidArgument as error:
+            message = (
+                f"round {rnd.number} of group {state.name!r}: {who(cause)} would grow the plan "
+                f"out of range ({error.message}); nothing was stored"
+            )
+            return refuse_round(state, rnd, p, message, now, effects)
+    action = decide_action(state.built, plan)
+    layer = rnd.proposals[0].requirement.layer
+    decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)
+    state = _decided_state(state, rnd, decision, cause, now, node)
+    event = group_event(
+        state,
+        EventKind.ROUND_DECIDED,
+        now,
+        closes=rnd,
+        action=action,
+        plan=plan,
+        layer=layer,
+        grew=grew,
+    )
+    return round_closed(
+        state, state.lifetime_index, rnd, decision, event, effects=effects, replicate=grew
+    )

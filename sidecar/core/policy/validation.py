@@ -1,0 +1,46 @@
+"""Every field of a proposal or a commit, checked before it touches any state. Pure."""
+
+from __future__ import annotations
+
+from moe_sidecar.core import limits
+from moe_sidecar.core.group import CommitRecord, GroupState, Proposal
+
+__all__ = ["validate_commit", "validate_group_name", "validate_proposal"]
+
+
+def validate_group_name(group: str) -> None:
+    """Checks a group name.
+
+    Raises:
+        InvalidArgument: empty, over-long or non-printable.
+    """
+    limits.check_name("group", group, allow_empty=False)
+
+
+def validate_proposal(p: Proposal) -> None:
+    """Checks every field of a proposal before it touches any state.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value.
+    """
+    validate_group_name(p.group)
+    limits.check_count("ep_size", p.ep_size, 1, limits.MAX_EP_SIZE, "FlashInfer's rank limit")
+    limits.check_count("ep_rank", p.ep_rank, 0, p.ep_size - 1, f"ep_size is {p.ep_size}")
+    limits.check_count("local_ranks", p.local_ranks, 1, p.ep_size, f"ep_size is {p.ep_size}")
+    limits.check_name("lifetime", p.lifetime, allow_empty=False)
+    limits.check_count("round", p.round, 1, limits.MAX_ROUND, "rounds count from 1")
+    limits.check_capacities("requirement.capacities", p.requirement.capacities, p.ep_size)
+    limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
+
+
+def validate_commit(state: GroupState, c: CommitRecord) -> None:
+    """Checks every field of a commit to ``state`` before it touches it.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value.
+    """
+    limits.check_count("ep_rank", c.ep_rank, 0, state.ep_size - 1, f"ep_size is {state.ep_size}")
+    limits.check_name("lifetime", c.lifetime, allow_empty=False)
+    limits.check_count("round", c.round, 1, limits.MAX_ROUND, "rounds count from 1")
+    limits.check_plan("plan", c.plan, state.ep_size)
+    limits.check_seconds("build_seconds", c.build_seconds)

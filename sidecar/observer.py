@@ -1,0 +1,155 @@
+"""What the sidecar counts and logs of its groups: :class:`EventObserver`.
+
+The state holder hands it every event a step publishes and every group
+state it keeps; it turns them into the group's metrics series and one log
+line per event, chosen by the event's kind from one table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeAlias
+
+from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
+from moe_sidecar.core.effects import EventKind, GroupEvent
+from moe_sidecar.core.group import GroupState
+from moe_sidecar.core.plan import Action
+from moe_sidecar.metrics import GroupSeries, SidecarMetrics
+
+__all__ = ["CLOSED_AS", "EventObserver"]
+
+_log = logging.getLogger("moe_sidecar.state")
+
+CLOSED_AS = {
+    EventKind.ROUND_REFUSED: "refused",
+    EventKind.RANK_TIMEOUT: "timed_out",
+    EventKind.ROUND_ABORTED: "aborted",
+}
+"""The metric label of a round that closed without a decision, by event."""
+
+_Fields: TypeAlias = dict[str, object]
+_Handler: TypeAlias = Callable[[GroupEvent, _Fields, GroupSeries], None]
+
+
+class EventObserver:
+    """Counts and logs group events; keeps the per-group gauges current.
+
+    ``ep_size_of`` tells the EP size of a group (None: unknown), which the
+    workspace bytes in a log line are derived at.
+    """
+
+    def __init__(self, metrics: SidecarMetrics, ep_size_of: Callable[[str], int | None]) -> None:
+        self._metrics = metrics
+        self._ep_size_of = ep_size_of
+        self._handlers: dict[EventKind, _Handler] = {
+            EventKind.ROUND_DECIDED: self._round_decided,
+            **{kind: self._round_closed_undecided for kind in CLOSED_AS},
+            EventKind.COMMIT: self._committed,
+            EventKind.RANK_LEFT: self._rank_left,
+            EventKind.RESET: self._reset,
+            EventKind.LIFETIME_STARTED: self._lifetime_started,
+            EventKind.PLAN_MERGED: self._plan_merged,
+        }
+
+    def observe(self, event: GroupEvent) -> None:
+        """Counts ``event`` in its group's series and logs it."""
+        if event.kind is EventKind.GROUP_REMOVED:
+            # The group's series are gone with it: only the log line remains.
+            _log.warning("group removed", extra={"group": event.group, "detail": event.message})
+            return
+        series = self._metrics.group(event.group)
+        if event.latency is not None:
+            self._metrics.round_latency.observe(event.latency)
+        fields: _Fields = {"group": event.group}
+        if event.round:
+            fields["round"] = event.round
+        if event.ranks:
+            fields["ranks"] = list(event.ranks)
+        if event.layer:
+            fields["layer"] = event.layer
+        handler = self._handlers.get(event.kind)
+        if handler is not None:
+            handler(event, fields, series)
+
+    def update_gauges(self, state: GroupState) -> None:
+        """Sets the group's workspace bytes and waiting-ranks gauges from ``state``."""
+        self._metrics.group(state.name).set_sizes(
+            state.plan.capacities.workspace_bytes(state.ep_size) if state.plan is not None else 0,
+            len(state.open_round.proposals) if state.open_round is not None else 0,
+        )
+
+    def _workspace_bytes(self, event: GroupEvent) -> int:
+        ep_size = self._ep_size_of(event.group)
+        if event.plan is None or ep_size is None:
+            return 0
+        return event.plan.capacities.workspace_bytes(ep_size)
+
+    def _round_decided(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        assert event.action is not None and event.plan is not None
+        series.round_closed(event.action.value)
+        if event.action is Action.REBUILD:
+            series.rebuilds.inc()
+        capacities = event.plan.capacities
+        _log.info(
+            "round decided",
+            extra={
+                **fields,
+                "action": event.action.value,
+                "workspace_bytes": self._workspace_bytes(event),
+                **{field.name: getattr(capacities, field.name) for field in CAPACITY_FIELDS},
+                "epoch": event.plan.epoch,
+                "generation": event.plan.generation,
+                "grew": event.grew,
+            },
+        )
+
+    def _round_closed_undecided(
+        self, event: GroupEvent, fields: _Fields, series: GroupSeries
+    ) -> None:
+        outcome = CLOSED_AS[event.kind]
+        series.round_closed(outcome)
+        if event.ep_rank >= 0:
+            fields["rank"] = event.ep_rank
+        if event.missing_ranks:
+            fields["missing_ranks"] = list(event.missing_ranks)
+        _log.warning(
+            f"round {outcome.replace('_', ' ')}", extra={**fields, "reason": event.message}
+        )
+
+    def _committed(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        assert event.plan is not None
+        _log.info(
+            "commit",
+            extra={
+                **fields,
+                "rank": event.ep_rank,
+                "generation": event.plan.generation,
+                "workspace_bytes": self._workspace_bytes(event),
+                "detail": event.message,
+            },
+        )
+
+    def _rank_left(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        _log.warning("rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message})
+
+    def _reset(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        _log.warning("group reset", extra={**fields, "detail": event.message})
+
+    def _lifetime_started(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        _log.info(
+            "lifetime started", extra={**fields, "rank": event.ep_rank, "detail": event.message}
+        )
+
+    def _plan_merged(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        _log.info(
+            "plan merged",
+            extra={
+                **fields,
+                "from_node": event.node,
+                "epoch": event.plan.epoch if event.plan else None,
+                "generation": event.plan.generation if event.plan else None,
+                "workspace_bytes": self._workspace_bytes(event),
+                "detail": event.message,
+            },
+        )
