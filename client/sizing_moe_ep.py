@@ -31,8 +31,8 @@ The union of several layers: a workspace is built for one
 ``(hidden, dispatch format, extra bytes)``, and FlashInfer shares workspaces
 only between identical layouts. :func:`describe` expresses a union of
 capacities (combine bytes ``2*hidden``, dispatch bytes ``activations +
-scales + 8*top_k + extra``, the per-layer rule of
-:mod:`moe_sidecar.client.sizing`) as those parameters: the hidden size of
+scales + 8*top_k + extra``, the one per-layer rule of
+:mod:`moe_sidecar.core.sizing`) as those parameters: the hidden size of
 the widest combine, the largest format whose bytes fit the widest dispatch
 row, and the rest as ``extra_payload_bytes_per_token``.
 """
@@ -44,6 +44,13 @@ from typing import Final
 
 from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.core.plan import Capacities
+from moe_sidecar.core.sizing import (
+    BF16_BYTES,
+    INT32_BYTES,
+    combine_bytes_per_token,
+    dispatch_bytes_per_token,
+    routing_bytes_per_token,
+)
 
 __all__ = [
     "CACHELINE_ALIGNMENT",
@@ -78,7 +85,6 @@ MAX_TOP_K: Final = 22
 SUPPORTED_TOP_K: Final = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 22)
 """The top_k values ``NVLinkOneSidedAlltoAll`` accepts (its kernels' specializations);
 the layout op itself takes 1 to 22."""
-_INT32: Final = 4
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MAX: Final = 2**63 - 1
 
@@ -180,21 +186,21 @@ def workspace_layout(
     offset = 0
     starts: list[int] = []
 
-    def reserve(size: int, alignment: int = _INT32) -> None:
+    def reserve(size: int, alignment: int = INT32_BYTES) -> None:
         nonlocal offset
         offset = _align(offset, alignment)
         starts.append(offset)
         offset += size
 
-    rank_counts = ep_size * _INT32
-    reserve(_INT32)  # flag
-    reserve(_INT32)  # local token counter
+    rank_counts = ep_size * INT32_BYTES
+    reserve(INT32_BYTES)  # flag
+    reserve(INT32_BYTES)  # local token counter
     reserve(rank_counts)  # send counters
     reserve(2 * rank_counts)  # recv counters, by round parity
     reserve(rank_counts, CACHELINE_ALIGNMENT)  # dispatch completion flags
-    reserve(max_num_tokens * top_k * _INT32, CACHELINE_ALIGNMENT)  # top-k target ranks
-    reserve(max_num_tokens * top_k * _INT32, CACHELINE_ALIGNMENT)  # top-k target indices
-    reserve(ep_size * eplb_stats_num_experts * _INT32, CACHELINE_ALIGNMENT)  # EPLB stats
+    reserve(max_num_tokens * top_k * INT32_BYTES, CACHELINE_ALIGNMENT)  # top-k target ranks
+    reserve(max_num_tokens * top_k * INT32_BYTES, CACHELINE_ALIGNMENT)  # top-k target indices
+    reserve(ep_size * eplb_stats_num_experts * INT32_BYTES, CACHELINE_ALIGNMENT)  # EPLB stats
     reserve(dispatch_size, WORKSPACE_ALIGNMENT)  # dispatch payloads
     reserve(rank_counts, CACHELINE_ALIGNMENT)  # combine completion flags
     reserve(combine_size, WORKSPACE_ALIGNMENT)  # combine input
@@ -255,12 +261,18 @@ def op_inputs(
         if value < 0:
             raise LayoutError(f"{name}={value}: must be non-negative")
     rows = ep_size * max_tokens_per_rank
-    per_token = (
-        _format_bytes(dispatch_format, hidden_size)
-        + 2 * top_k * _INT32
-        + extra_payload_bytes_per_token
+    # FlashInfer's payloads are the core's per-layer rule: the format's row
+    # and scales, the int32 expert ids and float32 weights of the routing,
+    # the extra bytes; bf16 rows to combine.
+    per_token = dispatch_bytes_per_token(
+        top_k,
+        _format_bytes(dispatch_format, hidden_size),
+        extra_payload_bytes_per_token=extra_payload_bytes_per_token,
     )
-    return rows * per_token + MAX_PAYLOADS * WORKSPACE_ALIGNMENT, rows * hidden_size * 2
+    return (
+        rows * per_token + MAX_PAYLOADS * WORKSPACE_ALIGNMENT,
+        rows * combine_bytes_per_token(hidden_size),
+    )
 
 
 def layer_layout(
@@ -309,10 +321,10 @@ class Description:
     @property
     def dispatch_bytes_per_token(self) -> int:
         """What the built workspace holds per token: format + routing + extra."""
-        return (
-            _format_bytes(self.dispatch_format, self.hidden_size)
-            + 2 * self.top_k * _INT32
-            + self.extra_payload_bytes_per_token
+        return dispatch_bytes_per_token(
+            self.top_k,
+            _format_bytes(self.dispatch_format, self.hidden_size),
+            extra_payload_bytes_per_token=self.extra_payload_bytes_per_token,
         )
 
 
@@ -331,8 +343,8 @@ def describe(capacities: Capacities) -> Description:
         value = getattr(capacities, name)
         if value <= 0:
             raise LayoutError(f"{name}={value}: must be positive")
-    hidden = max(1, -(-capacities.combine_bytes_per_token // 2))
-    activation = capacities.dispatch_bytes_per_token - 2 * capacities.top_k * _INT32
+    hidden = max(1, -(-capacities.combine_bytes_per_token // BF16_BYTES))
+    activation = capacities.dispatch_bytes_per_token - routing_bytes_per_token(capacities.top_k)
     fitting = [f for f in _DESCRIBE_ORDER if _format_bytes(f, hidden) <= activation]
     chosen = fitting[0] if fitting else _DESCRIBE_ORDER[-1]
     return Description(

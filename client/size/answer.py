@@ -4,10 +4,10 @@ Pure: the standard library and the project's pure modules only (no torch,
 no FlashInfer, no GPU). :func:`plan_sizes` answers; :mod:`.command` holds
 the subcommand's flags and runs it.
 
-For each layer kind of the model (``--dispatch``), the per-layer rule of
-:mod:`moe_sidecar.client.sizing` gives its capacities (dispatch bytes per
-token = activations + scales + ``8 * top_k`` + extra; combine = ``2 *
-hidden``); the answer is the workspace of their union, in the release's own
+For each layer kind of the model (``--dispatch``), the core's one per-layer
+rule (:func:`moe_sidecar.core.layer.layer_capacities`) gives its capacities
+(dispatch bytes per token = activations + scales + extra + ``8 * top_k`` of
+routing; combine = ``2 * hidden``); the answer is the workspace of their union, in the release's own
 arithmetic: :func:`moe_sidecar.core.sizing.workspace_size_per_rank` for
 0.7.2.post1, :func:`moe_sidecar.client.sizing_moe_ep.capacities_workspace_bytes`
 for 0.7.4.
@@ -23,7 +23,8 @@ from moe_sidecar.client import sizing_moe_ep
 from moe_sidecar.client.size.releases import DISPATCH_KINDS, RELEASES
 from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.core.errors import InvalidArgument
-from moe_sidecar.core.limits import MAX_EP_SIZE, check_capacities
+from moe_sidecar.core.layer import layer_capacities
+from moe_sidecar.core.limits import EP_SIZE_REASON, MAX_EP_SIZE, check_capacities
 from moe_sidecar.core.plan import Capacities, join_capacities
 from moe_sidecar.core.sizing import KMAX_TOP_K, workspace_size_per_rank
 
@@ -172,12 +173,12 @@ def plan_sizes(
                 f"client: --dispatch={kind}: {activation} bytes per token is below hidden // 2 "
                 f"= {hidden // 2}, which no dispatch row of hidden {hidden} can be"
             )
-        need = Capacities(
+        need = layer_capacities(
             max_tokens=tokens,
-            dispatch_bytes_per_token=activation + 8 * top_k + extra_bytes,
-            combine_bytes_per_token=2 * hidden,
             top_k=top_k,
             num_experts=experts,
+            hidden_size=hidden,
+            activation_bytes=activation + extra_bytes,
             eplb_experts=eplb_experts,
         )
         needs.append(need)
@@ -204,7 +205,7 @@ def plan_sizes(
             built = grown
 
     if ep_size > MAX_EP_SIZE:
-        refusals.append(f"sidecar: ep_size={ep_size} is above its limit of {MAX_EP_SIZE} ranks")
+        refusals.append(f"sidecar: ep_size={ep_size}: {EP_SIZE_REASON}")
     try:
         check_capacities("plan", union, min(ep_size, MAX_EP_SIZE))
     except InvalidArgument as error:

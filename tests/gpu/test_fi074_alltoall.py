@@ -22,7 +22,6 @@ Functional only: no bandwidth or latency figure comes from ranks sharing a GPU.
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,9 @@ import pytest
 
 from tests.multiprocess.harness import run_ranks, running_sidecar
 
-pytestmark = [pytest.mark.gpu(gpus=1), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.gpu(gpus=1, flashinfer="0.7.4"), pytest.mark.timeout(600)]
 
 HIDDEN, TOP_K, EXPERTS, TOKENS = 7168, 8, 256, 64
-
-
-def _requires_074() -> None:
-    version = importlib.metadata.version("flashinfer-python")
-    if version != "0.7.4":
-        pytest.skip(f"needs flashinfer-python 0.7.4, found {version}")
 
 
 def _setup(rank: int, world_size: int) -> dict[str, Any]:
@@ -252,7 +245,6 @@ def _growth_rank(rank: int, world_size: int, target: str, group: str) -> dict[st
 
 @pytest.mark.parametrize("ep", [2, 8])
 def test_deepseek_v3_growth_on_flashinfer_0_7_4(ep: int, tmp_path: Path) -> None:
-    _requires_074()
     group = f"gpu-fi074:deepseek-v3/ep{ep}/pp0"
     with running_sidecar(tmp_path / "sidecar", round_timeout=120.0) as sidecar:
         results = run_ranks(
@@ -324,7 +316,6 @@ def _overflow_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_the_nvfp4_workspace_refuses_the_bf16_dispatch(tmp_path: Path) -> None:
-    _requires_074()
     results = run_ranks(_overflow_rank, 2, timeout=300, tmp_path=tmp_path)
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r}")

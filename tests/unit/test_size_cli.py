@@ -71,7 +71,10 @@ def test_beyond_the_sidecar_limits_it_answers_and_says_who_refuses() -> None:
     answer = plan_sizes("0.7.4", 256, 16384, 7168, 5, 384, ("bf16",))
     assert answer.workspace_bytes_per_rank > 0
     text = "\n".join(answer.refusals)
-    assert "sidecar: ep_size=256" in text
+    # The sidecar's limit is its own (0.7.2.post1's, and what its bounds are
+    # measured for), not 0.7.4's: the refusal says which.
+    assert "sidecar: ep_size=256: the sidecar holds EP groups of at most 64 ranks" in text
+    assert "FlashInfer 0.7.2.post1's limit" in text
     assert "top_k=5" in text and "not divisible" in text
 
 
