@@ -74,6 +74,21 @@ def test_the_layout_maps_to_the_installed_names() -> None:
     assert not any(name.split(".")[0] in ("sidecar", "client") for name in MODULES)
 
 
+def test_every_package_directory_is_installed() -> None:
+    # setuptools installs only the packages pyproject lists: a new folder left
+    # out works in an editable checkout and is missing from the wheel and the image.
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    on_disk = {
+        ".".join([name, *init.parent.relative_to(ROOT / directory).parts])
+        for name, directory in setuptools["package-dir"].items()
+        for init in (ROOT / directory).rglob("__init__.py")
+    }
+    assert sorted(on_disk - listed) == [], "packages missing from pyproject's list"
+    assert sorted(listed - on_disk) == [], "listed packages with no directory"
+
+
 def test_no_import_circles() -> None:
     edges = _project_edges()
     # A module's package __init__ importing the module back is not a circle.
