@@ -580,3 +580,18 @@ def test_a_build_past_its_timeout_is_stopped_with_all_it_started(
         time.sleep(0.05)
     else:
         raise AssertionError(f"the build's child {pid} outlived the stopped build")
+
+
+def test_one_table_names_each_release_its_module() -> None:
+    # The releases the backends drive, the size tool answers for and prewarm
+    # builds are one set; each entry's module is the one its backend loads.
+    from moe_sidecar.client.backends import flashinfer, flashinfer_moe_ep
+    from moe_sidecar.client.size.releases import RELEASES
+
+    assert tuple(JIT_MODULES) == RELEASES
+    assert JIT_MODULES[flashinfer.SUPPORTED_FLASHINFER].name == "mnnvl_moe_alltoall"
+    fi074 = JIT_MODULES[flashinfer_moe_ep.SUPPORTED_FLASHINFER]
+    assert fi074.name == "nvlink_one_sided_alltoall"
+    assert fi074.spec_factory == "flashinfer.jit.comm:gen_nvlink_one_sided_alltoall_module"
+    for module in JIT_MODULES.values():
+        assert all(s.startswith("data/csrc/") and s.endswith(".cu") for s in module.sources)
