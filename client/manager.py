@@ -139,7 +139,9 @@ class WorkspaceManager:
         target: the sidecar's address (``unix:///run/moe-sidecar/sidecar.sock``
             or ``127.0.0.1:50051``). ``None`` reads ``MOE_SIDECAR_TARGET``;
             unset or empty (or ``"embedded"``) means embedded mode.
-        backend: ``"flashinfer"`` (FlashInfer's ``MoeAlltoAll``, GPU),
+        backend: ``"flashinfer"`` (GPU: FlashInfer 0.7.2.post1's ``MoeAlltoAll``
+            or 0.7.4's ``moe_ep`` object, from the installed release; name
+            ``"flashinfer-moe-alltoall"`` or ``"flashinfer-moe-ep"`` to choose),
             ``"reference"`` (the CPU copy of its contract over gloo), or an
             object implementing :class:`moe_sidecar.client.backends.AlltoAllBackend`.
             None reads ``MOE_SIDECAR_BACKEND``, else ``"flashinfer"``.
@@ -616,7 +618,8 @@ class WorkspaceManager:
 
     def _drop_communication(self) -> None:
         communication, self._communication = self._communication, None
-        if communication is not None:
+        # FlashInfer 0.7.4's object is the handle itself: the release destroys it.
+        if communication is not None and communication is not self.moe_alltoall:
             communication.destroy()
 
     def checkpoint_prepare(self) -> None:

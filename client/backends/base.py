@@ -116,7 +116,8 @@ class AlltoAllBackend(Protocol):
 
     @property
     def name(self) -> str:
-        """``"flashinfer"`` or ``"reference"``."""
+        """``"flashinfer"`` (0.7.2.post1's ``MoeAlltoAll``), ``"flashinfer-moe-ep"`` (0.7.4) or
+        ``"reference"``."""
         ...
 
     def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:

@@ -52,12 +52,14 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.errors import BackendError
+from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
 from moe_sidecar.core.plan import Capacities
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
 
-SUPPORTED_FLASHINFER = "0.7.2.post1"
-"""The release whose ``MoeAlltoAll`` this backend drives (0.7.4 removed it)."""
+SUPPORTED_FLASHINFER = MNNVL_MOE_ALLTOALL.flashinfer_version
+"""The release whose ``MoeAlltoAll`` this backend drives (0.7.4 removed it):
+0.7.2.post1, its entry in the table of all-to-all JIT modules."""
 
 _log = logging.getLogger(__name__)
 

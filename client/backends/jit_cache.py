@@ -1,12 +1,15 @@
 """Health of FlashInfer's JIT cache, seen from an inference rank.
 
 Before the first all-to-all of a process is built, :func:`prepare_module`
-asks FlashInfer where it will find its all-to-all module (``mnnvl_moe_alltoall``)
+asks FlashInfer where it will find its all-to-all module (``mnnvl_moe_alltoall``
+in 0.7.2.post1, ``nvlink_one_sided_alltoall`` in 0.7.4: the release's entry of
+:data:`moe_sidecar.client.prewarm.install.JIT_MODULES`, what ``prewarm`` builds)
 and logs it once per process: the cache directory, and whether the module is
 already compiled there, shipped ahead of time, or about to be compiled (about
 3 minutes; ``moe-sidecar prewarm`` does it ahead of time). It then loads the
-module through FlashInfer (``get_moe_alltoall_module()``, which compiles when
-needed), times that, and tells whether the library was written meanwhile,
+module through FlashInfer (``get_moe_alltoall_module()``, or 0.7.4's
+``get_nvlink_one_sided_alltoall_module()``, which compile when needed), times
+that, and tells whether the library was written meanwhile,
 i.e. whether this start paid for a compile (its own, or another process's
 under FlashInfer's build lock). The result is kept for the life of the
 process: the module is loaded once per process, whatever the number of EP
@@ -27,6 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from moe_sidecar.client.prewarm.cache import JitModule
+from moe_sidecar.client.prewarm.install import JIT_MODULES
+from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
 
 __all__ = [
     "JitCacheReport",
@@ -119,11 +126,12 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return (st.st_mtime_ns, st.st_size)
 
 
-def inspect_jit_cache() -> JitCacheReport:
+def inspect_jit_cache(module: JitModule | None = None) -> JitCacheReport:
     """Asks FlashInfer where its all-to-all module would come from, now.
 
     Imports FlashInfer (its JIT environment and spec) and builds the spec
-    object of ``MoeAlltoAll``'s default backend; compiles and loads nothing.
+    object of the all-to-all module (``module``, default: the one of the
+    imported FlashInfer's release); compiles and loads nothing.
 
     Raises:
         ImportError: FlashInfer is not installed.
@@ -131,9 +139,12 @@ def inspect_jit_cache() -> JitCacheReport:
             0.7.2.post1's (callers treat the report as unavailable).
     """
     jit_env: Any = importlib.import_module("flashinfer.jit.env")
-    jit_comm: Any = importlib.import_module("flashinfer.jit.comm")
     jit_core: Any = importlib.import_module("flashinfer.jit.core")
-    spec = jit_comm.gen_moe_alltoall_module()
+    if module is None:
+        # Another release is tried as 0.7.2.post1 (best effort, as documented).
+        module = JIT_MODULES.get(str(jit_env.flashinfer_version), MNNVL_MOE_ALLTOALL)
+    factory_module, factory_name = module.spec_factory.split(":")
+    spec = getattr(importlib.import_module(factory_module), factory_name)()
     library = Path(spec.jit_library_path)
     artifacts = tuple(spec.aot_artifacts)
     archs = tuple(
@@ -160,8 +171,9 @@ def loaded_module() -> ModuleLoad | None:
 def prepare_module(get_module: Callable[[], object]) -> ModuleLoad:
     """Reports the JIT cache, then loads (or compiles) the module, timed; once per process.
 
-    ``get_module`` is FlashInfer's ``get_moe_alltoall_module`` (cached by
-    FlashInfer: the ``MoeAlltoAll`` built afterwards reuses what it loaded).
+    ``get_module`` is FlashInfer's loader of the all-to-all module
+    (``get_moe_alltoall_module``, or 0.7.4's ``get_nvlink_one_sided_alltoall_module``;
+    cached by FlashInfer: the objects built afterwards reuse what it loaded).
     Later calls return the first call's :class:`ModuleLoad` without calling
     it again.
 

@@ -8,7 +8,8 @@ container). One module per job:
 - :mod:`.archs`: CUDA architectures as FlashInfer spells and normalises them;
 - :mod:`.cache`: the cache's paths, what makes a build found again, and
   :class:`JitModule`, one FlashInfer release's module with its cache rule;
-- :mod:`.mnnvl_moe_alltoall`: that entry for FlashInfer 0.7.2.post1;
+- :mod:`.mnnvl_moe_alltoall`: that entry for FlashInfer 0.7.2.post1, and
+  :mod:`.nvlink_one_sided_alltoall` for 0.7.4;
 - :mod:`.install`: the installed flashinfer-python and its entry
   (:data:`JIT_MODULES`);
 - :mod:`.toolchain`: nvcc, ninja and the C++ compiler;
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
         MODULE_NAME,
         cache_paths,
     )
+    from moe_sidecar.client.prewarm.nvlink_one_sided_alltoall import NVLINK_ONE_SIDED_ALLTOALL
     from moe_sidecar.client.prewarm.run import run_cli
     from moe_sidecar.client.prewarm.toolchain import (
         CudaToolkit,
@@ -83,6 +85,7 @@ __all__ = [
     "JIT_MODULES",
     "MNNVL_MOE_ALLTOALL",
     "MODULE_NAME",
+    "NVLINK_ONE_SIDED_ALLTOALL",
     "ArchError",
     "BuildFailed",
     "BuildPlan",
@@ -153,6 +156,7 @@ _IMPLEMENTATION: dict[str, str] = {
             "find_flashinfer",
         ),
         "mnnvl_moe_alltoall": ("MNNVL_MOE_ALLTOALL", "MODULE_NAME", "cache_paths"),
+        "nvlink_one_sided_alltoall": ("NVLINK_ONE_SIDED_ALLTOALL",),
         "run": ("run_cli",),
         "toolchain": ("CudaToolkit", "find_build_tools", "find_cuda_toolkit"),
     }.items()

@@ -5,7 +5,9 @@ A FlashInfer release compiles a JIT module into a directory under
 set of CUDA architectures the process targets name. Each release's rule is
 one :data:`CacheLayout` function; the module it is for, its sources and the
 JIT spec that builds it make one :class:`JitModule` (one per release,
-listed in :data:`moe_sidecar.client.prewarm.install.JIT_MODULES`).
+listed in :data:`moe_sidecar.client.prewarm.install.JIT_MODULES`, the one
+table of which release has which module: ``prewarm`` builds from it and an
+inference rank's JIT-cache report reads it).
 
 The module is found again only if the inference process regenerates the same
 build commands: FlashInfer runs ninja at every first load, which recompiles
@@ -102,12 +104,14 @@ class JitModule:
     """The JIT module's name: its directory and library in the cache."""
     role: str
     """What the module is, for the report: whose all-to-all it is."""
-    source: str
-    """A source file of the module, relative to the flashinfer package: an
-    install without it cannot compile the module."""
+    sources: tuple[str, ...]
+    """The module's own source files, relative to the flashinfer package (the
+    rest are FlashInfer's shared headers): an install without one of them
+    cannot compile the module."""
     spec_factory: str
     """``package.module:function`` returning FlashInfer's JIT spec of the module;
-    a string, because the build process imports it."""
+    a string, because the build process imports it and an inference rank's
+    cache report calls it (neither is this module's business)."""
     layout: CacheLayout
     """Where this release keeps the module."""
 

@@ -1,8 +1,9 @@
-"""``moe-sidecar prewarm``: its flags, and the run that imports torch only when it starts."""
+"""``moe-sidecar prewarm``: its flags, and the run, loaded only when it starts (it needs torch)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
@@ -14,11 +15,13 @@ PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Compile FlashInfer's all-to-all module (mnnvl_moe_alltoall, the one the client's "
-        "flashinfer backend loads) into FlashInfer's JIT cache ahead of time, with nvcc and "
-        "no GPU, so an inference process finds it instead of compiling it for about 3 "
-        "minutes. A module already in the cache is not built again. Needs the client and "
-        "flashinfer extras (from a checkout: pip install '.[client,flashinfer]'), nvcc, ninja and "
+        "Compile FlashInfer's all-to-all module (the one the client's flashinfer backend "
+        "loads: mnnvl_moe_alltoall with flashinfer-python 0.7.2.post1, "
+        "nvlink_one_sided_alltoall with 0.7.4) into FlashInfer's JIT cache ahead of time, "
+        "with nvcc and no GPU, so an inference process finds it instead of compiling it for "
+        "minutes. A module already in the cache is not built again. Needs the client and a "
+        "flashinfer extra (from a checkout: pip install '.[client,flashinfer]' or "
+        "'.[client,flashinfer074]'), nvcc, ninja and "
         "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
         "flag or a missing prerequisite, 130 interrupted."
     )
@@ -77,22 +80,24 @@ def _run(args: argparse.Namespace) -> int:
     """Runs the command; without torch, names the extras to install and returns 2.
 
     Raises:
-        ModuleNotFoundError: another module than torch is missing (a broken install).
+        ModuleNotFoundError: a module of the project is missing (a broken install).
     """
-    # Imported here: the client needs torch, which serve and groups must not import.
-    try:
-        from moe_sidecar.client.prewarm.run import run_cli
-    except ModuleNotFoundError as error:
-        if error.name != "torch":
-            raise
+    # This process never imports torch (only the build process does, through
+    # FlashInfer), so its absence is checked, not caught: a build that could
+    # only fail is not started.
+    if importlib.util.find_spec("torch") is None:
         message = (
-            "needs torch and flashinfer-python 0.7.2.post1, i.e. the client and flashinfer "
-            "extras: from a checkout, pip install '.[client,flashinfer]'"
+            "needs torch and flashinfer-python 0.7.2.post1 or 0.7.4, i.e. the client and a "
+            "flashinfer extra: from a checkout, pip install '.[client,flashinfer]' (or "
+            "'.[client,flashinfer074]')"
         )
         print(f"moe-sidecar prewarm: {message}", file=sys.stderr)
         if args.json:
             print(json.dumps({"ok": False, "exit_status": 2, "error": message}))
         return 2
+    # Imported here: building the parser loads only the flags.
+    from moe_sidecar.client.prewarm.run import run_cli
+
     return run_cli(args)
 
 

@@ -13,19 +13,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
 from moe_sidecar.client.prewarm.cache import JitModule
 from moe_sidecar.client.prewarm.errors import FlashInferMissing, FlashInferVersionMismatch
 from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
+from moe_sidecar.client.prewarm.nvlink_one_sided_alltoall import NVLINK_ONE_SIDED_ALLTOALL
 
 __all__ = ["FLASHINFER_DISTRIBUTION", "JIT_MODULES", "FlashInferInstall", "find_flashinfer"]
 
 FLASHINFER_DISTRIBUTION = "flashinfer-python"
 
-JIT_MODULES: Mapping[str, JitModule] = {m.flashinfer_version: m for m in (MNNVL_MOE_ALLTOALL,)}
-"""The module ``prewarm`` builds, by the flashinfer-python release installed."""
+JIT_MODULES: Mapping[str, JitModule] = {
+    m.flashinfer_version: m for m in (MNNVL_MOE_ALLTOALL, NVLINK_ONE_SIDED_ALLTOALL)
+}
+"""The all-to-all module of each flashinfer-python release the client drives:
+what ``prewarm`` builds, and what an inference rank's JIT-cache report
+(:mod:`moe_sidecar.client.backends.jit_cache`) looks for."""
 
-_INSTALL_HINT = "from a moe-sidecar checkout: pip install '.[flashinfer]'"
+_RELEASES = " or ".join(JIT_MODULES)
+_INSTALL_HINT = "from a moe-sidecar checkout: pip install '.[flashinfer]' or '.[flashinfer074]'"
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class FlashInferInstall:
 
 
 def find_flashinfer() -> FlashInferInstall:
-    """The installed flashinfer-python, checked to be the release the backend drives.
+    """The installed flashinfer-python, checked to be a release the client drives.
 
     Raises:
         FlashInferMissing: not importable, no distribution metadata, or its
@@ -57,7 +62,7 @@ def find_flashinfer() -> FlashInferInstall:
     if spec is None or not spec.submodule_search_locations:
         raise FlashInferMissing(
             f"flashinfer-python is not installed: prewarm needs flashinfer-python "
-            f"{SUPPORTED_FLASHINFER}, the client's flashinfer extra ({_INSTALL_HINT})"
+            f"{_RELEASES}, the client's flashinfer extras ({_INSTALL_HINT})"
         )
     package_dir = Path(next(iter(spec.submodule_search_locations))).resolve()
     try:
@@ -65,20 +70,21 @@ def find_flashinfer() -> FlashInferInstall:
     except importlib.metadata.PackageNotFoundError as error:
         raise FlashInferMissing(
             f"flashinfer is importable from {package_dir} but no {FLASHINFER_DISTRIBUTION} "
-            f"distribution is installed; install flashinfer-python {SUPPORTED_FLASHINFER} "
+            f"distribution is installed; install flashinfer-python {_RELEASES} "
             f"({_INSTALL_HINT})"
         ) from error
     jit_module = JIT_MODULES.get(version)
     if jit_module is None:
         raise FlashInferVersionMismatch(
-            f"flashinfer-python {version} is installed; the client's all-to-all backend "
-            f"drives {SUPPORTED_FLASHINFER} (0.7.4 removed MoeAlltoAll): "
-            f"pip install flashinfer-python=={SUPPORTED_FLASHINFER} ({_INSTALL_HINT})"
+            f"flashinfer-python {version} is installed; the client's all-to-all backends "
+            f"drive {_RELEASES}: "
+            + " or ".join(f"pip install flashinfer-python=={r}" for r in JIT_MODULES)
         )
-    source = package_dir / jit_module.source
-    if not source.is_file():
-        raise FlashInferMissing(
-            f"{package_dir} lacks {source.relative_to(package_dir)}: this flashinfer-python "
-            "install has no source for the all-to-all module to compile"
-        )
+    for relative in jit_module.sources:
+        source = package_dir / relative
+        if not source.is_file():
+            raise FlashInferMissing(
+                f"{package_dir} lacks {relative}: this flashinfer-python install has no "
+                "source for the all-to-all module to compile"
+            )
     return FlashInferInstall(version=version, package_dir=package_dir, jit_module=jit_module)

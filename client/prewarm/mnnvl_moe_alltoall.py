@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
 from moe_sidecar.client.prewarm.archs import CudaArch, arch_dir_name
 from moe_sidecar.client.prewarm.cache import CachePaths, JitModule, flashinfer_cache_dir
 
@@ -57,10 +56,12 @@ def cache_paths(
 
 
 MNNVL_MOE_ALLTOALL = JitModule(
-    flashinfer_version=SUPPORTED_FLASHINFER,
+    # The backend that drives this release takes its release from here
+    # (client.backends.flashinfer.SUPPORTED_FLASHINFER).
+    flashinfer_version="0.7.2.post1",
     name=MODULE_NAME,
     role="the all-to-all of the client's flashinfer backend",
-    source="data/csrc/trtllm_moe_alltoall.cu",
+    sources=("data/csrc/trtllm_moe_alltoall.cu",),
     spec_factory="flashinfer.jit.comm:gen_moe_alltoall_module",
     layout=cache_paths,
 )

@@ -167,7 +167,7 @@ def check_cluster_plan(doc: ClusterPlan) -> None:
         InvalidArgument: naming the first bad field and its value.
     """
     limits.check_name("group", doc.name, allow_empty=False)
-    limits.check_count("ep_size", doc.ep_size, 1, limits.MAX_EP_SIZE, "FlashInfer's rank limit")
+    limits.check_count("ep_size", doc.ep_size, 1, limits.MAX_EP_SIZE, limits.EP_SIZE_REASON)
     limits.check_count("epoch", doc.epoch, 0, limits.MAX_GENERATION)
     limits.check_count("generation", doc.generation, 0, limits.MAX_GENERATION)
     if doc.plan is not None:

@@ -22,6 +22,7 @@ from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.plan import Capacities, Plan
 
 __all__ = [
+    "EP_SIZE_REASON",
     "MAX_BUILD_SECONDS",
     "MAX_BYTES_PER_TOKEN",
     "MAX_EP_SIZE",
@@ -42,7 +43,20 @@ __all__ = [
 ]
 
 MAX_EP_SIZE: Final = 64
-"""FlashInfer's kMaxRanks."""
+"""The largest EP group the sidecar holds. It is FlashInfer 0.7.2.post1's
+``kMaxRanks``, and the group size the sidecar's state and memory bounds are
+measured for (``--max-groups`` of the largest groups under 64 MiB of state
+and 256 MiB of memory, ``tests/integration/test_attacks.py``). FlashInfer
+0.7.4's one-sided all-to-all takes 256 ranks (without its Lamport transport,
+64), but the largest group's row grows from 269,380 bytes at 64 ranks to
+681,940 at 256, so 128 such groups would no longer fit 64 MiB: a larger
+limit needs those bounds re-measured first."""
+
+EP_SIZE_REASON: Final = (
+    f"the sidecar holds EP groups of at most {MAX_EP_SIZE} ranks "
+    "(FlashInfer 0.7.2.post1's limit, and what its state and memory bounds are measured for)"
+)
+"""Why :data:`MAX_EP_SIZE` is the limit, as a refusal says it."""
 MAX_WORKSPACE_BYTES: Final = 1 << 40
 """A plan whose derived workspace exceeds 1 TiB per rank is refused as absurd."""
 MAX_GENERATION: Final = (1 << 53) - 1

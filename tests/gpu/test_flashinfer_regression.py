@@ -22,7 +22,7 @@ from tests.gpu import workers
 from tests.gpu.workers import world
 from tests.multiprocess.harness import run_ranks, running_sidecar
 
-pytestmark = [pytest.mark.gpu(gpus=2), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.gpu(gpus=2, flashinfer="0.7.2.post1"), pytest.mark.timeout(300)]
 
 GROUP = "gpu-regression:nvfp4+bf16-mtp/ep2/pp0"
 

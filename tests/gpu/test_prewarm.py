@@ -37,7 +37,7 @@ from moe_sidecar.client.prewarm import (
 )
 from tests.dockerfile import REPO
 
-pytestmark = [pytest.mark.gpu(gpus=1), pytest.mark.timeout(720)]
+pytestmark = [pytest.mark.gpu(gpus=1, flashinfer="0.7.2.post1"), pytest.mark.timeout(720)]
 
 # The console script may not be on PATH (the GPU machine installs with
 # --target): run the same entry point through the interpreter.

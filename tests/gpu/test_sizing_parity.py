@@ -13,7 +13,7 @@ import pytest
 
 from moe_sidecar.client import sizing
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.gpu(flashinfer="0.7.2.post1"), pytest.mark.timeout(600)]
 
 EP_SIZES = [1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 48, 63, 64]
 TOKENS = [1, 2, 3, 7, 64, 127, 128, 129, 255, 256, 1000, 1024, 4095, 4096, 8191, 8192]

@@ -39,7 +39,7 @@ from tests.gpu import workers
 from tests.gpu.workers import world
 from tests.multiprocess.harness import run_ranks, running_sidecar
 
-pytestmark = [pytest.mark.gpu(gpus=2), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.gpu(gpus=2, flashinfer="0.7.2.post1"), pytest.mark.timeout(600)]
 
 
 # --- vLLM PR #42976's regression test body; two lines changed (marked) ------------

@@ -204,9 +204,10 @@ def test_sidecar_depends_on_and_imports_neither_torch_nor_flashinfer() -> None:
     assert found.returncode == 0, found.stderr
     result = json.loads(found.stdout)
     # Building the parser loads the tools' command modules (flags only, through
-    # the moe_sidecar.commands entry points) and nothing else of the client.
-    commands = {"simulate", "prewarm"}
-    light = {"moe_sidecar.client"} | {
+    # the moe_sidecar.commands entry points) and nothing else of the client
+    # (size's flags take their choices from size.releases, two constants).
+    commands = {"simulate", "prewarm", "size"}
+    light = {"moe_sidecar.client", "moe_sidecar.client.size.releases"} | {
         f"moe_sidecar.client.{tool}{suffix}" for tool in commands for suffix in ("", ".command")
     }
     assert set(result["modules"]) <= light, "importing the sidecar pulled these in"

@@ -147,6 +147,12 @@ def test_the_wire_reaches_only_the_core() -> None:
         "moe_sidecar.client.errors",
         "moe_sidecar.client.prewarm.command",
         "moe_sidecar.client.simulate.command",
+        "moe_sidecar.client.size.command",
+        "moe_sidecar.client.size",
+        "moe_sidecar.client.sizing_moe_ep",
+        # The table of each release's all-to-all JIT module, which the
+        # backends' cache report reads too.
+        "moe_sidecar.client.prewarm.install",
         "moe_sidecar.cli",
     ],
 )

@@ -27,6 +27,7 @@ import pytest
 from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
 from moe_sidecar.client.prewarm import (
     DEFAULT_ARCHS,
+    JIT_MODULES,
     MODULE_NAME,
     ArchError,
     CudaArch,
@@ -354,13 +355,17 @@ def test_a_bad_arch_is_refused_before_anything_else() -> None:
 
 def _stand_in_flashinfer(root: Path, version: str, *, with_source: bool = True) -> Path:
     """A flashinfer-python distribution as pip lays it out: the package and its
-    metadata, and the all-to-all's source file. Nothing in it is executed."""
+    metadata, and the all-to-all's source files (0.7.4's for 0.7.4, else
+    0.7.2.post1's). Nothing in it is executed."""
     package = root / "flashinfer"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("raise ImportError('a stand-in: never imported')\n")
     if with_source:
         (package / "data" / "csrc").mkdir(parents=True)
-        (package / "data" / "csrc" / "trtllm_moe_alltoall.cu").write_text("// source\n")
+        module = JIT_MODULES.get(version, JIT_MODULES[SUPPORTED_FLASHINFER])
+        for relative in module.sources:
+            (package / relative).parent.mkdir(parents=True, exist_ok=True)
+            (package / relative).write_text("// source\n")
     info = root / f"flashinfer_python-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
@@ -381,15 +386,59 @@ def _toolchain_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_another_flashinfer_release_is_refused(tmp_path: Path) -> None:
-    site = _stand_in_flashinfer(tmp_path / "site", "0.7.4")
+    site = _stand_in_flashinfer(tmp_path / "site", "0.7.3")
     run = _prewarm("--arch", "9.0a", extra_path=site)
     assert run.returncode == 2, run.stderr
-    assert "flashinfer-python 0.7.4 is installed" in run.stderr
+    assert "flashinfer-python 0.7.3 is installed" in run.stderr
     assert f"flashinfer-python=={SUPPORTED_FLASHINFER}" in run.stderr
+    assert "flashinfer-python==0.7.4" in run.stderr
 
     no_source = _stand_in_flashinfer(tmp_path / "site2", SUPPORTED_FLASHINFER, with_source=False)
     run = _prewarm("--arch", "9.0a", extra_path=no_source)
     assert run.returncode == 2 and "trtllm_moe_alltoall.cu" in run.stderr, run.stderr
+
+
+def test_flashinfer_0_7_4_plans_its_own_module(tmp_path: Path) -> None:
+    site = _stand_in_flashinfer(tmp_path / "site", "0.7.4")
+    base = tmp_path / "cache-base"
+    env = _toolchain_env(tmp_path)
+    planned = _prewarm(
+        "--arch",
+        "9.0a",
+        "--workspace-base",
+        str(base),
+        "--dry-run",
+        "--json",
+        env=env,
+        extra_path=site,
+    )
+    assert planned.returncode == 0, planned.stderr
+    document = json.loads(planned.stdout)
+    library = cache_paths(base, "0.7.4", [H], "nvlink_one_sided_alltoall").library
+    assert library == (
+        base
+        / ".cache"
+        / "flashinfer"
+        / "0.7.4"
+        / "90a"
+        / "cached_ops"
+        / "nvlink_one_sided_alltoall"
+        / "nvlink_one_sided_alltoall.so"
+    )
+    assert [Path(p["library"]) for p in document["planned"]] == [library]
+    assert document["flashinfer"] == "0.7.4"
+
+    # Its ahead-of-time copy is looked for under its own name.
+    aot = site / "flashinfer" / "data" / "aot" / "nvlink_one_sided_alltoall"
+    aot.mkdir(parents=True)
+    (aot / "nvlink_one_sided_alltoall.so").write_bytes(b"\x7fELF")
+    shipped = _prewarm("--arch", "9.0a", "--workspace-base", str(base), env=env, extra_path=site)
+    assert shipped.returncode == 0 and "ships this module ahead of time" in shipped.stdout
+
+    lamport_missing = _stand_in_flashinfer(tmp_path / "site2", "0.7.4")
+    (lamport_missing / "flashinfer" / "data" / "csrc" / "nvlink_one_sided_lamport.cu").unlink()
+    run = _prewarm("--arch", "9.0a", extra_path=lamport_missing)
+    assert run.returncode == 2 and "nvlink_one_sided_lamport.cu" in run.stderr, run.stderr
 
 
 def test_dry_run_plans_then_a_built_module_is_not_built_again(tmp_path: Path) -> None:
@@ -531,3 +580,18 @@ def test_a_build_past_its_timeout_is_stopped_with_all_it_started(
         time.sleep(0.05)
     else:
         raise AssertionError(f"the build's child {pid} outlived the stopped build")
+
+
+def test_one_table_names_each_release_its_module() -> None:
+    # The releases the backends drive, the size tool answers for and prewarm
+    # builds are one set; each entry's module is the one its backend loads.
+    from moe_sidecar.client.backends import flashinfer, flashinfer_moe_ep
+    from moe_sidecar.client.size.releases import RELEASES
+
+    assert tuple(JIT_MODULES) == RELEASES
+    assert JIT_MODULES[flashinfer.SUPPORTED_FLASHINFER].name == "mnnvl_moe_alltoall"
+    fi074 = JIT_MODULES[flashinfer_moe_ep.SUPPORTED_FLASHINFER]
+    assert fi074.name == "nvlink_one_sided_alltoall"
+    assert fi074.spec_factory == "flashinfer.jit.comm:gen_nvlink_one_sided_alltoall_module"
+    for module in JIT_MODULES.values():
+        assert all(s.startswith("data/csrc/") and s.endswith(".cu") for s in module.sources)

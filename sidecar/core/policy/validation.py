@@ -24,7 +24,7 @@ def validate_proposal(p: Proposal) -> None:
         InvalidArgument: naming the first bad field and its value.
     """
     validate_group_name(p.group)
-    limits.check_count("ep_size", p.ep_size, 1, limits.MAX_EP_SIZE, "FlashInfer's rank limit")
+    limits.check_count("ep_size", p.ep_size, 1, limits.MAX_EP_SIZE, limits.EP_SIZE_REASON)
     limits.check_count("ep_rank", p.ep_rank, 0, p.ep_size - 1, f"ep_size is {p.ep_size}")
     limits.check_count("local_ranks", p.local_ranks, 1, p.ep_size, f"ep_size is {p.ep_size}")
     limits.check_name("lifetime", p.lifetime, allow_empty=False)

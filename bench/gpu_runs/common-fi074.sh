@@ -1,0 +1,17 @@
+# Sourced by the FlashInfer 0.7.4 GPU run scripts (fi074-*.sh): installs the
+# wheels of bench/gpu_runs/prepare-fi074.sh (carried as .gpu074: flashinfer
+# 0.7.4 slimmed, apache-tvm-ffi, the sidecar's wire packages) and the project
+# beside them. FlashInfer 0.7.4 has no ahead-of-time module here: its
+# nvlink_one_sided_alltoall module compiles on first use (83 s measured on an
+# H200 host) into FLASHINFER_WORKSPACE_BASE, which later processes of the same
+# warm machine reuse. Logs go to $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu074/*.whl \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi NCCL_NVLS_ENABLE=0
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi -L
+  python3 -c 'import sys, torch, flashinfer, grpc, google.protobuf as pb; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "flashinfer", flashinfer.__version__, "grpcio", grpc.__version__, "protobuf", pb.__version__)'
+  git log -1 --format='tree: %h %s' 2>/dev/null || true
+} 2>&1 | tee "$OUT/machine-fi074.txt"

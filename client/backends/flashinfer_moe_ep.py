@@ -1,0 +1,305 @@
+"""FlashInfer 0.7.4's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll``, built at the union and really released.
+
+0.7.4 removed ``MoeAlltoAll``: the one-sided all-to-all is the ``moe_ep``
+object itself, which owns its workspace. FlashInfer shares a workspace only
+between instances of identical layout (refcounted, per process), so layers
+built separately get separate allocations; this backend builds ONE object
+per growth, at the union of every layer's capacities, expressed in what
+0.7.4 offers (:func:`moe_sidecar.client.sizing_moe_ep.describe`): the
+hidden size of the widest combine, the largest ``QuantFormat`` whose bytes
+fit the widest dispatch row, and the rest as
+``NVLinkOneSidedConfig.extra_payload_bytes_per_token``.
+
+CFT counted writes and the Lamport transport are turned off
+(``cft=False, lamport=False``): both change the layout (SM100 and newer),
+and the pure sizing computes the fence layout, the only one on SM90. The
+backend checks after every build that FlashInfer's own ``WORKSPACE_SIZE``
+equals the pure size, and refuses the build otherwise.
+
+Releasing: ``destroy()`` drops this instance's share; at refcount 0
+FlashInfer pops the workspace from ``_WORKSPACES`` and drops its
+``MnnvlMemory``, whose ``__del__`` unmaps the peers' memory and releases
+this rank's. The release checks that the allocation left
+``MnnvlMemory.allocated_map`` (:attr:`FlashInferMoeEpBackend.unreleased`
+counts those that did not). The manager calls it only after the EP
+barrier that shows every rank holds the replacement.
+
+vLLM 0.33: its prepare/finalize calls ``communication.dispatch(...,
+max_tokens_per_rank=...)`` (0.7.2.post1's keyword); 0.7.4 names it
+``runtime_max_tokens_per_rank`` and takes no ``**kwargs``, so the plain
+class raises TypeError there. The object built is an instance of a subclass
+of FlashInfer's class (:func:`vllm_compatible_class`) whose ``dispatch``
+takes both names; everything else is FlashInfer's. ``communication()``
+returns that object itself.
+
+FlashInfer is imported on first use, never at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_sidecar.client import sizing_moe_ep
+from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
+from moe_sidecar.client.backends.communicator import GroupCommunicator
+from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
+from moe_sidecar.client.errors import BackendError, InvalidArgument
+from moe_sidecar.core.defaults import VLLM_LOW_PRECISION_COMBINE
+from moe_sidecar.core.plan import Capacities
+
+__all__ = ["SUPPORTED_FLASHINFER", "FlashInferMoeEpBackend", "vllm_compatible_class"]
+
+SUPPORTED_FLASHINFER = sizing_moe_ep.FLASHINFER_VERSION
+"""The release whose ``NVLinkOneSidedAlltoAll`` this backend drives."""
+
+_ONE_SIDED = "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided"
+
+_log = logging.getLogger(__name__)
+
+# The DLPack capsules of released workspaces: FlashInfer 0.7.4 still wraps
+# the workspace through a capsule attached to one tensor, whose struct the
+# storage's deleter reads when the last view dies (see backends/flashinfer.py).
+_CAPSULES_KEPT: list[object] = []
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise BackendError(
+            f"backend='flashinfer-moe-ep' needs flashinfer-python {SUPPORTED_FLASHINFER} "
+            "(from a moe-sidecar checkout: pip install '.[flashinfer074]'); use backend='reference' on machines "
+            f"without GPUs ({error})"
+        ) from error
+
+
+@functools.cache
+def vllm_compatible_class() -> Any:
+    """FlashInfer 0.7.4's ``NVLinkOneSidedAlltoAll`` with a ``dispatch`` that
+    also takes vLLM 0.33's ``max_tokens_per_rank=`` keyword.
+
+    Raises:
+        BackendError: FlashInfer (with ``moe_ep``) is not importable.
+    """
+    base: Any = _import("flashinfer.moe_ep").NVLinkOneSidedAlltoAll
+
+    class NVLinkOneSidedAlltoAllForVllm(base):  # type: ignore[misc]
+        """FlashInfer's class; ``dispatch`` takes ``max_tokens_per_rank`` too.
+
+        vLLM 0.33's prepare/finalize passes ``max_tokens_per_rank=`` (the
+        keyword of FlashInfer 0.7.2.post1, the release it pins); 0.7.4
+        renamed it ``runtime_max_tokens_per_rank``. Both mean the same: the
+        largest ``local_num_tokens`` over the ranks this step.
+        """
+
+        def dispatch(
+            self,
+            hidden_states: torch.Tensor,
+            topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor | None = None,
+            *,
+            hidden_states_scale: torch.Tensor | None = None,
+            runtime_max_tokens_per_rank: int | None = None,
+            max_tokens_per_rank: int | None = None,
+            eplb_local_stats: torch.Tensor | None = None,
+            active_rank_mask: torch.Tensor | None = None,
+        ) -> Any:
+            """FlashInfer's ``dispatch``; ``max_tokens_per_rank`` is
+            ``runtime_max_tokens_per_rank`` under vLLM 0.33's name.
+
+            Raises:
+                ValueError: both names given, with different values; and
+                    FlashInfer's own errors.
+            """
+            if max_tokens_per_rank is not None:
+                if runtime_max_tokens_per_rank not in (None, max_tokens_per_rank):
+                    raise ValueError(
+                        f"max_tokens_per_rank={max_tokens_per_rank} and "
+                        f"runtime_max_tokens_per_rank={runtime_max_tokens_per_rank} differ; "
+                        "they name the same value"
+                    )
+                runtime_max_tokens_per_rank = max_tokens_per_rank
+            return super().dispatch(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                hidden_states_scale=hidden_states_scale,
+                runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
+                eplb_local_stats=eplb_local_stats,
+                active_rank_mask=active_rank_mask,
+            )
+
+    return NVLinkOneSidedAlltoAllForVllm
+
+
+def _low_precision_combine() -> bool:
+    flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
+    try:
+        return bool(int(flag))
+    except ValueError as error:
+        raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
+
+
+class FlashInferMoeEpBackend:
+    """Builds FlashInfer 0.7.4 ``NVLinkOneSidedAlltoAll`` objects for one EP group.
+
+    The current CUDA device must be this rank's GPU before the first build.
+
+    Args:
+        group: the EP group's CPU (gloo) process group.
+    """
+
+    name = "flashinfer-moe-ep"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self.unreleased = 0
+        """Releases after which the allocation was still mapped although no
+        other instance shared it; 0 when every superseded workspace was freed."""
+        self.shared_releases = 0
+        """Releases of a workspace another live instance still shares (the
+        same layout): FlashInfer keeps it for that one, as it must."""
+        self.module_load: ModuleLoad | None = None
+        """How FlashInfer's all-to-all module became ready (set by the first build)."""
+        self.first_build_seconds: float | None = None
+
+    @property
+    def jit_compiled(self) -> bool | None:
+        """Whether this process's start compiled the all-to-all module (None: unknown yet)."""
+        return self.module_load.compiled if self.module_load is not None else None
+
+    def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
+        """FlashInfer 0.7.4's ``WORKSPACE_SIZE`` for the object built for ``capacities``.
+
+        Raises:
+            BackendError: FlashInfer's layout refuses them.
+        """
+        try:
+            return sizing_moe_ep.capacities_workspace_bytes(capacities, ep_size)
+        except sizing_moe_ep.LayoutError as error:
+            raise BackendError(
+                f"FlashInfer {SUPPORTED_FLASHINFER} refuses the plan: {error}"
+            ) from error
+
+    def build(self, spec: BuildSpec) -> AlltoAll:
+        """See :meth:`AlltoAllBackend.build`; returns FlashInfer's own object.
+
+        Raises:
+            BackendError: FlashInfer is missing, the object would refuse the
+                plan, or FlashInfer's workspace size differs from the pure one.
+        """
+        started = time.perf_counter()
+        cls = vllm_compatible_class()
+        moe_ep = _import("flashinfer.moe_ep")
+        quant_format = _import("flashinfer.fused_moe").QuantFormat
+        if self.module_load is None:
+            kernels = _import(f"{_ONE_SIDED}.kernels")
+            self.module_load = prepare_module(kernels.get_nvlink_one_sided_alltoall_module)
+        communicator = GroupCommunicator(self._group)
+        if (communicator.Get_size(), communicator.Get_rank()) != (spec.ep_size, spec.ep_rank):
+            raise BackendError(
+                f"spec says ep_rank {spec.ep_rank} of {spec.ep_size} but the group has rank "
+                f"{communicator.Get_rank()} of {communicator.Get_size()}"
+            )
+        c = spec.capacities
+        refusals = sizing_moe_ep.object_refusals(
+            spec.ep_size, c.top_k, c.num_experts, c.eplb_experts
+        )
+        if refusals:
+            raise BackendError(f"FlashInfer {SUPPORTED_FLASHINFER}: " + "; ".join(refusals))
+        d = sizing_moe_ep.describe(c)
+        params = moe_ep.MoEEpCommParams(
+            num_experts=d.num_experts,
+            top_k=d.top_k,
+            max_tokens_per_rank=d.max_tokens_per_rank,
+            hidden_size=d.hidden_size,
+            dtype=torch.bfloat16,
+            dispatch_format=quant_format[d.dispatch_format],
+        )
+        bootstrap = moe_ep.BootstrapConfig(
+            world_size=spec.ep_size,
+            rank=spec.ep_rank,
+            device=torch.cuda.current_device(),
+            process_group=self._group,
+        )
+        config = moe_ep.NVLinkOneSidedConfig(
+            extra_payload_bytes_per_token=d.extra_payload_bytes_per_token,
+            eplb_stats_num_experts=d.eplb_stats_num_experts,
+            use_low_precision_combine=_low_precision_combine(),
+            comm_backend=communicator,
+            # Both change the layout the pure sizing computes (SM100+ only).
+            cft=False,
+            lamport=False,
+        )
+        handle: Any = cls(bootstrap, params, config)
+        size = int(handle.metainfo[handle._index.WORKSPACE_SIZE_INDEX])
+        if size != spec.workspace_size_per_rank:
+            handle.destroy()
+            raise BackendError(
+                f"FlashInfer {SUPPORTED_FLASHINFER} laid out {size} bytes per rank for "
+                f"{c}, the pure sizing {spec.workspace_size_per_rank}: refusing a workspace "
+                "whose regions the plan does not describe"
+            )
+        if self.first_build_seconds is None:
+            self.first_build_seconds = time.perf_counter() - started
+        built: AlltoAll = handle
+        return built
+
+    def _check(self, handle: Any) -> None:
+        if not isinstance(handle, vllm_compatible_class()):
+            raise BackendError(
+                f"the flashinfer-moe-ep backend did not build this {type(handle).__name__}"
+            )
+
+    def communication(self, handle: AlltoAll, spec: CommunicationSpec) -> Any:
+        """See :meth:`AlltoAllBackend.communication`: ``handle`` itself, FlashInfer's
+        ``NVLinkOneSidedAlltoAll`` (its vLLM-compatible subclass).
+
+        Raises:
+            BackendError: ``handle`` is not one this backend built.
+        """
+        self._check(handle)
+        return handle
+
+    def release(self, handle: AlltoAll) -> None:
+        """See :meth:`AlltoAllBackend.release`: ``destroy()``, then checks the
+        allocation is gone unless another live instance shares it.
+
+        Raises:
+            BackendError: ``handle`` is not one this backend built.
+        """
+        self._check(handle)
+        obj: Any = handle
+        state: dict[str, Any] | None = obj._state
+        if state is None:
+            return  # destroyed before (the manager's communication object is the handle)
+        mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
+        ptr = int(state["mnnvl_mem"].ptr)
+        wrapper = getattr(state.get("workspace"), "_capsule_wrapper", None)
+        if wrapper is not None:
+            _CAPSULES_KEPT.append(wrapper)
+        torch.cuda.synchronize()
+        obj.destroy()
+        if state:  # refcount above 0: another instance of the same layout holds it
+            self.shared_releases += 1
+            return
+        del state
+        if ptr in mnnvl.MnnvlMemory.allocated_map:
+            gc.collect()  # a reference cycle may still hold the MnnvlMemory
+        if ptr in mnnvl.MnnvlMemory.allocated_map:
+            self.unreleased += 1
+            _log.warning(
+                "superseded FlashInfer %s workspace at 0x%x is still mapped: something "
+                "outside the manager keeps its MnnvlMemory alive",
+                SUPPORTED_FLASHINFER,
+                ptr,
+            )

@@ -1,0 +1,162 @@
+"""The ``moe-sidecar size`` subcommand (entry point group ``moe_sidecar.commands``).
+
+Its flags, and a run that loads the answer (:mod:`.answer`) only when it
+starts. Pure like the answer: it runs where neither torch nor FlashInfer is
+installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from moe_sidecar.client.size.releases import DISPATCH_KINDS, RELEASES
+
+if TYPE_CHECKING:
+    from moe_sidecar.client.size.answer import SizeAnswer
+
+__all__ = [
+    "DISPATCH_KINDS",
+    "RELEASES",
+    "add_command",
+    "answer_as_json",
+    "default_release",
+    "format_answer",
+    "run",
+]
+
+
+def default_release() -> str:
+    """The installed FlashInfer's release when the client supports it, else the newest."""
+    try:
+        installed = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return RELEASES[-1]
+    return installed if installed in RELEASES else RELEASES[-1]
+
+
+def add_command(subparsers: Any) -> None:
+    """Adds ``size`` to ``moe-sidecar``'s subcommands."""
+    parser = subparsers.add_parser(
+        "size",
+        help="per-rank all-to-all workspace of a model at an EP size (no GPU, no FlashInfer)",
+        description=(
+            "Capacity planning: the FlashInfer MoE all-to-all workspace one rank maps for a "
+            "model whose MoE layers dispatch the given kinds, at an EP size, for a FlashInfer "
+            "release, computed in pure Python as that release computes it. The answer is the "
+            "union of the layer kinds (what the client builds). Exit status: 0 answered, 2 a bad "
+            "flag or a configuration the release refuses."
+        ),
+    )
+    parser.add_argument(
+        "--flashinfer",
+        choices=RELEASES,
+        default=None,
+        help=f"FlashInfer release (default: the installed one when supported, else {RELEASES[-1]})",
+    )
+    parser.add_argument("--ep", type=int, required=True, help="ranks in the EP group")
+    parser.add_argument(
+        "--tokens", type=int, required=True, help="most tokens one rank dispatches per step"
+    )
+    parser.add_argument("--hidden", type=int, required=True, help="hidden size")
+    parser.add_argument("--top-k", type=int, required=True, help="experts per token")
+    parser.add_argument("--experts", type=int, required=True, help="experts of the model")
+    parser.add_argument(
+        "--dispatch",
+        action="append",
+        required=True,
+        metavar="KIND",
+        help=f"a layer kind of the model (repeat for each): {', '.join(DISPATCH_KINDS)}, or an "
+        "integer: the activation plus scale bytes one token sends, routing excluded",
+    )
+    parser.add_argument(
+        "--eplb-experts", type=int, default=0, help="experts whose EPLB statistics are gathered"
+    )
+    parser.add_argument(
+        "--extra-bytes", type=int, default=0, help="extra dispatch bytes per token of every layer"
+    )
+    parser.add_argument("--json", action="store_true", help="the answer as a JSON object")
+    parser.set_defaults(run=run)
+
+
+def answer_as_json(answer: SizeAnswer) -> dict[str, Any]:
+    """The ``--json`` object."""
+    return {
+        "flashinfer": answer.flashinfer,
+        "ep_size": answer.ep_size,
+        "workspace_bytes_per_rank": answer.workspace_bytes_per_rank,
+        "gpu_total_bytes": answer.gpu_total_bytes,
+        "kept_superseded_bytes_per_rank": answer.kept_superseded_bytes_per_rank,
+        "capacities": asdict(answer.capacities),
+        "layers": [asdict(layer) for layer in answer.layers],
+        "described_as": None if answer.described_as is None else asdict(answer.described_as),
+        "refusals": list(answer.refusals),
+    }
+
+
+def _mib(value: int) -> str:
+    return f"{value:,} B ({value / (1 << 20):,.1f} MiB)"
+
+
+def format_answer(answer: SizeAnswer) -> str:
+    """The answer for a terminal."""
+    c = answer.capacities
+    lines = [
+        f"FlashInfer {answer.flashinfer}, EP {answer.ep_size}: {c.max_tokens} tokens/rank, "
+        f"top_k {c.top_k}, {c.num_experts} experts, eplb {c.eplb_experts}",
+        f"  workspace per rank:     {_mib(answer.workspace_bytes_per_rank)}  (FlashInfer's "
+        "size, before its allocator rounds it)",
+        f"  GPUs of the group:      {_mib(answer.gpu_total_bytes)}  (one workspace on each; "
+        "every rank maps all of them)",
+        f"  never freeing growth:   {_mib(answer.kept_superseded_bytes_per_rank)} per rank "
+        "(a manager that keeps superseded workspaces, growing in --dispatch order)",
+        f"  union: dispatch {c.dispatch_bytes_per_token} B/token, combine "
+        f"{c.combine_bytes_per_token} B/token",
+    ]
+    if answer.described_as is not None:
+        d = answer.described_as
+        lines.append(
+            f"  built as: hidden_size={d.hidden_size}, dispatch_format={d.dispatch_format}, "
+            f"extra_payload_bytes_per_token={d.extra_payload_bytes_per_token}"
+        )
+    for layer in answer.layers:
+        lines.append(
+            f"  layer {layer.dispatch:>12}: dispatch {layer.dispatch_bytes_per_token} B/token, "
+            f"alone {_mib(layer.workspace_bytes_per_rank)}"
+        )
+    for refusal in answer.refusals:
+        lines.append(f"  refused by {refusal}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``moe-sidecar size``; returns the exit status."""
+    from moe_sidecar.client.size.answer import SizeError, plan_sizes
+
+    release = args.flashinfer or default_release()
+    try:
+        answer = plan_sizes(
+            release,
+            args.ep,
+            args.tokens,
+            args.hidden,
+            args.top_k,
+            args.experts,
+            tuple(args.dispatch),
+            eplb_experts=args.eplb_experts,
+            extra_bytes=args.extra_bytes,
+        )
+    except SizeError as error:
+        print(f"moe-sidecar size: {error}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(error)}))
+        return 2
+    if args.json:
+        print(json.dumps(answer_as_json(answer), indent=2))
+    else:
+        print(format_answer(answer))
+    return 0
