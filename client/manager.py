@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome, agree
+from moe_sidecar.client.agreement import LocalOutcome, agree, share_group_secret
 from moe_sidecar.client.backends import (
     AlltoAll,
     AlltoAllBackend,
@@ -189,6 +189,8 @@ class WorkspaceManager:
         self.backend: AlltoAllBackend = self._backend(backend)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
+        self._group_proof: str | None = None
+        """The group's proof for this lifetime (shared at its first initialize())."""
         self._round = 0
         """Round of the current lifetime (the n-th initialize() since it began)."""
         self._initializes = 0
@@ -295,6 +297,23 @@ class WorkspaceManager:
 
     # --- the round ---------------------------------------------------------
 
+    def _share_group_proof(self) -> None:
+        """At a lifetime's first initialize(), before any proposal: the EP
+        group's ranks share one secret (rank 0 draws it) that every proposal
+        and commit of the lifetime carries, so the sidecar can tell the
+        group's ranks from any other process (one collective per lifetime;
+        none in embedded mode, where the core is this process's own)."""
+        if self._group_proof is not None:
+            return
+        if self.embedded:
+            self._group_proof = ""
+            return
+        self._collectives += 1
+        try:
+            self._group_proof = share_group_secret(self.cpu_group)
+        except RuntimeError as error:
+            raise self._rank_lost("sharing the group's proof", error) from error
+
     def _propose(self, requirement: Requirement) -> Decision:
         return self._transport.propose(
             Proposal(
@@ -305,6 +324,7 @@ class WorkspaceManager:
                 lifetime=self.lifetime,
                 round=self._round,
                 requirement=requirement,
+                proof=self._group_proof or "",
             )
         )
 
@@ -439,6 +459,7 @@ class WorkspaceManager:
             CoordinatorUnavailable: the sidecar could not be reached.
             BackendError: the backend could not build.
         """
+        self._share_group_proof()
         self._initializes += 1
         failure: BaseException | None = None
         decision: Decision | None = None
@@ -537,6 +558,7 @@ class WorkspaceManager:
                 round=self._round,
                 plan=plan,
                 build_seconds=build_seconds,
+                proof=self._group_proof or "",
             ),
         )
 
@@ -671,6 +693,7 @@ class WorkspaceManager:
             self._releases += 1
         self._transport.close()
         self.lifetime = new_lifetime_secret()
+        self._group_proof = None
         self._round = 0
 
     def destroy(self) -> None:

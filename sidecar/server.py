@@ -426,7 +426,10 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
     """
     metrics = SidecarMetrics(
         config.max_group_series,
-        limits={name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS},
+        limits={
+            **{name.removeprefix("max_"): getattr(config, name) for name in LIMIT_FIELDS},
+            "workspace_bytes": config.max_workspace_bytes,
+        },
     )
     replica = _open_replica(config, metrics)
     store = StateStore(config.state_dir)
@@ -445,6 +448,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             max_watchers=config.max_watchers,
             replica=replica,
             node=node_name(config),
+            max_workspace_bytes=config.max_workspace_bytes,
         )
         coordinator.start()
         for address in config.listen_addresses:
