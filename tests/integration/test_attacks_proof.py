@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,16 @@ import grpc
 import pytest
 
 from moe_sidecar.core import limits
+from moe_sidecar.core.cluster import ClusterPlan
+from moe_sidecar.core.plan import Plan
+from moe_sidecar.etcd_client import EtcdClient
+from moe_sidecar.etcd_replica import group_key
+from moe_sidecar.row_codec import encode_cluster_plan
 from moe_sidecar.server import RunningServer, running_server
-from moe_sidecar.wire.codec import summary_from_proto
+from moe_sidecar.wire.codec import capacities_from_proto, summary_from_proto
 from moe_sidecar.wire.display import format_groups
 from moe_workspace.v1 import coordinator_pb2 as pb
+from tests.etcd_server import EtcdServer, free_port
 from tests.integration.helpers import (
     NVFP4,
     capacities,
@@ -38,6 +45,7 @@ from tests.integration.helpers import (
     token,
     workspace_bytes,
 )
+from tests.multiprocess.harness import Sidecar
 
 pytestmark = [pytest.mark.attack, pytest.mark.timeout(60)]
 
@@ -361,3 +369,43 @@ async def test_the_workspace_ceiling_refuses_proposals_commits_and_stored_plans(
             "moe_sidecar_limit", {"resource": "workspace_bytes"}
         )
         assert limit == ceiling
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.etcd
+async def test_an_etcd_document_above_the_ceiling_is_set_aside(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """Another "node" writes the reported attack's plan (about 1,004 GiB per
+    rank, inside every field's range) for a group into etcd: the sidecar
+    does not merge it (no group appears, so no new lifetime would build it)
+    and counts it as a rejected document."""
+    prefix = "/ceiling/"
+    planted = Plan(capacities=capacities_from_proto(ATTACK.capacities), epoch=0, generation=1)
+    doc = ClusterPlan(name=GROUP, ep_size=RANKS, epoch=0, plan=planted, generation=1, history=())
+    async with EtcdClient([etcd_server.endpoint]) as client:
+        await client.put(group_key(prefix, GROUP), encode_cluster_plan(doc))
+    port = free_port()
+    url = f"etcd://{etcd_server.endpoint}{prefix.rstrip('/')}"
+    sidecar = Sidecar(tmp_path / "node", args=("--store", url), metrics_port=port).start()
+    try:
+
+        async def rejected() -> bool:
+            name = "moe_sidecar_store_rejected_documents_total"
+            return await asyncio.to_thread(_metric, port, name) >= 1
+
+        await _until(rejected, within=30)
+        async with coordinator_stub(sidecar.target) as stub:
+            error = await rpc_error(_group(stub))
+            assert error.code() == grpc.StatusCode.NOT_FOUND, details(error)
+        assert "workspace ceiling" in sidecar.log.read_text(errors="replace")
+    finally:
+        sidecar.stop()
