@@ -71,7 +71,7 @@ from moe_sidecar.client.vllm_sizing import (
 )
 from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
-from moe_sidecar.core.identity import new_lifetime_secret
+from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan, decide_action
 from moe_sidecar.core.policy import validate_group_name
 
@@ -302,11 +302,15 @@ class WorkspaceManager:
         group's ranks share one secret (rank 0 draws it) that every proposal
         and commit of the lifetime carries, so the sidecar can tell the
         group's ranks from any other process (one collective per lifetime;
-        none in embedded mode, where the core is this process's own)."""
+        none in embedded mode, where the core is this process's own, nor for a
+        group of one rank, which draws it alone)."""
         if self._group_proof is not None:
             return
         if self.embedded:
             self._group_proof = ""
+            return
+        if self.ep_size == 1:
+            self._group_proof = new_group_secret()
             return
         self._collectives += 1
         try:
@@ -455,7 +459,12 @@ class WorkspaceManager:
                 cross-rank agreement found it); the message names ranks and layers.
             RoundTimedOut: a local rank never proposed this round; the message
                 names it and the last layer it reported.
-            RoundAborted: another rank of the group restarted mid-round.
+            RoundAborted: another rank of the group restarted mid-round
+                (:class:`~moe_sidecar.client.errors.RankLost` when a rank died
+                while the group's proof was shared at a lifetime's first call).
+            PermissionDenied: the sidecar refused this rank's group proof
+                (another process holds the rank's place with the proof most
+                of the group's ranks hold).
             CoordinatorUnavailable: the sidecar could not be reached.
             BackendError: the backend could not build.
         """

@@ -448,6 +448,7 @@ class EmbeddedTransport:
 
         Raises:
             PreconditionFailed: the rank or round is unknown to the core.
+            PermissionDenied: the commit's group proof is not the lifetime's.
             InvalidArgument: a malformed field.
             InternalError: ``group`` never proposed here.
         """
