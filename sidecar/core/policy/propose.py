@@ -215,7 +215,12 @@ def _join_round(
         number=p.round, opened_at=now, deadline=now + round_timeout, first_proof=p.proof
     )
     earlier = rnd.proposal_of(p.ep_rank)
-    if (earlier is not None and earlier.proof != p.proof) or (earlier is None and rnd.proposals):
+    # Once the lifetime's proof is fixed every admitted proposal carries it
+    # (rule 2): no contest, and the round closes on its count alone.
+    contested = state.proof is None and (
+        (earlier is not None and earlier.proof != p.proof) or (earlier is None and rnd.proposals)
+    )
+    if contested:
         verdict = contest(rnd, p, state.local_ranks)
         if verdict.verdict is Verdict.REFUSE:
             message = mismatch_text(p.group, p.ep_rank, p.proof, verdict.reason)
@@ -254,7 +259,12 @@ def _join_round(
         return refuse_round(state, rnd, p, conflict, now, effects)
 
     rnd = with_proposal(rnd, p)
-    if closing_proof(rnd, state.local_ranks) is None:
+    full = (
+        len(rnd.proposals) >= state.local_ranks
+        if state.proof is not None
+        else closing_proof(rnd, state.local_ranks) is not None
+    )
+    if not full:
         opens = state.open_round is None
         state = replace(state, open_round=rnd)
         return Step(
