@@ -17,6 +17,11 @@ the same branch: either all proceed with the same plan, or all raise. Only
 on a failure or a shape mismatch does one more collective
 (``all_gather_object``) run, to name the ranks and layers involved.
 
+The group's proof (:func:`share_group_secret`) is agreed here too: once per
+lifetime, before the first proposal, rank 0 of the EP group draws a random
+secret and broadcasts it over the same CPU group, so every rank of the
+lifetime sends the same proof and no process outside the group holds it.
+
 Every collective here runs on the group passed in, never the world: ranks of
 other EP groups (other pipeline stages) are not involved.
 """
@@ -24,6 +29,7 @@ other EP groups (other pipeline stages) are not involved.
 from __future__ import annotations
 
 import functools
+import secrets
 from dataclasses import dataclass, fields
 
 import torch
@@ -39,7 +45,10 @@ from moe_sidecar.client.errors import (
 from moe_sidecar.core.errors import error_for_code
 from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch, join
 
-__all__ = ["LocalOutcome", "agree", "failure_code"]
+__all__ = ["GROUP_SECRET_BYTES", "LocalOutcome", "agree", "failure_code", "share_group_secret"]
+
+GROUP_SECRET_BYTES = 16
+"""Random bytes of a group's proof: 128 bits, guessed by nobody."""
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
 _ROW = 3 + len(_CAPACITY_FIELDS)
@@ -167,3 +176,21 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> P
     except ShapeMismatch:
         _raise_disagreement(group, mine, plans, group_name)
         raise  # pragma: no cover - _raise_disagreement always raises
+
+
+def share_group_secret(group: dist.ProcessGroup) -> str:
+    """The group's proof for this lifetime: rank 0 of ``group`` draws
+    :data:`GROUP_SECRET_BYTES` random bytes and broadcasts them over
+    ``group`` (one collective; every rank must call it at the same point).
+
+    Returns the secret as hex digits, the same on every rank of ``group``.
+
+    Raises:
+        RuntimeError: the broadcast failed (a rank of the group is gone).
+    """
+    if dist.get_rank(group) == 0:
+        drawn = torch.tensor(list(secrets.token_bytes(GROUP_SECRET_BYTES)), dtype=torch.uint8)
+    else:
+        drawn = torch.zeros(GROUP_SECRET_BYTES, dtype=torch.uint8)
+    dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
+    return bytes(drawn.tolist()).hex()

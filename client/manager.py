@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome, agree
+from moe_sidecar.client.agreement import LocalOutcome, agree, share_group_secret
 from moe_sidecar.client.backends import (
     AlltoAll,
     AlltoAllBackend,
@@ -71,7 +71,7 @@ from moe_sidecar.client.vllm_sizing import (
 )
 from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
-from moe_sidecar.core.identity import new_lifetime_secret
+from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan, decide_action
 from moe_sidecar.core.policy import validate_group_name
 
@@ -191,6 +191,8 @@ class WorkspaceManager:
         self.backend: AlltoAllBackend = self._backend(backend)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
+        self._group_proof: str | None = None
+        """The group's proof for this lifetime (shared at its first initialize())."""
         self._round = 0
         """Round of the current lifetime (the n-th initialize() since it began)."""
         self._initializes = 0
@@ -297,6 +299,27 @@ class WorkspaceManager:
 
     # --- the round ---------------------------------------------------------
 
+    def _share_group_proof(self) -> None:
+        """At a lifetime's first initialize(), before any proposal: the EP
+        group's ranks share one secret (rank 0 draws it) that every proposal
+        and commit of the lifetime carries, so the sidecar can tell the
+        group's ranks from any other process (one collective per lifetime;
+        none in embedded mode, where the core is this process's own, nor for a
+        group of one rank, which draws it alone)."""
+        if self._group_proof is not None:
+            return
+        if self.embedded:
+            self._group_proof = ""
+            return
+        if self.ep_size == 1:
+            self._group_proof = new_group_secret()
+            return
+        self._collectives += 1
+        try:
+            self._group_proof = share_group_secret(self.cpu_group)
+        except RuntimeError as error:
+            raise self._rank_lost("sharing the group's proof", error) from error
+
     def _propose(self, requirement: Requirement) -> Decision:
         return self._transport.propose(
             Proposal(
@@ -307,6 +330,7 @@ class WorkspaceManager:
                 lifetime=self.lifetime,
                 round=self._round,
                 requirement=requirement,
+                proof=self._group_proof or "",
             )
         )
 
@@ -437,10 +461,16 @@ class WorkspaceManager:
                 cross-rank agreement found it); the message names ranks and layers.
             RoundTimedOut: a local rank never proposed this round; the message
                 names it and the last layer it reported.
-            RoundAborted: another rank of the group restarted mid-round.
+            RoundAborted: another rank of the group restarted mid-round
+                (:class:`~moe_sidecar.client.errors.RankLost` when a rank died
+                while the group's proof was shared at a lifetime's first call).
+            PermissionDenied: the sidecar refused this rank's group proof
+                (another process holds the rank's place with the proof most
+                of the group's ranks hold).
             CoordinatorUnavailable: the sidecar could not be reached.
             BackendError: the backend could not build.
         """
+        self._share_group_proof()
         self._initializes += 1
         failure: BaseException | None = None
         decision: Decision | None = None
@@ -539,6 +569,7 @@ class WorkspaceManager:
                 round=self._round,
                 plan=plan,
                 build_seconds=build_seconds,
+                proof=self._group_proof or "",
             ),
         )
 
@@ -674,6 +705,7 @@ class WorkspaceManager:
             self._releases += 1
         self._transport.close()
         self.lifetime = new_lifetime_secret()
+        self._group_proof = None
         self._round = 0
 
     def destroy(self) -> None:

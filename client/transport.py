@@ -51,7 +51,7 @@ from moe_sidecar.core.group import (
     RankSummary,
     Refusal,
 )
-from moe_sidecar.core.identity import lifetime_id
+from moe_sidecar.core.identity import lifetime_id, proof_id
 from moe_sidecar.wire.address import AddressError, parse_listen_address
 from moe_sidecar.wire.codec import (
     commit_to_proto,
@@ -425,8 +425,7 @@ class EmbeddedTransport:
             InternalError: the core left the round open although this rank is
                 its only local rank (``local_ranks`` must be 1 here).
         """
-        # The in-process boundary: the core sees the lifetime's id, never its token.
-        proposal = replace(proposal, lifetime=lifetime_id(proposal.lifetime))
+        proposal = _past_boundary(proposal)
         step = policy.propose(
             self._groups.get(proposal.group), proposal, self._clock(), self.round_timeout
         )
@@ -449,14 +448,20 @@ class EmbeddedTransport:
 
         Raises:
             PreconditionFailed: the rank or round is unknown to the core.
+            PermissionDenied: the commit's group proof is not the lifetime's.
             InvalidArgument: a malformed field.
             InternalError: ``group`` never proposed here.
         """
         state = self._groups.get(group)
         if state is None:
             raise InternalError(f"embedded commit for group {group!r}, which never proposed")
-        record = replace(record, lifetime=lifetime_id(record.lifetime))
-        self._groups[group] = policy.commit(state, record, self._clock()).state
+        record = replace(
+            record, lifetime=lifetime_id(record.lifetime), proof=proof_id(record.proof)
+        )
+        step = policy.commit(state, record, self._clock())
+        self._groups[group] = step.state
+        if isinstance(step.reply, Refusal):
+            raise step.reply.error()
 
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """Always empty: in-process, no rank's departure is seen."""
@@ -464,6 +469,14 @@ class EmbeddedTransport:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _past_boundary(proposal: Proposal) -> Proposal:
+    """The in-process boundary: the core sees the lifetime's and the group
+    proof's ids, never their tokens."""
+    return replace(
+        proposal, lifetime=lifetime_id(proposal.lifetime), proof=proof_id(proposal.proof)
+    )
 
 
 def transport_for(

@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from moe_sidecar.core.defaults import CLIENT_ENV_KEYS, DEFAULT_TARGET, ENV_PREFIX, parse_bool
-from moe_sidecar.core.limits import MAX_GENERATION
+from moe_sidecar.core.limits import (
+    DEFAULT_MAX_WORKSPACE_BYTES,
+    MAX_GENERATION,
+    MAX_WORKSPACE_BYTES,
+)
 from moe_sidecar.etcd_url import EtcdTarget, EtcdUrlError, parse_etcd_url
 from moe_sidecar.wire.address import (
     AddressError,
@@ -232,6 +236,9 @@ class SidecarConfig:
     """Groups with metric series of their own; the rest are summed under group="_other"."""
     max_page_size: int = 500
     """Most groups one ListGroups page holds."""
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES
+    """The per-rank workspace ceiling: a proposal, a commit, a decided plan or a
+    cluster document whose FlashInfer workspace is above it is refused, naming it."""
     metrics_host: str = DEFAULT_METRICS_HOST
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -293,6 +300,15 @@ class SidecarConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
                 raise ConfigError(f"{name}={value!r}: must be an integer in [1, {MAX_LIMIT}]")
+        value = self.max_workspace_bytes
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 1 <= value <= MAX_WORKSPACE_BYTES
+        ):
+            raise ConfigError(
+                f"max_workspace_bytes={value!r}: must be an integer in [1, {MAX_WORKSPACE_BYTES}]"
+            )
         for name in ("health_host", "metrics_host"):
             _check_host(name, getattr(self, name))
         self._check_tls()
@@ -603,6 +619,14 @@ _OPTIONS: tuple[_Option, ...] = (
         _integer,
         "groups per ListGroups page at most (default 500)",
         "N",
+    ),
+    _Option(
+        "--max-workspace-bytes",
+        "max_workspace_bytes",
+        int,
+        "per-rank workspace ceiling in bytes: a proposal, commit, decided plan or cluster "
+        f"document beyond it is refused (default {DEFAULT_MAX_WORKSPACE_BYTES}, 64 GiB)",
+        "BYTES",
     ),
     _Option(
         "--metrics-host",

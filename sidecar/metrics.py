@@ -167,6 +167,13 @@ class SidecarMetrics:
             ["resource"],
             registry=self.registry,
         )
+        self.proof_refusals = Counter(
+            "moe_sidecar_proof_refusals",
+            "Proposals and commits refused (PERMISSION_DENIED) because their group proof did "
+            "not match the group's ranks' (or a rank holding the group's proof took its slot "
+            "back).",
+            registry=self.registry,
+        )
         for resource, value in (limits or {}).items():
             self.limit.labels(resource=resource).set(value)
         self._groups: dict[str, GroupSeries] = {}

@@ -50,6 +50,7 @@ class EventObserver:
             EventKind.RESET: self._reset,
             EventKind.LIFETIME_STARTED: self._lifetime_started,
             EventKind.PLAN_MERGED: self._plan_merged,
+            EventKind.PROOF_REFUSED: self._proof_refused,
         }
 
     def observe(self, event: GroupEvent) -> None:
@@ -155,4 +156,10 @@ class EventObserver:
                 "workspace_bytes": self._workspace_bytes(event),
                 "detail": event.message,
             },
+        )
+
+    def _proof_refused(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        self._metrics.proof_refusals.inc()
+        _log.warning(
+            "proof refused", extra={**fields, "rank": event.ep_rank, "reason": event.message}
         )

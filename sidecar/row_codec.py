@@ -15,7 +15,10 @@ hand-edited, truncated or absurd row fails to load with the reason, never
 half-loads, and never loads a value the sidecar would refuse as input.
 
 Rows of earlier versions load too: a row written by one release loads in the
-next. Version 2 is version 3 without the node of each growth (loaded as
+next. Fields added to version 3 since it was first written (the group
+proof's id of the lifetime, of each waiting proposal and of the rank that
+opened a round, and the count of proposals refused for their proof) read as
+their defaults when absent. Version 2 is version 3 without the node of each growth (loaded as
 ``""``). Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
 load: each stored plan becomes the least capacities whose FlashInfer
 workspace is at least the stored byte count at the stored token count (the
@@ -117,6 +120,8 @@ def _proposal(p: Proposal) -> dict[str, Any]:
             "capacities": _capacities(p.requirement.capacities),
             "layer": p.requirement.layer,
         },
+        # Written only when set, so a row without proofs reads as it always did.
+        **({"proof": p.proof} if p.proof else {}),
     }
 
 
@@ -129,6 +134,7 @@ def _round(rnd: OpenRound | None) -> dict[str, Any] | None:
         "deadline": rnd.deadline,
         "proposals": [_proposal(p) for p in rnd.proposals],
         "need": None if rnd.need is None else _capacities(rnd.need),
+        **({"first_proof": rnd.first_proof} if rnd.first_proof else {}),
     }
 
 
@@ -163,6 +169,8 @@ def encode_group(state: GroupState) -> str:
             for r in state.ranks
         ],
         "history": _history(state.history),
+        **({"proof": state.proof} if state.proof is not None else {}),
+        **({"refused_proposals": state.refused_proposals} if state.refused_proposals else {}),
     }
     return json.dumps(document, separators=(",", ":"))
 
@@ -246,6 +254,19 @@ def _str(d: Any, key: str) -> str:
         value.encode()
     except UnicodeEncodeError:  # JSON's "\ud800": no answer could carry it
         raise RowError(f"field {key!r} holds a lone surrogate, which is not UTF-8") from None
+    return value
+
+
+def _optional_str(d: Any, key: str) -> str:
+    """A string field that rows written before it existed lack ("" then)."""
+    return _str(d, key) if isinstance(d, dict) and key in d else ""
+
+
+def _proof(d: Any, key: str) -> str:
+    """A proof's id: empty, or the 64 hex digits of a SHA-256."""
+    value = _optional_str(d, key)
+    if value and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
+        raise RowError(f"field {key!r} holds {value[:16]!r}..., not a proof's id")
     return value
 
 
@@ -341,6 +362,7 @@ def _decode_proposal(d: Any, ep_size: int) -> Proposal:
             capacities=_decode_capacities(_get(r, "capacities", dict), ep_size, "requirement"),
             layer=_str(r, "layer"),
         ),
+        proof=_proof(d, "proof"),
     )
 
 
@@ -370,6 +392,7 @@ def _decode_round(d: Any, key: str, ep_size: int) -> OpenRound | None:
         deadline=_time(rnd, "deadline"),
         proposals=tuple(_decode_proposal(p, ep_size) for p in _list(rnd, "proposals")),
         need=None if need is None else _decode_capacities(need, ep_size, f"{key}.need"),
+        first_proof=_proof(rnd, "first_proof"),
     )
 
 
@@ -402,6 +425,9 @@ def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
         pending=_decode_round(d, "pending", ep_size) if "pending" in d else None,
         ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
         history=tuple(_decode_growth(g, ep_size, with_node=with_node) for g in _list(d, "history")),
+        # Rows written before group proofs: the lifetime's proof is not fixed yet.
+        proof=_proof(d, "proof") if d.get("proof") is not None else None,
+        refused_proposals=_int(d, "refused_proposals") if "refused_proposals" in d else 0,
     )
 
 

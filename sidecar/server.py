@@ -111,6 +111,7 @@ def _exported_limits(config: SidecarConfig) -> dict[str, float]:
     }
     for name in LISTENER_TIMEOUT_FIELDS:
         limits[name.removesuffix("_timeout") + "_seconds"] = getattr(config, name)
+    limits["workspace_bytes"] = config.max_workspace_bytes
     return limits
 
 
@@ -606,6 +607,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             max_watchers=config.max_watchers,
             replica=replica,
             node=node_name(config),
+            max_workspace_bytes=config.max_workspace_bytes,
         )
         coordinator.start()
         for address in config.listen_addresses:

@@ -39,11 +39,12 @@ import time
 from collections.abc import Callable
 from typing import TypeAlias
 
-from moe_sidecar.core import policy
+from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import (
     Answer,
     Deadline,
+    Dismiss,
     EventKind,
     GroupEvent,
     Publish,
@@ -115,6 +116,7 @@ class Coordinator:
         max_watchers: int = 64,
         replica: Replica | None = None,
         node: str = "",
+        max_workspace_bytes: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
     ) -> None:
         self._store = store
         self._max_groups = max_groups
@@ -124,6 +126,8 @@ class Coordinator:
         self.node = node
         """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
+        self._ceiling = max_workspace_bytes
+        """The per-rank workspace ceiling (``--max-workspace-bytes``)."""
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
@@ -215,6 +219,9 @@ class Coordinator:
         for effect in step.effects:
             if isinstance(effect, Answer):
                 self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
+            elif isinstance(effect, Dismiss):
+                key = (effect.lifetime_index, effect.round)
+                self._waiters.wake_lifetime(name, key, effect.lifetime, effect.outcome)
             elif isinstance(effect, Publish):
                 self._publish(effect.event)
             elif isinstance(effect, Deadline):
@@ -265,6 +272,8 @@ class Coordinator:
             InvalidArgument: a malformed field (nothing changes).
             PreconditionFailed: the proposal contradicts the group, or its
                 round was refused (heterogeneous layers, disagreeing ranks).
+            PermissionDenied: its group proof does not match the group's
+                ranks' (or a rank with their proof took its slot back).
             RoundTimedOut: the round missed ranks past its deadline.
             RoundAborted: a rank restarted mid-round, or this rank's lifetime ended.
             ResourceExhausted: a new group beyond ``--max-groups``.
@@ -276,7 +285,14 @@ class Coordinator:
         before = self._groups.get(proposal.group)
         if before is None or _merged_only(before):
             self._check_group_budget(proposal)
-        step = policy.propose(before, proposal, self._clock(), self._round_timeout, node=self.node)
+        step = policy.propose(
+            before,
+            proposal,
+            self._clock(),
+            self._round_timeout,
+            node=self.node,
+            ceiling=self._ceiling,
+        )
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
         self._execute(step, before)
@@ -284,7 +300,8 @@ class Coordinator:
         if isinstance(reply, Wait):
             assert self._loop is not None, "Coordinator.start() was not called"
             key = (reply.lifetime_index, reply.round)
-            return _answer(await self._waiters.wait(self._loop, proposal.group, key))
+            waited = self._waiters.wait(self._loop, proposal.group, key, proposal.lifetime)
+            return _answer(await waited)
         assert reply is not None
         return _answer(reply)
 
@@ -365,13 +382,16 @@ class Coordinator:
             GroupNotFound: no such group.
             PreconditionFailed: the rank, lifetime, round or plan does not fit
                 the group's decision.
+            PermissionDenied: its group proof is not the lifetime's.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
         if self._phase is _Phase.CLOSED:
             raise CoordinatorUnavailable("the sidecar has stopped")
         state = self.group(group)
-        step = policy.commit(state, record, self._clock(), node=self.node)
+        step = policy.commit(state, record, self._clock(), node=self.node, ceiling=self._ceiling)
         self._execute(step, state)
+        if isinstance(step.reply, Refusal):
+            raise step.reply.error()
         return step.state
 
     def group(self, name: str) -> GroupState:
@@ -498,7 +518,8 @@ class Coordinator:
         seen is created when the remote document holds anything.
 
         Raises:
-            InvalidArgument: a field of ``remote`` is out of range.
+            InvalidArgument: a field of ``remote`` is out of range, or its plan
+                is above the per-rank workspace ceiling.
             PreconditionFailed: ``remote`` cannot join the group (another
                 ``ep_size``, or another ``top_k``/``num_experts`` in one epoch).
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
@@ -517,7 +538,7 @@ class Coordinator:
                 extra={"group": remote.name, "max_merged_groups": self._max_merged_groups},
             )
             return False
-        step = policy.merge(before, remote, self._clock(), node=self.node)
+        step = policy.merge(before, remote, self._clock(), node=self.node, ceiling=self._ceiling)
         if before is None and not step.persists:
             return False
         self._execute(step, before)

@@ -40,6 +40,7 @@ __all__ = [
     "ClusterPlan",
     "LayoutMismatch",
     "check_cluster_plan",
+    "check_cluster_plan_ceiling",
     "cluster_plan_of",
     "covers",
     "join_cluster_plans",
@@ -194,6 +195,23 @@ def check_cluster_plan(doc: ClusterPlan) -> None:
         limits.check_count(f"{where}.ep_rank", g.ep_rank, 0, doc.ep_size - 1)
         limits.check_count(f"{where}.round", g.round, 0, limits.MAX_ROUND)
         _check_time(f"{where}.at", g.at)
+
+
+def check_cluster_plan_ceiling(doc: ClusterPlan, ceiling: int) -> None:
+    """Checks that the plan of a cluster document (and every plan of its
+    history) derives at most ``ceiling`` workspace bytes per rank
+    (:func:`~moe_sidecar.core.limits.check_workspace_ceiling`); run after
+    :func:`check_cluster_plan`.
+
+    Raises:
+        InvalidArgument: naming the plan, its bytes and the ceiling.
+    """
+    if doc.plan is not None:
+        limits.check_workspace_ceiling("plan", doc.plan.capacities, doc.ep_size, ceiling)
+    for i, g in enumerate(doc.history):
+        limits.check_workspace_ceiling(
+            f"history[{i}].plan", g.plan.capacities, doc.ep_size, ceiling
+        )
 
 
 def _check_time(field: str, value: float) -> None:

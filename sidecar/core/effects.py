@@ -8,6 +8,7 @@ executes them and never compares states to find out what happened:
 * :class:`Persist`: write the new state before anything else of the step
   happens; if the write fails, nothing of the step happens.
 * :class:`Answer`: wake every call waiting for a round with its outcome.
+* :class:`Dismiss`: answer the one call of a proposal another took the slot of.
 * :class:`Publish`: a :class:`GroupEvent` for Watch streams, logs and metrics.
 * :class:`Deadline`: arm (or, with ``None``, cancel) the group's round timer.
 * :class:`Replicate`: the group's replicated part (epoch, plan, generation,
@@ -31,6 +32,7 @@ from moe_sidecar.core.plan import Action, Plan
 __all__ = [
     "Answer",
     "Deadline",
+    "Dismiss",
     "Effect",
     "EventKind",
     "GroupEvent",
@@ -57,6 +59,8 @@ class EventKind(enum.Enum):
     RANK_LEFT = "rank_left"
     PLAN_MERGED = "plan_merged"
     """A plan decided on another node (through the cluster store) was merged in."""
+    PROOF_REFUSED = "proof_refused"
+    """A proposal or commit was refused: its group proof does not match."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,17 @@ class Answer:
 
 
 @dataclass(frozen=True)
+class Dismiss:
+    """Answer only the call of lifetime ``lifetime`` waiting for round ``round``
+    of lifetime ``lifetime_index`` (its proposal lost its slot) with ``outcome``."""
+
+    lifetime_index: int
+    round: int
+    lifetime: str
+    outcome: Refusal
+
+
+@dataclass(frozen=True)
 class Publish:
     """Deliver ``event`` to Watch streams, logs and metrics."""
 
@@ -117,7 +132,7 @@ class Replicate:
     """Hand the group's epoch, plan, generation and history to the cluster store."""
 
 
-Effect: TypeAlias = Persist | Answer | Publish | Deadline | Replicate
+Effect: TypeAlias = Persist | Answer | Dismiss | Publish | Deadline | Replicate
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ __all__ = [
     "GroupNotFound",
     "InternalError",
     "InvalidArgument",
+    "PermissionDenied",
     "PreconditionFailed",
     "ResourceExhausted",
     "RoundAborted",
@@ -118,10 +119,16 @@ class CoordinatorUnavailable(CoordinatorError):
     code = ErrorCode.UNAVAILABLE
 
 
-class AdminDisabled(CoordinatorError):
-    """An admin call reached a sidecar started without ``--enable-admin``."""
+class PermissionDenied(CoordinatorError):
+    """The caller may not do what it asked: a proposal or commit whose group
+    proof does not match the group's ranks', or an admin call without
+    ``--enable-admin`` (every PERMISSION_DENIED status becomes one)."""
 
     code = ErrorCode.PERMISSION_DENIED
+
+
+class AdminDisabled(PermissionDenied):
+    """An admin call reached a sidecar started without ``--enable-admin``."""
 
 
 class ResourceExhausted(CoordinatorError):
@@ -145,7 +152,7 @@ _BY_CODE: dict[ErrorCode, type[CoordinatorError]] = {
         RoundTimedOut,
         RoundAborted,
         CoordinatorUnavailable,
-        AdminDisabled,
+        PermissionDenied,
         ResourceExhausted,
         InternalError,
     )

@@ -53,6 +53,10 @@ class Proposal:
     (:func:`moe_sidecar.core.identity.lifetime_id`) once past the sidecar's boundary."""
     round: int
     requirement: Requirement
+    proof: str = ""
+    """The group's proof: the token the group's ranks share on the client's
+    side, its id (:func:`moe_sidecar.core.identity.proof_id`) past the
+    sidecar's boundary; empty: none (a client older than proofs)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,12 @@ class OpenRound:
     deadline: float
     proposals: tuple[Proposal, ...] = ()
     need: Capacities | None = None
-    """The join of the proposals' capacities so far."""
+    """The join of the proposals' capacities so far (of the proposals that
+    share the first one's shape; :func:`moe_sidecar.core.policy.rounds.round_need`
+    is what a decision uses)."""
+    first_proof: str = ""
+    """The proof of the proposal that opened the round: it wins a tie for a
+    slot (:mod:`moe_sidecar.core.policy.proof`)."""
 
     def proposal_of(self, ep_rank: int) -> Proposal | None:
         """The proposal of ``ep_rank`` in this round, if it proposed."""
@@ -161,6 +170,12 @@ class GroupState:
     can never end the running lifetime."""
     ranks: tuple[RankRecord, ...] = ()
     history: tuple[Growth, ...] = ()
+    proof: str | None = None
+    """The id of the current lifetime's group proof, fixed when the
+    lifetime's first round is decided (None before; "" for ranks without
+    proofs). Every later proposal and commit of the lifetime must carry it."""
+    refused_proposals: int = 0
+    """Proposals and commits refused because their proof did not match."""
 
     def last_activity(self) -> float:
         """When a rank last proposed or committed, or the plan last grew (0: never)."""
@@ -202,6 +217,8 @@ class CommitRecord:
     round: int
     plan: Plan
     build_seconds: float
+    proof: str = ""
+    """The group's proof, as in :attr:`Proposal.proof`."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,8 @@ class GroupSummary:
     """When a rank last proposed or committed, or the plan last grew (0: never)."""
     ranks: tuple[RankSummary, ...]
     history: tuple[Growth, ...]
+    refused_proposals: int = 0
+    """Proposals and commits refused because their group proof did not match."""
 
     def workspace_bytes(self, plan: Plan) -> int:
         """Per-rank FlashInfer workspace bytes of ``plan`` in this group."""
@@ -278,4 +297,5 @@ def summarize(state: GroupState) -> GroupSummary:
             for r in state.ranks
         ),
         history=state.history,
+        refused_proposals=state.refused_proposals,
     )

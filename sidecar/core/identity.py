@@ -8,6 +8,12 @@ decision core compares and what is stored. Operators see :func:`short_id`,
 a prefix of the digest, which cannot be turned back into the token. So a
 process that can reach the coordinator cannot act as another rank's lifetime
 by reading ``GetGroup``, ``Watch``, logs or metrics.
+
+A group's proof is a second secret of the same kind: one token for every
+rank of one lifetime of an EP group, drawn by rank 0 and shared over the
+group's CPU group before the first proposal, so only the group's real ranks
+hold it. It crosses the boundary the same way (:func:`proof_id`); an empty
+proof (a client older than proofs) stays empty.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ __all__ = [
     "MIN_SECRET_LENGTH",
     "SHORT_ID_LENGTH",
     "lifetime_id",
+    "new_group_secret",
     "new_lifetime_secret",
+    "proof_id",
     "short_id",
 ]
 
@@ -35,6 +43,11 @@ SHORT_ID_LENGTH: Final = 12
 
 def new_lifetime_secret() -> str:
     """A fresh lifetime token: 128 random bits as 32 hex digits."""
+    return secrets.token_hex(16)
+
+
+def new_group_secret() -> str:
+    """A fresh group proof token (rank 0 draws it): 128 random bits as 32 hex digits."""
     return secrets.token_hex(16)
 
 
@@ -64,3 +77,15 @@ def lifetime_id(secret: str, field: str = "lifetime") -> str:
 def short_id(lifetime: str) -> str:
     """What operators are shown of a lifetime id."""
     return lifetime[:SHORT_ID_LENGTH]
+
+
+def proof_id(secret: str, field: str = "group_proof") -> str:
+    """The id (hex SHA-256) of a group proof token; empty stays empty (no proof).
+
+    Raises:
+        InvalidArgument: a non-empty token that is not a usable secret (see
+            :func:`lifetime_id`; the message names ``field``, never the token).
+    """
+    if isinstance(secret, str) and not secret:
+        return ""
+    return lifetime_id(secret, field)

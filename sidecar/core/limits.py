@@ -22,6 +22,7 @@ from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.plan import Capacities, Plan
 
 __all__ = [
+    "DEFAULT_MAX_WORKSPACE_BYTES",
     "EP_SIZE_REASON",
     "MAX_BUILD_SECONDS",
     "MAX_BYTES_PER_TOKEN",
@@ -40,6 +41,7 @@ __all__ = [
     "check_name",
     "check_plan",
     "check_seconds",
+    "check_workspace_ceiling",
 ]
 
 MAX_EP_SIZE: Final = 64
@@ -59,6 +61,11 @@ EP_SIZE_REASON: Final = (
 """Why :data:`MAX_EP_SIZE` is the limit, as a refusal says it."""
 MAX_WORKSPACE_BYTES: Final = 1 << 40
 """A plan whose derived workspace exceeds 1 TiB per rank is refused as absurd."""
+DEFAULT_MAX_WORKSPACE_BYTES: Final = 64 << 30
+"""The default per-rank workspace ceiling (the sidecar's ``--max-workspace-bytes``):
+64 GiB, which no real model's all-to-all reaches (DeepSeek-V3 shapes at EP 8
+and 128 tokens map about 15 MB) while a plan of it would not fit beside any
+model on today's GPUs."""
 MAX_GENERATION: Final = (1 << 53) - 1
 """Generations and epochs stay exact in JSON, in a double and in uint64."""
 MAX_ROUND: Final = (1 << 31) - 1
@@ -148,3 +155,28 @@ def check_plan(prefix: str, plan: Plan, ep_size: int) -> None:
     check_capacities(f"{prefix}.capacities", plan.capacities, ep_size)
     check_count(f"{prefix}.epoch", plan.epoch, 0, MAX_GENERATION)
     check_count(f"{prefix}.generation", plan.generation, 1, MAX_GENERATION)
+
+
+def check_workspace_ceiling(field: str, capacities: Capacities, ep_size: int, ceiling: int) -> None:
+    """Checks that ``capacities`` derive at most ``ceiling`` workspace bytes
+    per rank at ``ep_size`` (FlashInfer's size function,
+    :meth:`~moe_sidecar.core.plan.Capacities.workspace_bytes`).
+
+    The one ceiling check: proposals, commits, decided plans, stored rows
+    and cluster documents all go through it.
+
+    Raises:
+        InvalidArgument: naming ``field``, the derived bytes and the ceiling.
+    """
+    workspace = capacities.workspace_bytes(ep_size)
+    if workspace > ceiling:
+        raise InvalidArgument(
+            f"{field}: max_tokens={capacities.max_tokens}, dispatch_bytes_per_token="
+            f"{capacities.dispatch_bytes_per_token}, combine_bytes_per_token="
+            f"{capacities.combine_bytes_per_token} derive a workspace of {workspace} bytes "
+            f"({workspace / (1 << 30):.1f} GiB) per rank at ep_size={ep_size}, above the "
+            f"per-rank workspace ceiling of {ceiling} bytes ({ceiling / (1 << 30):.1f} GiB; "
+            "the sidecar's --max-workspace-bytes)",
+            field=field,
+            value=workspace,
+        )

@@ -32,7 +32,7 @@ from moe_sidecar.core.group import (
     RankSummary,
     Requirement,
 )
-from moe_sidecar.core.identity import lifetime_id
+from moe_sidecar.core.identity import lifetime_id, proof_id
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_workspace.v1 import coordinator_pb2 as pb
 
@@ -80,6 +80,7 @@ _EVENT_TO_PROTO = {
     EventKind.GROUP_REMOVED: pb.EVENT_KIND_GROUP_REMOVED,
     EventKind.RANK_LEFT: pb.EVENT_KIND_RANK_LEFT,
     EventKind.PLAN_MERGED: pb.EVENT_KIND_PLAN_MERGED,
+    EventKind.PROOF_REFUSED: pb.EVENT_KIND_PROOF_REFUSED,
 }
 
 
@@ -219,16 +220,18 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
             capacities=capacities_to_proto(p.requirement.capacities),
             layer=p.requirement.layer,
         ),
+        group_proof=p.proof,
     )
 
 
 def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
-    """The domain proposal of a ``ProposeRequest``; its lifetime token becomes
-    the lifetime's id (:func:`moe_sidecar.core.identity.lifetime_id`).
+    """The domain proposal of a ``ProposeRequest``; its lifetime and group
+    proof tokens become their ids (:func:`moe_sidecar.core.identity.lifetime_id`,
+    :func:`~moe_sidecar.core.identity.proof_id`): the sidecar never keeps a token.
 
     Raises:
         InvalidArgument: the requirement or its capacities are missing, or
-            the lifetime token is not a usable secret.
+            the lifetime or proof token is not a usable secret.
     """
     if not request.HasField("requirement"):
         raise InvalidArgument.of("requirement", None, "is missing; every proposal states its need")
@@ -245,6 +248,7 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
         lifetime=lifetime_id(request.lifetime),
         round=request.round,
         requirement=Requirement(capacities=capacities_from_proto(r.capacities), layer=r.layer),
+        proof=proof_id(request.group_proof),
     )
 
 
@@ -257,16 +261,17 @@ def commit_to_proto(group: str, record: CommitRecord) -> pb.CommitRequest:
         round=record.round,
         plan=plan_to_proto(record.plan, None),
         build_seconds=record.build_seconds,
+        group_proof=record.proof,
     )
 
 
 def commit_from_proto(request: pb.CommitRequest) -> tuple[str, CommitRecord]:
     """The group name and domain record of a ``CommitRequest`` (the lifetime
-    token becomes the lifetime's id).
+    and group proof tokens become their ids).
 
     Raises:
         InvalidArgument: the plan (or its capacities) is missing, or the
-            lifetime token is not a usable secret.
+            lifetime or proof token is not a usable secret.
     """
     if not request.HasField("plan"):
         raise InvalidArgument.of("plan", None, "is missing; commit the plan the rank holds")
@@ -276,6 +281,7 @@ def commit_from_proto(request: pb.CommitRequest) -> tuple[str, CommitRecord]:
         round=request.round,
         plan=plan_from_proto(request.plan),
         build_seconds=request.build_seconds,
+        proof=proof_id(request.group_proof),
     )
 
 
@@ -350,6 +356,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
             for r in s.ranks
         ],
         history=[_growth_to_proto(g, s.ep_size) for g in s.history],
+        refused_proposals=s.refused_proposals,
     )
     if s.plan is not None:
         group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size))
@@ -399,6 +406,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
             )
             for h in group.history
         ),
+        refused_proposals=group.refused_proposals,
     )
 
 

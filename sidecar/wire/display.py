@@ -103,6 +103,11 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
             f"last_closed_round={g.last_closed_round}"
             + (f" open_round={g.open_round} ({g.waiting_ranks} waiting)" if g.open_round else "")
         )
+        if g.refused_proposals:
+            lines.append(
+                f"  refused proposals: {g.refused_proposals} (their group proof did not match "
+                "the group's ranks')"
+            )
         lines.append(
             "  plan: " + (_plan_line(g.plan, g.ep_size) if g.plan is not None else "(none stored)")
         )
@@ -173,6 +178,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
             "last_closed_round": g.last_closed_round,
             "open_round": g.open_round,
             "waiting_ranks": g.waiting_ranks,
+            "refused_proposals": g.refused_proposals,
             "ranks": [
                 {
                     "ep_rank": r.ep_rank,

@@ -71,8 +71,9 @@ GRPC_MAX_MESSAGE = 4 << 20
 VICTIM = "victim/ep2"
 SPANNING = "spanning/ep4"
 """Two of its four ranks on this node: commits there may cover the decision."""
-HUGE = pb.Requirement(capacities=capacities(tokens=1 << 21, dispatch=1 << 16), layer="")
-"""An attacker's layer: a workspace of hundreds of GiB, and no label to disagree with."""
+HUGE = pb.Requirement(capacities=capacities(tokens=1 << 20, dispatch=1 << 12), layer="")
+"""An attacker's layer: a workspace of several GiB (under the workspace ceiling,
+so the checks each test is about are what refuse it), and no label to disagree with."""
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -156,8 +157,8 @@ async def test_1_poisoned_commits_are_refused_and_change_nothing(tmp_path: Path)
         ].plan
         shown = (await _group(stub, VICTIM)).ranks[0].lifetime
         assert len(shown) == 12  # what GetGroup publishes: not the token
-        larger = _plan(decided, max_tokens=1 << 21, dispatch_bytes_per_token=1 << 16)
-        assert 1 << 37 < workspace_bytes(larger.capacities, 2) <= limits.MAX_WORKSPACE_BYTES
+        larger = _plan(decided, max_tokens=1 << 20, dispatch_bytes_per_token=1 << 12)
+        assert 1 << 32 < workspace_bytes(larger.capacities, 2) <= limits.DEFAULT_MAX_WORKSPACE_BYTES
         beyond = _plan(decided, max_tokens=limits.MAX_TOKENS, dispatch_bytes_per_token=1 << 22)
         smaller = _plan(spanning, max_tokens=spanning.capacities.max_tokens // 2)
         attacks = [

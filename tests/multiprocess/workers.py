@@ -793,3 +793,50 @@ def bad_target_worker(rank: int, world: int) -> dict[str, Any]:
     except Exception as error:
         return {**_failure(error), "field": getattr(error, "field", None)}
     return {"type": None}
+
+
+class _ProposeWhen:
+    """The rank's own transport, whose proposals wait until a file exists: a
+    rank that is slow to reach its first proposal (after its group proof was
+    shared), so a stranger can try to take its place first."""
+
+    def __init__(self, transport: Any, go: str) -> None:
+        self._transport = transport
+        self._go = go
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def propose(self, proposal: Any) -> Any:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self._go):
+            assert time.monotonic() < deadline, f"{self._go} never appeared"
+            time.sleep(0.01)  # the poll interval of a wait with a deadline
+        return self._transport.propose(proposal)
+
+
+def group_proof_worker(
+    rank: int, world: int, target: str, group: str, directory: str
+) -> dict[str, Any]:
+    """Two lifetimes of the group; in each, the last rank proposes only once
+    the test's stranger has tried to take its place (``go-1``, ``go-2``)."""
+    cpu_group = dist.new_group(backend="gloo")
+    counter = CollectiveCounter()
+    manager = _manager(cpu_group, group, target, local_ranks=world)
+    real = manager._transport
+    lifetimes = []
+    for lifetime in (1, 2):
+        if rank == world - 1:
+            manager._transport = _ProposeWhen(real, os.path.join(directory, f"go-{lifetime}"))
+        records = run_layers(
+            manager, [nvfp4_layer("model.layers.0.mlp")], counter, check_numerics=True
+        )
+        lifetimes.append(
+            {
+                "records": records,
+                "proof_calls": [c for c in records[0]["dist_calls"] if c == "broadcast"],
+            }
+        )
+        manager.cleanup()
+        manager._transport = real
+    return {"lifetimes": lifetimes}

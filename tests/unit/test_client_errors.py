@@ -56,7 +56,7 @@ def _rpc_error(channel: grpc.Channel, code: str) -> grpc.RpcError:
         ("DEADLINE_EXCEEDED", errors.RoundTimedOut),
         ("ABORTED", errors.RoundAborted),
         ("UNAVAILABLE", errors.CoordinatorUnavailable),
-        ("PERMISSION_DENIED", errors.AdminDisabled),
+        ("PERMISSION_DENIED", errors.PermissionDenied),
         ("INTERNAL", errors.InternalError),
         ("CANCELLED", errors.CoordinatorUnavailable),
         ("UNIMPLEMENTED", errors.InternalError),

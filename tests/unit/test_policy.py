@@ -279,9 +279,10 @@ def test_ranks_disagreeing_inside_a_round(other: Requirement, needle: str) -> No
 
 
 def test_a_growth_out_of_range_is_refused_and_never_stored() -> None:
-    # Each layer is valid alone; their union derives more than 1 TiB per rank.
+    # Each layer is valid alone (and under the workspace ceiling); their
+    # union derives more than 1 TiB per rank.
     wide = Requirement(caps(tokens=64, dispatch=limits.MAX_BYTES_PER_TOKEN), "wide")
-    long = Requirement(caps(tokens=limits.MAX_TOKENS // 4, dispatch=100), "long")
+    long = Requirement(caps(tokens=limits.MAX_TOKENS // 32, dispatch=100), "long")
     state, _ = run_sequence([wide])
     before = state.plan
     state, refusal, _ = run_round(state, 2, [long, long])

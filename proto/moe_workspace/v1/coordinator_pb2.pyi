@@ -80,6 +80,11 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     and was joined into the group's plan (or, at a later epoch, replaced it).
     (10: 8 and 9 are taken on main by GROUP_REMOVED and RANK_LEFT.)
     """
+    EVENT_KIND_PROOF_REFUSED: _EventKind.ValueType  # 11
+    """A proposal or a commit was refused because its group proof does not
+    match the proof of the group's ranks (or a rank holding the majority
+    proof took its slot back from it).
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -104,6 +109,11 @@ EVENT_KIND_PLAN_MERGED: EventKind.ValueType  # 10
 """A plan decided on another node arrived through the cluster store (etcd)
 and was joined into the group's plan (or, at a later epoch, replaced it).
 (10: 8 and 9 are taken on main by GROUP_REMOVED and RANK_LEFT.)
+"""
+EVENT_KIND_PROOF_REFUSED: EventKind.ValueType  # 11
+"""A proposal or a commit was refused because its group proof does not
+match the proof of the group's ranks (or a rank holding the majority
+proof took its slot back from it).
 """
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
@@ -190,6 +200,7 @@ class ProposeRequest(_message.Message):
     LIFETIME_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     REQUIREMENT_FIELD_NUMBER: _builtins.int
+    GROUP_PROOF_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """EP group name: model identity + parallel layout + pipeline stage,
     e.g. "deepseek-v3:fp4/tp1-ep8/pp0".
@@ -202,6 +213,14 @@ class ProposeRequest(_message.Message):
     """Random id of the rank's process lifetime; a new id starts at round 1."""
     round: _builtins.int
     """1-based: the n-th initialize() call of this rank in this lifetime."""
+    group_proof: _builtins.str
+    """A secret the ranks of the EP group agreed over their CPU group before
+    their first proposal (rank 0 draws it), the same for every rank of one
+    lifetime of the group. Rounds close only when every local rank proposed
+    with one proof; a proposal whose proof does not match is refused with
+    PERMISSION_DENIED. The sidecar keeps only its digest. Empty: no proof (a
+    client older than the field), which is a proof of its own.
+    """
     @_builtins.property
     def requirement(self) -> Global___Requirement: ...
     def __init__(
@@ -214,10 +233,11 @@ class ProposeRequest(_message.Message):
         lifetime: _builtins.str = ...,
         round: _builtins.int = ...,
         requirement: Global___Requirement | None = ...,
+        group_proof: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requirement", b"requirement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "group", b"group", "lifetime", b"lifetime", "local_ranks", b"local_ranks", "requirement", b"requirement", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "group", b"group", "group_proof", b"group_proof", "lifetime", b"lifetime", "local_ranks", b"local_ranks", "requirement", b"requirement", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -302,12 +322,17 @@ class CommitRequest(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
     BUILD_SECONDS_FIELD_NUMBER: _builtins.int
+    GROUP_PROOF_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     ep_rank: _builtins.int
     lifetime: _builtins.str
     round: _builtins.int
     """The round after which the rank built."""
     build_seconds: _builtins.float
+    group_proof: _builtins.str
+    """The group proof the rank proposed with (see ProposeRequest.group_proof);
+    a commit with another one is refused with PERMISSION_DENIED.
+    """
     @_builtins.property
     def plan(self) -> Global___Plan:
         """What the rank holds now (after agreement across nodes, when any)."""
@@ -321,10 +346,11 @@ class CommitRequest(_message.Message):
         round: _builtins.int = ...,
         plan: Global___Plan | None = ...,
         build_seconds: _builtins.float = ...,
+        group_proof: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_seconds", b"build_seconds", "ep_rank", b"ep_rank", "group", b"group", "lifetime", b"lifetime", "plan", b"plan", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_seconds", b"build_seconds", "ep_rank", b"ep_rank", "group", b"group", "group_proof", b"group_proof", "lifetime", b"lifetime", "plan", b"plan", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -752,6 +778,7 @@ class Group(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     RESTARTING_RANKS_FIELD_NUMBER: _builtins.int
     LAST_ACTIVITY_FIELD_NUMBER: _builtins.int
+    REFUSED_PROPOSALS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -767,6 +794,8 @@ class Group(_message.Message):
     """Ranks that began new lifetimes and wait until every local rank has
     restarted; the running lifetime goes on meanwhile.
     """
+    refused_proposals: _builtins.int
+    """Proposals and commits refused because their group proof did not match."""
     @_builtins.property
     def plan(self) -> Global___Plan:
         """The stored plan (the union over every lifetime since the last reset);
@@ -797,10 +826,11 @@ class Group(_message.Message):
         history: _abc.Iterable[Global___Growth] | None = ...,
         restarting_ranks: _builtins.int = ...,
         last_activity: _timestamp_pb2.Timestamp | None = ...,
+        refused_proposals: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

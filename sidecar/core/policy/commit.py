@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from moe_sidecar.core import limits
 from moe_sidecar.core.cluster import MAX_HISTORY
 from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Step
 from moe_sidecar.core.errors import PreconditionFailed
@@ -11,7 +12,8 @@ from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Growth, R
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import EpochPlan, ShapeMismatch, join, join_epoch_plans
 from moe_sidecar.core.policy.events import group_event
-from moe_sidecar.core.policy.rounds import with_rank
+from moe_sidecar.core.policy.proof import mismatch_text, proof_text
+from moe_sidecar.core.policy.rounds import refuse_proof, with_rank
 from moe_sidecar.core.policy.validation import validate_commit
 
 __all__ = ["commit"]
@@ -106,7 +108,14 @@ def _absorb(state: GroupState, c: CommitRecord, now: float, node: str) -> GroupS
     )
 
 
-def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") -> Step:
+def commit(
+    state: GroupState,
+    c: CommitRecord,
+    now: float,
+    *,
+    node: str = "",
+    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+) -> Step:
     """Records the plan a rank holds after building and passing the barrier.
 
     The plan must be the one decided for that round. A group that spans
@@ -116,13 +125,23 @@ def commit(state: GroupState, c: CommitRecord, now: float, *, node: str = "") ->
     epoch another node decided in), and it is joined into the stored plan,
     so a warm restart of this node starts from what the whole group held.
 
+    A commit whose group proof is not the lifetime's gets a PERMISSION_DENIED
+    refusal as the step's reply (counted and published; nothing else changes).
+
     Raises:
-        InvalidArgument: a malformed field (state unchanged).
+        InvalidArgument: a malformed field, or a plan above the per-rank
+            workspace ``ceiling`` (state unchanged).
         PreconditionFailed: the rank, lifetime or round has no decision, the
             plan does not match it, or (across nodes) it cannot join the
             group's plan of its epoch, of another shape (state unchanged).
     """
-    validate_commit(state, c)
+    validate_commit(state, c, ceiling)
+    _committed_decision(state, c)
+    if c.proof != state.proof:
+        why = f"the group's lifetime {state.lifetime_index} runs with proof {proof_text(state.proof or '')}"
+        return refuse_proof(
+            state, c.ep_rank, c.round, mismatch_text(state.name, c.ep_rank, c.proof, why), now
+        )
     spans_nodes = state.ep_size > state.local_ranks
     _check_matches_decision(state, c, spans_nodes=spans_nodes)
     record = state.rank(c.ep_rank)

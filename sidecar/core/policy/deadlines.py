@@ -9,6 +9,7 @@ from moe_sidecar.core.effects import EventKind, Step
 from moe_sidecar.core.errors import ErrorCode
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
+from moe_sidecar.core.policy.restart import restart_layout
 from moe_sidecar.core.policy.rounds import record_outcome, round_closed
 
 __all__ = ["expire", "resume"]
@@ -54,7 +55,7 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
     running = [r for r in state.current_ranks() if r.ep_rank not in present]
     message = (
         f"the restart of group {state.name!r} timed out after "
-        f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {state.local_ranks} "
+        f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {restart_layout(state)} "
         f"local ranks began a new lifetime (ranks {present}); a new lifetime begins only "
         "when every local rank of the group restarts, and the running lifetime's "
         + ("; ".join(missing_text(running)) or "ranks")

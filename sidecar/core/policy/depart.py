@@ -8,7 +8,14 @@ from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
 from moe_sidecar.core.errors import ErrorCode
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import gone_text, group_event
-from moe_sidecar.core.policy.rounds import record_outcome, round_closed, with_proposal, with_rank
+from moe_sidecar.core.policy.proof import single_proof
+from moe_sidecar.core.policy.rounds import (
+    record_outcome,
+    round_closed,
+    with_proposal,
+    with_rank,
+    without_proposal,
+)
 
 __all__ = ["depart"]
 
@@ -45,6 +52,22 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
         or record.left
     ):
         return None
+    rnd = state.open_round
+    if (
+        state.proof is None
+        and rnd is not None
+        and rnd.proposal_of(ep_rank) is not None
+        and not single_proof(rnd)
+    ):
+        # A rank of a round that holds two proofs is not known to be one of
+        # the group's ranks: its going withdraws its proposal and its place,
+        # and the round goes on (a stranger leaving must not fail it).
+        state = replace(
+            state,
+            open_round=without_proposal(rnd, ep_rank),
+            ranks=tuple(r for r in state.ranks if r.ep_rank != ep_rank),
+        )
+        return Step(state, effects=(Persist(), Deadline(state.next_deadline())))
     record = replace(record, left=why, last_seen=now)
     state = with_rank(state, record)
     left = Publish(

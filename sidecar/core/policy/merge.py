@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from moe_sidecar.core import limits
 from moe_sidecar.core.cluster import (
     ClusterPlan,
     LayoutMismatch,
     check_cluster_plan,
+    check_cluster_plan_ceiling,
     cluster_plan_of,
     covers,
     join_cluster_plans,
@@ -36,7 +38,14 @@ from moe_sidecar.core.policy.rounds import new_group
 __all__ = ["merge"]
 
 
-def merge(state: GroupState | None, remote: ClusterPlan, now: float, *, node: str = "") -> Step:
+def merge(
+    state: GroupState | None,
+    remote: ClusterPlan,
+    now: float,
+    *,
+    node: str = "",
+    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+) -> Step:
     """Merges a group's plan decided elsewhere (another node, the cluster store).
 
     ``state`` is None for a group this node has never seen. The group's
@@ -56,12 +65,14 @@ def merge(state: GroupState | None, remote: ClusterPlan, now: float, *, node: st
 
     Raises:
         InvalidArgument: a field of ``remote`` is out of range (it is
-            untrusted input).
+            untrusted input), or its plan is above the per-rank workspace
+            ``ceiling``.
         PreconditionFailed: ``remote`` has another ``ep_size``, a plan of
             another ``top_k``/``num_experts`` in the same epoch, or one whose
             join with the group's would leave the ranges.
     """
     check_cluster_plan(remote)
+    check_cluster_plan_ceiling(remote, ceiling)
     if state is None:
         state = new_group(remote.name, remote.ep_size, remote.ep_size)
     local = cluster_plan_of(state)

@@ -6,22 +6,45 @@ round closes when every local rank of the group has proposed it, and every
 one of them gets the same outcome; a retried proposal for a closed round
 gets the same outcome back. The stored plan outlives process lifetimes, so
 round 1 of a restart starts from the historical union.
+
+Which proposals a round takes is the group proof's rule (:mod:`.proof`).
+
+A group's layout on this node (``local_ranks``) belongs to its running
+lifetime. A new lifetime with fewer local ranks is refused (one stranger
+with ``local_ranks=1`` may not end a group's lifetime); one with more local
+ranks is collected as a restart, and when every one of its local ranks has
+proposed with one proof it takes the group over (the real ranks taking back
+a group squatted first with fewer ranks). Such a takeover does not inherit
+the stored plan: a new epoch begins, as after a reset, so nothing the
+earlier lifetime grew is built by the new one (the generation counter goes
+on, generations are never reused).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from moe_sidecar.core import limits
 from moe_sidecar.core.effects import Deadline, Effect, Persist, Step, Wait
 from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted
 from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.core.policy.events import gone_text, lifetime_started
+from moe_sidecar.core.policy.proof import (
+    Verdict,
+    closing_proof,
+    contest,
+    mismatch_text,
+    proof_text,
+    single_proof,
+)
 from moe_sidecar.core.policy.restart import join_restart
 from moe_sidecar.core.policy.rounds import (
     decide_round,
+    displace,
     new_group,
+    refuse_proof,
     refuse_round,
     why_cannot_join,
     with_proposal,
@@ -80,6 +103,17 @@ def _first_lifetime(state: GroupState, p: Proposal, now: float) -> _Admitted:
     return _Admitted(state, record, (Persist(), lifetime_started(state, p, now)))
 
 
+def _held_by_other_proof(state: GroupState, p: Proposal) -> bool:
+    """Whether ``p``'s slot in the running lifetime's open round is held by a
+    proposal of another proof while the lifetime has no proof yet: then
+    ``p`` contests the slot in that round instead of starting a restart."""
+    rnd = state.open_round
+    if state.proof is not None or rnd is None or rnd.number != 1:
+        return False
+    holder = rnd.proposal_of(p.ep_rank)
+    return holder is not None and holder.proof != p.proof
+
+
 def _admit_new_lifetime(
     state: GroupState,
     p: Proposal,
@@ -87,6 +121,7 @@ def _admit_new_lifetime(
     now: float,
     round_timeout: float,
     node: str,
+    ceiling: int,
 ) -> _Admitted | Step:
     """A proposal from a lifetime the group has not seen for this rank.
 
@@ -104,16 +139,22 @@ def _admit_new_lifetime(
         )
     if state.lifetime_index == 0:
         return _first_lifetime(state, p, now)
-    if p.local_ranks != state.local_ranks:
+    if p.local_ranks < state.local_ranks:
         raise PreconditionFailed(
             f"group {p.group!r} runs with local_ranks={state.local_ranks} on this node; a new "
-            f"lifetime of rank {p.ep_rank} with local_ranks={p.local_ranks} is refused (it may "
-            "not end the group's lifetime); use a group name for the new layout, or remove "
-            "the group (an admin call) first"
+            f"lifetime of rank {p.ep_rank} with local_ranks={p.local_ranks} is refused (fewer "
+            "local ranks may not end the group's lifetime); use a group name for the new "
+            "layout, or remove the group (an admin call) first"
         )
+    if p.local_ranks > state.local_ranks:
+        # More local ranks than the running lifetime: a takeover, complete
+        # only once every one of them proposed with one proof.
+        return join_restart(state, p, now, round_timeout, node, ceiling)
     taken = record is not None and record.lifetime_index == state.lifetime_index
+    if taken and _held_by_other_proof(state, p):
+        taken = False
     if taken or not _accepts_newcomers(state):
-        return join_restart(state, p, now, round_timeout, node)
+        return join_restart(state, p, now, round_timeout, node, ceiling)
     if state.last_closed_round == 1:
         # Round 1 of this lifetime was refused before this rank arrived: it
         # is part of the same start and shares the refusal.
@@ -124,12 +165,21 @@ def _admit_new_lifetime(
     return _Admitted(state, joined, ())
 
 
-def _admit_known(state: GroupState, p: Proposal, record: RankRecord) -> _Admitted | Step:
+def _admit_known(
+    state: GroupState, p: Proposal, record: RankRecord, now: float
+) -> _Admitted | Step:
     """A proposal from the lifetime the group already knows for this rank."""
     if record.lifetime_index != state.lifetime_index:
         raise RoundAborted(
             f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {short_id(p.lifetime)}, "
             "which ended when other ranks of the group restarted; restart this rank"
+        )
+    if state.proof is not None and p.proof != state.proof:
+        why = (
+            f"the group's lifetime {state.lifetime_index} runs with proof {proof_text(state.proof)}"
+        )
+        return refuse_proof(
+            state, p.ep_rank, p.round, mismatch_text(p.group, p.ep_rank, p.proof, why), now
         )
     _check_local_ranks(state, p)
     if p.round <= state.last_closed_round:
@@ -156,12 +206,31 @@ def _admit_known(state: GroupState, p: Proposal, record: RankRecord) -> _Admitte
 
 
 def _join_round(
-    admitted: _Admitted, p: Proposal, now: float, round_timeout: float, node: str
+    admitted: _Admitted, p: Proposal, now: float, round_timeout: float, node: str, ceiling: int
 ) -> Step:
-    """Adds an admitted proposal to its round; closes the round when it is complete."""
+    """Adds an admitted proposal to its round (by the proof's rule); closes
+    the round when every local slot holds one proof's proposals."""
     state, effects = admitted.state, admitted.effects
-    rnd = state.open_round or OpenRound(number=p.round, opened_at=now, deadline=now + round_timeout)
+    rnd = state.open_round or OpenRound(
+        number=p.round, opened_at=now, deadline=now + round_timeout, first_proof=p.proof
+    )
     earlier = rnd.proposal_of(p.ep_rank)
+    # Once the lifetime's proof is fixed every admitted proposal carries it
+    # (rule 2): no contest, and the round closes on its count alone.
+    contested = state.proof is None and (
+        (earlier is not None and earlier.proof != p.proof) or (earlier is None and rnd.proposals)
+    )
+    if contested:
+        verdict = contest(rnd, p, state.local_ranks)
+        if verdict.verdict is Verdict.REFUSE:
+            message = mismatch_text(p.group, p.ep_rank, p.proof, verdict.reason)
+            return refuse_proof(state, p.ep_rank, p.round, message, now)
+        if verdict.displaced is not None:
+            state, rnd, displaced = displace(
+                state, rnd, state.lifetime_index, verdict.displaced, p, now
+            )
+            effects = (*effects, *displaced)
+            earlier = None
     if earlier is not None:
         if earlier.requirement != p.requirement:
             raise PreconditionFailed(
@@ -184,10 +253,18 @@ def _join_round(
         return refuse_round(state, rnd, p, message, now, effects, code=ErrorCode.ABORTED)
     conflict = why_cannot_join(state, rnd, p)
     if conflict is not None:
+        if not single_proof(with_proposal(rnd, p)):
+            # Beside another proof's proposals, a conflict refuses only its maker.
+            raise PreconditionFailed(conflict)
         return refuse_round(state, rnd, p, conflict, now, effects)
 
     rnd = with_proposal(rnd, p)
-    if len(rnd.proposals) < state.local_ranks:
+    full = (
+        len(rnd.proposals) >= state.local_ranks
+        if state.proof is not None
+        else closing_proof(rnd, state.local_ranks) is not None
+    )
+    if not full:
         opens = state.open_round is None
         state = replace(state, open_round=rnd)
         return Step(
@@ -195,42 +272,54 @@ def _join_round(
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
-    return decide_round(state, rnd, p, now, effects, node)
+    return decide_round(state, rnd, p, now, effects, node, ceiling)
 
 
 def propose(
-    state: GroupState | None, p: Proposal, now: float, round_timeout: float, *, node: str = ""
+    state: GroupState | None,
+    p: Proposal,
+    now: float,
+    round_timeout: float,
+    *,
+    node: str = "",
+    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
 ) -> Step:
     """Applies one proposal to a group.
 
-    ``node`` names this node in the growth history (``--node-name``).
+    ``node`` names this node in the growth history (``--node-name``);
+    ``ceiling`` is the per-rank workspace ceiling in bytes
+    (``--max-workspace-bytes``): a proposal, or a decided plan, above it is
+    refused.
 
     ``state`` is None for a group this sidecar has never seen. The step's
     reply is :class:`~moe_sidecar.core.effects.Wait` when the round still misses
     ranks, else the round's outcome (a :class:`~moe_sidecar.core.group.Decision`
     or, when the round was refused for everyone, a
     :class:`~moe_sidecar.core.group.Refusal`); a retry of a closed round gets that
-    round's outcome and no effects.
+    round's outcome and no effects. A proposal whose group proof does not
+    match (:mod:`.proof`) gets a PERMISSION_DENIED refusal of its own, and
+    the round goes on without it.
 
     Raises:
-        InvalidArgument: a field is malformed (state unchanged).
+        InvalidArgument: a field is malformed, or the proposal's workspace is
+            above ``ceiling`` (state unchanged).
         PreconditionFailed: the proposal contradicts the group alone (wrong
             layout, out-of-sequence round, a retry that changed content);
             state unchanged.
         RoundAborted: the rank belongs to a lifetime the group has left.
     """
-    validate_proposal(p)
+    validate_proposal(p, ceiling)
     if state is None:
         state = new_group(p.group, p.ep_size, p.local_ranks)
     _check_layout(state, p)
     record = state.rank(p.ep_rank)
     if record is None or record.lifetime != p.lifetime:
-        admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node)
+        admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node, ceiling)
     else:
-        admitted = _admit_known(state, p, record)
+        admitted = _admit_known(state, p, record, now)
     if isinstance(admitted, Step):
         return admitted
     try:
-        return _join_round(admitted, p, now, round_timeout, node)
+        return _join_round(admitted, p, now, round_timeout, node, ceiling)
     except ShapeMismatch as error:  # pragma: no cover - why_cannot_join checks shapes first
         raise PreconditionFailed(f"group {p.group!r}: {error}") from error

@@ -3,12 +3,19 @@
 The proposals of a new lifetime's round 1 are collected apart (the group's
 ``pending`` round); the running lifetime is untouched until every local
 rank has joined, then it ends and round 1 of the next lifetime is decided.
+Which proposals the restart takes is the group proof's rule (:mod:`.proof`):
+it completes only when every local rank proposed with one proof.
+
+A restart with more local ranks than the running lifetime (its layout is
+the first proposal's) takes the group over (see :mod:`.propose`) and does not
+inherit the stored plan: a new epoch begins with none.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from moe_sidecar.core import limits
 from moe_sidecar.core.effects import (
     Answer,
     Deadline,
@@ -19,33 +26,79 @@ from moe_sidecar.core.effects import (
     Step,
     Wait,
 )
-from moe_sidecar.core.errors import ErrorCode, PreconditionFailed
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFailed
 from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import group_event, lifetime_started
+from moe_sidecar.core.policy.proof import (
+    Verdict,
+    closing_proof,
+    contest,
+    mismatch_text,
+    single_proof,
+)
 from moe_sidecar.core.policy.rounds import (
     decide_round,
+    displace,
+    refuse_proof,
     round_closed,
     why_cannot_join,
     with_proposal,
     with_rank,
 )
 
-__all__ = ["join_restart"]
+__all__ = ["join_restart", "restart_layout"]
+
+
+def restart_layout(state: GroupState) -> int:
+    """The local ranks the pending restart collects (its first proposal's),
+    or the running lifetime's when none is pending."""
+    if state.pending is not None and state.pending.proposals:
+        return state.pending.proposals[0].local_ranks
+    return state.local_ranks
 
 
 def join_restart(
-    state: GroupState, p: Proposal, now: float, round_timeout: float, node: str
+    state: GroupState,
+    p: Proposal,
+    now: float,
+    round_timeout: float,
+    node: str,
+    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
 ) -> Step:
     """Adds a new lifetime's round-1 proposal to the pending restart.
 
-    The running lifetime is untouched until every local rank has proposed
-    here; then it ends (its open round, if any, is aborted) and this round
-    is decided as round 1 of the next lifetime.
+    The running lifetime is untouched until every local rank of the
+    restart's layout has proposed here with one proof; then it ends (its
+    open round, if any, is aborted) and this round is decided as round 1 of
+    the next lifetime.
+
+    Raises:
+        PreconditionFailed: the restart collects another ``local_ranks``, two
+            lifetimes claim one rank with one proof, or a retry changed content.
     """
-    pending = state.pending or OpenRound(number=1, opened_at=now, deadline=now + round_timeout)
+    pending = state.pending or OpenRound(
+        number=1, opened_at=now, deadline=now + round_timeout, first_proof=p.proof
+    )
+    layout = pending.proposals[0].local_ranks if pending.proposals else p.local_ranks
+    if p.local_ranks != layout:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {p.group!r} begins a new lifetime with local_ranks="
+            f"{p.local_ranks}, but the group's restart collects local_ranks={layout}"
+        )
     index = state.lifetime_index + 1
+    effects: tuple[Effect, ...] = ()
     earlier = pending.proposal_of(p.ep_rank)
+    if (earlier is not None and earlier.proof != p.proof) or (
+        earlier is None and pending.proposals
+    ):
+        verdict = contest(pending, p, layout)
+        if verdict.verdict is Verdict.REFUSE:
+            message = mismatch_text(p.group, p.ep_rank, p.proof, verdict.reason)
+            return refuse_proof(state, p.ep_rank, 1, message, now)
+        if verdict.displaced is not None:
+            state, pending, effects = displace(state, pending, index, verdict.displaced, p, now)
+            earlier = None
     if earlier is not None:
         if earlier.lifetime != p.lifetime:
             raise PreconditionFailed(
@@ -59,24 +112,44 @@ def join_restart(
                 f"{p.requirement} after proposing {earlier.requirement}"
             )
         return Step(state, reply=Wait(index, 1, pending.deadline))
-    conflict = why_cannot_join(state, pending, p)
+    takeover = layout != state.local_ranks
+    conflict = why_cannot_join(state, pending, p, inherits=not takeover)
     if conflict is not None:
+        if not single_proof(with_proposal(pending, p)):
+            # Beside another proof's proposals, a conflict refuses only its maker.
+            raise PreconditionFailed(conflict)
         return _refuse_restart(state, pending, p, conflict, now)
     pending = with_proposal(pending, p)
-    if len(pending.proposals) < state.local_ranks:
+    if closing_proof(pending, layout) is None:
         state = replace(state, pending=pending)
         return Step(
             state,
             reply=Wait(index, 1, pending.deadline),
-            effects=(Deadline(state.next_deadline()),),
+            effects=(*effects, Deadline(state.next_deadline())),
         )
-    return _restart(state, pending, p, now, node)
+    return _restart(state, pending, p, now, node, ceiling, effects)
 
 
-def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float, node: str) -> Step:
+def _restart(
+    state: GroupState,
+    pending: OpenRound,
+    p: Proposal,
+    now: float,
+    node: str,
+    ceiling: int,
+    displaced: tuple[Effect, ...],
+) -> Step:
     """Every local rank began a new lifetime: the running one ends, round 1 of
-    the new one is decided."""
-    effects: list[Effect] = [Persist()]
+    the new one is decided. A new layout begins a new epoch without the
+    stored plan (it is not inherited; see :mod:`.propose`)."""
+    layout = pending.proposals[0].local_ranks
+    if layout != state.local_ranks:
+        try:
+            limits.check_count("epoch", state.epoch + 1, 0, limits.MAX_GENERATION)
+        except InvalidArgument as error:
+            return _refuse_restart(state, pending, p, error.message, now)
+        state = replace(state, epoch=state.epoch + 1, plan=None, history=(), local_ranks=layout)
+    effects: list[Effect] = [Persist(), *displaced]
     rnd = state.open_round
     if rnd is not None:
         message = (
@@ -97,6 +170,7 @@ def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float, nod
         closed=(),
         open_round=None,
         pending=None,
+        proof=pending.proposals[0].proof,
     )
     for q in pending.proposals:
         state = with_rank(
@@ -111,7 +185,7 @@ def _restart(state: GroupState, pending: OpenRound, p: Proposal, now: float, nod
             ),
         )
     effects.append(lifetime_started(state, p, now))
-    return decide_round(state, pending, p, now, tuple(effects), node)
+    return decide_round(state, pending, p, now, tuple(effects), node, ceiling)
 
 
 def _refuse_restart(

@@ -5,11 +5,14 @@ lifetime has built, whose layers still run); the decided plan is
 :func:`~moe_sidecar.core.plan.grow` of the stored plan by that need, and the
 action :func:`~moe_sidecar.core.plan.decide_action` of what the lifetime built.
 Another ``top_k``/``num_experts`` than the plan, ranks disagreeing in a round,
-or a growth out of range closes the round as refused for everyone.
+or a growth out of range (or above the per-rank workspace ceiling) closes the
+round as refused for everyone. Which proposals a round takes is
+:mod:`.proof`'s rule; a proposal refused by it leaves the round untouched.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from moe_sidecar.core import limits
@@ -17,6 +20,7 @@ from moe_sidecar.core.cluster import MAX_HISTORY
 from moe_sidecar.core.effects import (
     Answer,
     Deadline,
+    Dismiss,
     Effect,
     EventKind,
     GroupEvent,
@@ -36,19 +40,24 @@ from moe_sidecar.core.group import (
     RankRecord,
     Refusal,
 )
-from moe_sidecar.core.plan import Action, decide_action, grow, join_capacities
+from moe_sidecar.core.plan import Action, Capacities, decide_action, grow, join_capacities
 from moe_sidecar.core.policy.events import group_event, shape_origin, shape_text, who
+from moe_sidecar.core.policy.proof import proof_text
 
 __all__ = [
     "RETAINED_ROUNDS",
     "decide_round",
+    "displace",
     "new_group",
     "record_outcome",
+    "refuse_proof",
     "refuse_round",
     "round_closed",
+    "round_need",
     "why_cannot_join",
     "with_proposal",
     "with_rank",
+    "without_proposal",
 ]
 
 RETAINED_ROUNDS = 8
@@ -73,11 +82,40 @@ def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
         ShapeMismatch: ``p`` has another shape than the round (callers check first).
     """
     capacities = p.requirement.capacities
+    if rnd.need is None:
+        need = capacities
+    elif rnd.need.shape == capacities.shape:
+        need = join_capacities(rnd.need, capacities)
+    else:
+        # Another proof's proposal of another shape: it never joins this
+        # round's decision (round_need), so it does not join the need either.
+        need = rnd.need
     return replace(
         rnd,
         proposals=tuple(sorted((*rnd.proposals, p), key=lambda q: q.ep_rank)),
-        need=capacities if rnd.need is None else join_capacities(rnd.need, capacities),
+        need=need,
+        first_proof=rnd.first_proof if rnd.proposals else p.proof,
     )
+
+
+def without_proposal(rnd: OpenRound, ep_rank: int) -> OpenRound:
+    """``rnd`` without the proposal of ``ep_rank`` (its need rebuilt; the
+    proof that opened it kept)."""
+    rest = replace(rnd, proposals=(), need=None)
+    for q in rnd.proposals:
+        if q.ep_rank != ep_rank:
+            rest = with_proposal(rest, q)
+    return replace(rest, first_proof=rnd.first_proof)
+
+
+def round_need(rnd: OpenRound) -> Capacities:
+    """The join of the capacities of ``rnd``'s proposals (one proof, one
+    shape: a round closes only so).
+
+    Raises:
+        ShapeMismatch: proposals of different shapes (callers check first).
+    """
+    return functools.reduce(join_capacities, (q.requirement.capacities for q in rnd.proposals))
 
 
 def record_outcome(state: GroupState, outcome: Outcome) -> GroupState:
@@ -118,10 +156,19 @@ def round_closed(
     )
 
 
-def why_cannot_join(state: GroupState, rnd: OpenRound, p: Proposal) -> str | None:
-    """Why ``p`` cannot join ``rnd``, or None."""
+def why_cannot_join(
+    state: GroupState, rnd: OpenRound, p: Proposal, *, inherits: bool = True
+) -> str | None:
+    """Why ``p`` cannot join ``rnd``, or None.
+
+    ``p`` is compared with the proposals of its own proof (another proof's
+    layers are not its ranks'), and, when the round's plan starts from the
+    group's (``inherits``), with that plan's shape.
+    """
     need = p.requirement.capacities
     for q in rnd.proposals:
+        if q.proof != p.proof:
+            continue
         other = q.requirement.capacities
         if other.shape != need.shape:
             return (
@@ -138,7 +185,7 @@ def why_cannot_join(state: GroupState, rnd: OpenRound, p: Proposal) -> str | Non
                 f"layer {q.requirement.layer!r} but rank {p.ep_rank} is at layer "
                 f"{p.requirement.layer!r}; every rank must run the same layers in the same order"
             )
-    base = state.plan or state.built
+    base = (state.plan or state.built) if inherits else None
     if base is not None and base.capacities.shape != need.shape:
         stored = state.built is None
         return (
@@ -179,6 +226,57 @@ def refuse_round(
     return round_closed(state, state.lifetime_index, rnd, refusal, event, effects=effects)
 
 
+def refuse_proof(
+    state: GroupState, ep_rank: int, round_number: int, message: str, now: float
+) -> Step:
+    """The step that refuses one proposal or commit whose proof does not match
+    (PERMISSION_DENIED): nothing of the group's rounds changes; the refusal
+    is counted in the group and published. It persists nothing of its own:
+    the count rides along with the group's next write."""
+    state = replace(state, refused_proposals=state.refused_proposals + 1)
+    refusal = Refusal(round=round_number, code=ErrorCode.PERMISSION_DENIED, message=message)
+    event = group_event(
+        state, EventKind.PROOF_REFUSED, now, round=round_number, ep_rank=ep_rank, message=message
+    )
+    return Step(state, reply=refusal, effects=(Publish(event),))
+
+
+def displace(
+    state: GroupState,
+    rnd: OpenRound,
+    lifetime_index: int,
+    holder: Proposal,
+    taker: Proposal,
+    now: float,
+) -> tuple[GroupState, OpenRound, tuple[Effect, ...]]:
+    """``rnd`` without ``holder``, whose slot ``taker`` (of a proof holding
+    more slots) takes: the holder's call is answered PERMISSION_DENIED, the
+    refusal counted and published.
+
+    Returns the group counted, the round without the holder, and the effects."""
+    message = (
+        f"group {state.name!r} rank {holder.ep_rank}: the group proof does not match "
+        f"({proof_text(holder.proof)}): the rank's slot in round {rnd.number} was taken back by "
+        f"a proposal with proof {proof_text(taker.proof)}, which the rest of the round's ranks "
+        "hold; a process that is not one of the group's ranks cannot propose for it"
+    )
+    refusal = Refusal(round=rnd.number, code=ErrorCode.PERMISSION_DENIED, message=message)
+    state = replace(state, refused_proposals=state.refused_proposals + 1)
+    event = group_event(
+        state,
+        EventKind.PROOF_REFUSED,
+        now,
+        round=rnd.number,
+        ep_rank=holder.ep_rank,
+        message=message,
+    )
+    effects: tuple[Effect, ...] = (
+        Dismiss(lifetime_index, rnd.number, holder.lifetime, refusal),
+        Publish(event),
+    )
+    return state, without_proposal(rnd, holder.ep_rank), effects
+
+
 def _growth_cause(state: GroupState, rnd: OpenRound) -> Proposal:
     """The proposal a growth is told as caused by: the first whose layer the
     old plan missed."""
@@ -204,6 +302,8 @@ def _decided_state(
         history = (*history, growth)[-MAX_HISTORY:]
     return replace(
         record_outcome(state, decision),
+        # The lifetime's first decided round fixes its proof (one for every slot).
+        proof=rnd.proposals[0].proof if state.proof is None else state.proof,
         plan=plan,
         generation=plan.generation if decision.grew else state.generation,
         # REUSE keeps what the ranks hold, which may exceed the plan after a reset.
@@ -219,24 +319,36 @@ def decide_round(
     now: float,
     effects: tuple[Effect, ...],
     node: str,
+    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
 ) -> Step:
-    """Closes a round every local rank proposed with one decision for all."""
-    assert rnd.need is not None
+    """Closes a round every local rank proposed (with one proof) with one
+    decision for all.
+
+    A decided plan above ``ceiling`` workspace bytes per rank is never
+    answered, wherever it came from (this round's growth, a stored row, a
+    merge, a lowered ceiling): the round is refused, naming the ceiling.
+    """
+    round_need_ = round_need(rnd)
     # The lifetime's earlier layers still run on what it built: the plan
     # must keep serving them, whatever a reset or another node did since.
-    need = rnd.need if state.built is None else join_capacities(rnd.need, state.built.capacities)
+    need = (
+        round_need_ if state.built is None else join_capacities(round_need_, state.built.capacities)
+    )
     plan = grow(state.plan, need, epoch=state.epoch, last_generation=state.generation)
     grew = plan is not state.plan
     cause = _growth_cause(state, rnd)
-    if grew:
-        try:
+    try:
+        if grew:
             limits.check_plan("plan", plan, state.ep_size)
-        except InvalidArgument as error:
-            message = (
-                f"round {rnd.number} of group {state.name!r}: {who(cause)} would grow the plan "
-                f"out of range ({error.message}); nothing was stored"
-            )
-            return refuse_round(state, rnd, p, message, now, effects)
+        limits.check_workspace_ceiling("plan", plan.capacities, state.ep_size, ceiling)
+    except InvalidArgument as error:
+        what = "would grow the plan" if grew else "needs the stored plan, which is"
+        message = (
+            f"round {rnd.number} of group {state.name!r}: {who(cause)} {what} out of range "
+            f"({error.message}); nothing was stored"
+            + ("" if grew else "; ResetGroup forgets the stored plan")
+        )
+        return refuse_round(state, rnd, p, message, now, effects)
     action = decide_action(state.built, plan)
     layer = rnd.proposals[0].requirement.layer
     decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)

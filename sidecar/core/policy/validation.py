@@ -17,11 +17,12 @@ def validate_group_name(group: str) -> None:
     limits.check_name("group", group, allow_empty=False)
 
 
-def validate_proposal(p: Proposal) -> None:
-    """Checks every field of a proposal before it touches any state.
+def validate_proposal(p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES) -> None:
+    """Checks every field of a proposal before it touches any state, and its
+    workspace against the per-rank ``ceiling``.
 
     Raises:
-        InvalidArgument: naming the first bad field and its value.
+        InvalidArgument: naming the first bad field and its value (or the ceiling).
     """
     validate_group_name(p.group)
     limits.check_count("ep_size", p.ep_size, 1, limits.MAX_EP_SIZE, limits.EP_SIZE_REASON)
@@ -31,16 +32,25 @@ def validate_proposal(p: Proposal) -> None:
     limits.check_count("round", p.round, 1, limits.MAX_ROUND, "rounds count from 1")
     limits.check_capacities("requirement.capacities", p.requirement.capacities, p.ep_size)
     limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
+    limits.check_name("group_proof", p.proof, allow_empty=True)
+    limits.check_workspace_ceiling(
+        "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling
+    )
 
 
-def validate_commit(state: GroupState, c: CommitRecord) -> None:
-    """Checks every field of a commit to ``state`` before it touches it.
+def validate_commit(
+    state: GroupState, c: CommitRecord, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES
+) -> None:
+    """Checks every field of a commit to ``state`` before it touches it, and
+    its plan's workspace against the per-rank ``ceiling``.
 
     Raises:
-        InvalidArgument: naming the first bad field and its value.
+        InvalidArgument: naming the first bad field and its value (or the ceiling).
     """
     limits.check_count("ep_rank", c.ep_rank, 0, state.ep_size - 1, f"ep_size is {state.ep_size}")
     limits.check_name("lifetime", c.lifetime, allow_empty=False)
     limits.check_count("round", c.round, 1, limits.MAX_ROUND, "rounds count from 1")
     limits.check_plan("plan", c.plan, state.ep_size)
     limits.check_seconds("build_seconds", c.build_seconds)
+    limits.check_name("group_proof", c.proof, allow_empty=True)
+    limits.check_workspace_ceiling("plan.capacities", c.plan.capacities, state.ep_size, ceiling)

@@ -1,0 +1,106 @@
+"""The group proof with real rank processes: 4 ranks (reference backend, gloo)
+share a secret at each lifetime's first initialize() and send it with every
+proposal and commit; a stranger in the test process, who watches GetGroup and
+proposes for the rank that has not proposed yet with a lifetime of its own,
+is refused PERMISSION_DENIED in the group's first lifetime and in its
+restart, and the real ranks build their own plan."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from moe_workspace.v1 import coordinator_pb2 as pb
+from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.multiprocess import workers
+from tests.multiprocess.harness import Sidecar, run_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.attack, pytest.mark.timeout(180)]
+
+RANKS = 4
+GROUP = "proof-test:fp4/tp1-ep4/pp0"
+
+
+def _stranger_tries(sidecar: Sidecar, lifetime: int, counted: str) -> str:
+    """Waits until three ranks wait (``counted``: ``waiting_ranks`` in a first
+    lifetime, ``restarting_ranks`` in a restart), then proposes as rank 3
+    with its own lifetime and a huge layer; returns the status it got."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if getattr(sidecar.get_group(GROUP), counted) == RANKS - 1:
+                break
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        assert time.monotonic() < deadline, f"three ranks never {counted}"
+        time.sleep(0.01)  # the poll interval of a wait with a deadline
+    request = pb.ProposeRequest(
+        group=GROUP,
+        ep_size=RANKS,
+        ep_rank=RANKS - 1,
+        local_ranks=RANKS,
+        lifetime=f"stranger-{lifetime}-with-its-own-lifetime",
+        round=1,
+        requirement=pb.Requirement(
+            capacities=pb.Capacities(
+                max_tokens=1 << 20,
+                dispatch_bytes_per_token=1 << 12,
+                combine_bytes_per_token=512,
+                top_k=workers.TOP_K,
+                num_experts=workers.NUM_EXPERTS,
+            )
+        ),
+        group_proof="a-guess-at-the-group-proof",
+    )
+    with grpc.insecure_channel(sidecar.target) as channel:
+        stub = pb_grpc.WorkspaceCoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Propose(request, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value.details()
+    details = str(caught.value.details())
+    assert f"group {GROUP!r} rank 3: the group proof does not match" in details
+    return details
+
+
+def test_real_ranks_share_a_proof_and_a_stranger_is_refused(
+    sidecar: Sidecar, tmp_path: Path
+) -> None:
+    import threading
+
+    directory = tmp_path / "go"
+    directory.mkdir()
+    outcomes: dict[int, str] = {}
+
+    def stranger() -> None:
+        for lifetime, counted in ((1, "waiting_ranks"), (2, "restarting_ranks")):
+            outcomes[lifetime] = _stranger_tries(sidecar, lifetime, counted)
+            (directory / f"go-{lifetime}").touch()
+
+    thread = threading.Thread(target=stranger, daemon=True)
+    thread.start()
+    results = run_ranks(
+        workers.group_proof_worker,
+        RANKS,
+        timeout=120,
+        tmp_path=tmp_path / "ranks",
+        args=(sidecar.target, GROUP, str(directory)),
+        envs=[{"MOE_SIDECAR_TARGET": sidecar.target}] * RANKS,
+    )
+    thread.join(timeout=10)
+    assert set(outcomes) == {1, 2}
+    own = workers.layer_capacities(RANKS, workers.nvfp4_layer("x")).workspace_bytes(RANKS)
+    for rank, result in enumerate(results):
+        for lifetime in result["lifetimes"]:
+            (record,) = lifetime["records"]
+            # One broadcast per lifetime shares the proof, counted by the manager.
+            assert lifetime["proof_calls"] == ["broadcast"], rank
+            assert record["delta"]["builds"] == 1 and record["workspace_size"] == own, rank
+            assert record["max_error"] == 0.0, rank
+    group = sidecar.get_group(GROUP)
+    assert group.lifetimes == 2 and group.refused_proposals == 2
+    assert group.plan.workspace_bytes == own
+    assert [r.committed_generation for r in group.ranks] == [1] * RANKS
