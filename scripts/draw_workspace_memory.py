@@ -3,13 +3,15 @@
 DeepSeek-V3 (hidden 7168, top_k 8, 256 experts; 58 NVFP4 MoE layers, then the
 bf16 MTP layer) at 8,192 tokens per rank, two ways:
 
-* computed, for every EP size: FlashInfer's workspace formula through the
-  project's own pure-Python sizing (:func:`moe_sidecar.client.sizing.layer_capacities`
-  per layer, :func:`moe_sidecar.core.plan.join_capacities` for the union,
-  :func:`moe_sidecar.client.sizing.workspace_size_per_rank` for the bytes).
-  vLLM 0.33 keeps the NVFP4 workspace mapped after it builds the bf16 one
-  (FlashInfer's class-level cache), so it holds both; moe-sidecar holds the
-  union only;
+* computed, for every EP size: ``moe-sidecar size``'s own answer
+  (:func:`moe_sidecar.client.size.answer.plan_sizes` read through
+  :func:`moe_sidecar.client.size.command.answer_as_json`, the object
+  ``moe-sidecar size --json`` prints) for FlashInfer 0.7.2.post1, vLLM 0.33's
+  release, with ``--dispatch nvfp4 --dispatch bf16``: so the picture and the
+  command cannot disagree. vLLM 0.33 keeps the NVFP4 workspace mapped after it
+  builds the bf16 one (FlashInfer's class-level cache), so it holds both (the
+  answer's ``kept_superseded_bytes_per_rank``); moe-sidecar holds the union
+  only (``workspace_bytes_per_rank``);
 * measured, at EP 2 on 2 x H200: the device memory each side held after the
   growth (``cudaMemGetInfo``; FlashInfer allocates in 2 MiB steps), read from
   ``bench/results/gpu/vllm-memory.json`` (``python bench/vllm_gpu_bench.py``).
@@ -27,8 +29,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_sidecar.client.sizing import layer_capacities, workspace_size_per_rank
-from moe_sidecar.core.plan import Capacities, join_capacities
+from moe_sidecar.client.size.answer import plan_sizes
+from moe_sidecar.client.size.command import answer_as_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "bench" / "results" / "gpu" / "vllm-memory.json"
@@ -40,40 +42,38 @@ NUM_EXPERTS = 256
 TOKENS = 8192
 EP_SIZES = (2, 4, 8, 16, 32, 64)
 MiB = 2**20
+RELEASE = "0.7.2.post1"
+"""vLLM 0.33's FlashInfer, the release the GPU run measured."""
+LAYER_KINDS = ("nvfp4", "bf16")
+"""The NVFP4 MoE layers first, then the bf16 MTP layer: the order vLLM builds them."""
 
 
 @dataclass(frozen=True)
 class Computed:
-    """Workspace bytes per GPU at one EP size."""
+    """Workspace bytes per GPU at one EP size, as ``moe-sidecar size --json`` answers."""
 
     ep: int
     nvfp4: int
-    """The first MoE layer's workspace (NVFP4 rows)."""
+    """The first MoE layer's workspace (NVFP4 rows): the answer's first ``layers`` entry."""
     union: int
-    """The workspace that serves every layer (the bf16 MTP layer's rows)."""
-
-    @property
-    def vllm(self) -> int:
-        """vLLM 0.33 keeps the superseded NVFP4 workspace beside the union."""
-        return self.nvfp4 + self.union
-
-
-def _bytes(ep: int, capacities: Capacities) -> int:
-    return workspace_size_per_rank(
-        ep,
-        capacities.max_tokens,
-        capacities.dispatch_bytes_per_token,
-        capacities.combine_bytes_per_token,
-        capacities.eplb_experts,
-    )
+    """The workspace that serves every layer: ``workspace_bytes_per_rank``."""
+    vllm: int
+    """vLLM 0.33 keeps the superseded NVFP4 workspace beside the union:
+    ``kept_superseded_bytes_per_rank``."""
 
 
 def computed(ep: int, tokens: int = TOKENS) -> Computed:
-    """DeepSeek-V3's two layer kinds at ``ep`` ranks, sized by the project's code."""
-    # NVFP4: hidden/2 bytes of values and hidden/16 of scales per token; bf16: 2*hidden.
-    nvfp4 = layer_capacities(ep, tokens, TOP_K, NUM_EXPERTS, HIDDEN, HIDDEN // 2, HIDDEN // 16)
-    mtp = layer_capacities(ep, tokens, TOP_K, NUM_EXPERTS, HIDDEN, 2 * HIDDEN, 0)
-    return Computed(ep, _bytes(ep, nvfp4), _bytes(ep, join_capacities(nvfp4, mtp)))
+    """DeepSeek-V3's two layer kinds at ``ep`` ranks, in ``moe-sidecar size``'s answer."""
+    answer = answer_as_json(
+        plan_sizes(RELEASE, ep, tokens, HIDDEN, TOP_K, NUM_EXPERTS, LAYER_KINDS)
+    )
+    first = answer["layers"][0]  # the answer keeps --dispatch order: NVFP4 first
+    return Computed(
+        ep,
+        nvfp4=first["workspace_bytes_per_rank"],
+        union=answer["workspace_bytes_per_rank"],
+        vllm=answer["kept_superseded_bytes_per_rank"],
+    )
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def draw(out: Path) -> None:
     figure.text(
         0.01,
         0.01,
-        "computed: FlashInfer 0.7.2.post1's workspace formula (moe_sidecar.client.sizing); "
+        "computed: moe-sidecar size --flashinfer 0.7.2.post1 --dispatch nvfp4 --dispatch bf16; "
         "measured: cudaMemGetInfo, bench/vllm_gpu_bench.py",
         fontsize=7,
         color="#555555",

@@ -112,6 +112,8 @@ def _exported_limits(config: SidecarConfig) -> dict[str, float]:
     for name in LISTENER_TIMEOUT_FIELDS:
         limits[name.removesuffix("_timeout") + "_seconds"] = getattr(config, name)
     limits["workspace_bytes"] = config.max_workspace_bytes
+    # Checked apart from LIMIT_FIELDS (0 is allowed: merge no group a local rank did not use).
+    limits["merged_groups"] = config.max_merged_groups
     return limits
 
 

@@ -267,6 +267,7 @@ def test_every_listener_bound_is_exported_as_a_limit(tmp_path: Path) -> None:
         *("--max-listener-connections", "11", "--max-health-connections", "12"),
         *("--max-metrics-connections", "13", "--max-queued-rpcs", "14"),
         *("--idle-connection-timeout", "15", "--metrics-request-timeout", "16"),
+        *("--max-merged-groups", "17"),
     ) as sidecar:
         text = _scrape(sidecar["metrics"])
     exported = {
@@ -278,9 +279,10 @@ def test_every_listener_bound_is_exported_as_a_limit(tmp_path: Path) -> None:
             "queued_rpcs",
             "idle_connection_seconds",
             "metrics_request_seconds",
+            "merged_groups",
         )
     }
-    assert list(exported.values()) == [11, 12, 13, 14, 15, 16], exported
+    assert list(exported.values()) == [11, 12, 13, 14, 15, 16, 17], exported
 
 
 # --- metrics: idle sockets cannot keep scrapes out ----------------------------------

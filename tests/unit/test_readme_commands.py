@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,22 @@ def test_every_relative_link_of_the_docs_resolves() -> None:
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_the_readme_size_example_is_what_the_command_prints() -> None:
+    [command] = [line for line in README.splitlines() if line.startswith("moe-sidecar size ")]
+    # The installed console script, run as the README runs it.
+    script = str(Path(sys.executable).with_name("moe-sidecar"))
+    run = subprocess.run(
+        [script, *command.split()[1:]], check=True, capture_output=True, text=True, timeout=30
+    )
+    printed = run.stdout.splitlines()
+    shown = README[README.index(command) :]
+    shown = shown[shown.index("```text\n") + len("```text\n") :]
+    shown = shown[: shown.index("```")]
+    for line in shown.splitlines():
+        if line.strip() == "...":
+            continue
+        # A line the README shortens ends in ", ...)": the rest must be the command's.
+        head = line.removesuffix(", ...)")
+        assert any(p.startswith(head) for p in printed), line

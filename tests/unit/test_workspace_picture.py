@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -66,3 +67,21 @@ def test_the_ep8_figure_the_docs_quote_is_the_computed_one() -> None:
 def test_the_picture_is_committed() -> None:
     picture = _script().PICTURE
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_picture_computes_what_the_size_command_prints() -> None:
+    script = _script()
+    # The installed console script, as a user runs it.
+    command = [str(Path(sys.executable).with_name("moe-sidecar")), "size"]
+    command += ["--flashinfer", script.RELEASE]
+    command += ["--ep", "8", "--tokens", str(script.TOKENS), "--hidden", str(script.HIDDEN)]
+    command += ["--top-k", str(script.TOP_K), "--experts", str(script.NUM_EXPERTS), "--json"]
+    for kind in script.LAYER_KINDS:
+        command += ["--dispatch", kind]
+    printed = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    row = script.computed(8)
+    assert (row.nvfp4, row.union, row.vllm) == (
+        printed["layers"][0]["workspace_bytes_per_rank"],
+        printed["workspace_bytes_per_rank"],
+        printed["kept_superseded_bytes_per_rank"],
+    )
