@@ -529,7 +529,7 @@ _OPTIONS: tuple[_Option, ...] = (
         "--enable-admin",
         "enable_admin",
         _bool,
-        "allow admin calls (ResetGroup); off by default",
+        "allow admin calls (ResetGroup, RemoveGroup); off by default",
     ),
     _Option(
         "--max-groups",
