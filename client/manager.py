@@ -26,8 +26,30 @@ Each ``initialize()`` of an MoE layer:
    number of times), release the superseded workspace (and destroy the
    ``moe_ep`` object made over it), and commit the plan now held.
 
-So a REUSE round of a node-local group in sidecar mode costs exactly one RPC
-and no collective.
+A round whose layer the built plan already covers (a *covered round*) of a
+node-local group in sidecar mode does not wait: every rank of a round must
+state the same layer, so its decision can only be REUSE. The rank sends its
+proposal on its session (so the sidecar still keeps the history, sees the
+rank alive and checks that the ranks agree) and returns; the answers are
+read in the order sent, later (:meth:`WorkspaceManager._settle`):
+
+* before a round that waits (one that needs more than was built, or round 1
+  of a lifetime), before ``get_communication()``, ``moe_alltoall``,
+  ``combine_into()``, the checkpoints and ``cleanup()``, every earlier answer
+  is read; and at most :data:`MAX_UNANSWERED` are ever outstanding (a
+  covered round reads the oldest first), so the sidecar still retains the
+  round an answer refers to;
+* a refusal (another layer name or shape on another rank) is raised there,
+  on every rank, with the sidecar's message naming the round, layers and ranks;
+* an answer that is not REUSE (the sidecar's plan is above what was built:
+  merged from another node, or another rank of that round needed more)
+  is executed there: every rank of that round got the same decision, the
+  ranks that waited in it build at once, the ranks that passed it as
+  covered join that build when they read the answer, so the build's
+  collectives and the barrier meet and no rank builds alone.
+
+So a covered round costs a rank one message put on its stream, no wait and
+no collective.
 """
 
 from __future__ import annotations
@@ -73,9 +95,14 @@ from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRE
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
 from moe_sidecar.core.identity import new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan, decide_action
-from moe_sidecar.core.policy import validate_group_name
+from moe_sidecar.core.policy import RETAINED_ROUNDS, validate_group_name
 
-__all__ = ["ManagerCounters", "WorkspaceManager"]
+__all__ = ["MAX_UNANSWERED", "ManagerCounters", "WorkspaceManager"]
+
+MAX_UNANSWERED = RETAINED_ROUNDS - 1
+"""Most messages a rank leaves unanswered (covered rounds, and the commit of
+a build one of them asked for). Below the rounds the sidecar retains, so
+the round a late commit or a resent proposal refers to is still known."""
 
 _GONE_WAIT_S = 2.0
 """How long a rank whose collective failed asks the sidecar who left (its
@@ -95,11 +122,14 @@ class ManagerCounters:
     rebuilds: int
     """Rounds that built a larger one and released the old (REBUILD)."""
     reuses: int
-    """Rounds that kept what was built (REUSE)."""
+    """Rounds that kept what was built (REUSE), covered rounds included when
+    they return (one whose answer later asked for a build also counts there)."""
     releases: int
     """Workspaces handed back to the backend (rebuilds and cleanup)."""
     rpcs: int
     """Calls sent to the sidecar, retries included (0 in embedded mode)."""
+    covered: int
+    """Rounds passed as covered: proposed without waiting for the answer."""
     collectives: int
     """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
     the hostname exchange at construction); the backend's own build
@@ -196,6 +226,7 @@ class WorkspaceManager:
         self._builds = 0
         self._rebuilds = 0
         self._reuses = 0
+        self._covered = 0
         self._releases = 0
         self._first_build_seconds: float | None = None
 
@@ -209,7 +240,7 @@ class WorkspaceManager:
         capacities and dispatch row."""
 
         self.initialized = False
-        self.moe_alltoall: AlltoAll | None = None
+        self._alltoall: AlltoAll | None = None
         self.workspace_size = 0
         self.max_num_tokens = 0
         self.top_k = 0
@@ -275,13 +306,28 @@ class WorkspaceManager:
             reuses=self._reuses,
             releases=self._releases,
             rpcs=self._transport.rpc_count,
+            covered=self._covered,
             collectives=self._collectives,
             first_build_seconds=self._first_build_seconds,
             jit_compiled=getattr(self.backend, "jit_compiled", None),
         )
 
+    @property
+    def moe_alltoall(self) -> AlltoAll | None:
+        """The all-to-all built (FlashInfer's ``MoeAlltoAll``; None: nothing
+        built), once every answer still outstanding has been read
+        (see :meth:`_settle`).
+
+        Raises:
+            CoordinatorError: a covered round was refused (naming its layers
+                and ranks).
+            BackendError: a build an answer asked for failed.
+        """
+        self._settle()
+        return self._alltoall
+
     def _set_built(self, handle: AlltoAll | None, plan: Plan | None) -> None:
-        self.moe_alltoall = handle
+        self._alltoall = handle
         self._built = plan
         self.initialized = handle is not None
         self.workspace_size = (
@@ -295,18 +341,83 @@ class WorkspaceManager:
 
     # --- the round ---------------------------------------------------------
 
-    def _propose(self, requirement: Requirement) -> Decision:
-        return self._transport.propose(
-            Proposal(
-                group=self.group,
-                ep_size=self.ep_size,
-                ep_rank=self.ep_rank,
-                local_ranks=self.local_ranks,
-                lifetime=self.lifetime,
-                round=self._round,
-                requirement=requirement,
-            )
+    def _proposal(self, requirement: Requirement) -> Proposal:
+        return Proposal(
+            group=self.group,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            local_ranks=self.local_ranks,
+            lifetime=self.lifetime,
+            round=self._round,
+            requirement=requirement,
         )
+
+    def _propose(self, requirement: Requirement) -> Decision:
+        return self._transport.propose(self._proposal(requirement))
+
+    def _passes_as_covered(self, call: LayerCall) -> bool:
+        """Whether this round needs no answer to go on: the plan built covers
+        the layer and one decider sees the whole group (its decision can then
+        only be REUSE, or a build every rank of the round joins later)."""
+        return (
+            not self.agrees_across_ranks
+            and self._built is not None
+            and self._built.covers(call.capacities)
+        )
+
+    def _settle(self, keep: int = 0) -> None:
+        """Reads the answers still outstanding, oldest first, until at most
+        ``keep`` remain, and does what they ask.
+
+        A REUSE needs nothing. A refusal is raised. A BUILD/REBUILD (the
+        sidecar's plan rose above what was built while this rank passed the
+        round as covered) is built here: every rank of that round got the
+        same decision and builds it, at once or when it reads it, so the
+        build's collectives meet. Its commit is sent without waiting and
+        read like the other answers.
+
+        Raises:
+            CoordinatorError: the oldest answer is a refusal (naming the
+                round's layers and ranks), or the sidecar could not be reached.
+            InternalError: a REUSE of a plan this rank does not hold.
+            BackendError: a build an answer asked for failed.
+        """
+        while self._transport.unanswered > keep:
+            decision = self._transport.next_answer()
+            if decision is None:
+                continue  # a commit, acknowledged
+            if decision.action is Action.REUSE:
+                self._check_reuse(decision, decision.layer)
+                continue
+            _log.info(
+                "group %s round %d (%s): %s asked for after this rank passed the round as "
+                "covered (the sidecar's plan is above what was built)",
+                self.group,
+                decision.round,
+                decision.layer,
+                decision.action.value,
+            )
+            self._build(decision.plan, decision.action, decision.layer, decision.round, later=True)
+
+    def _check_reuse(self, decision: Decision, layer: str) -> None:
+        if self._built is None or not self._built.covers(decision.plan.capacities):
+            raise InternalError(
+                f"group {self.group!r} round {decision.round} (layer {layer!r}): the sidecar "
+                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
+                "sidecar's state replaced while this process ran? Restart the ranks"
+            )
+
+    def _propose_covered(self, call: LayerCall, layer: str) -> None:
+        """A covered round: sends the proposal and goes on (at most
+        :data:`MAX_UNANSWERED` answers outstanding)."""
+        self._settle(keep=MAX_UNANSWERED - 1)
+        self._round += 1
+        self._transport.propose_later(
+            self._proposal(Requirement(capacities=call.capacities, layer=layer))
+        )
+        self._covered += 1
+        self._reuses += 1
+        self._remember(call)
 
     def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
         """The typed error for a collective that failed because a peer died,
@@ -372,14 +483,8 @@ class WorkspaceManager:
             plan = self._agree(layer, decision, failure)
             return decide_action(self._built, plan), plan
         assert decision is not None
-        if decision.action is Action.REUSE and (
-            self._built is None or not self._built.covers(decision.plan.capacities)
-        ):
-            raise InternalError(
-                f"group {self.group!r} round {self._round} (layer {layer!r}): the sidecar "
-                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
-                "sidecar's state replaced while this process ran? Restart the ranks"
-            )
+        if decision.action is Action.REUSE:
+            self._check_reuse(decision, layer)
         return decision.action, decision.plan
 
     def initialize(
@@ -460,6 +565,12 @@ class WorkspaceManager:
                     "extra_payload_bytes_per_token": extra_payload_bytes_per_token,
                 },
             )
+            if self._passes_as_covered(call):
+                self._propose_covered(call, layer)
+                return
+            # A round that waits reads every earlier answer first (and does
+            # what they ask), so it decides on top of what they built.
+            self._settle()
             # A refused call proposes nothing, so it uses up no round: the
             # caller may correct it and go on.
             self._round += 1
@@ -477,7 +588,7 @@ class WorkspaceManager:
             self._reuses += 1
             _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, plan)
             return
-        self._build(plan, action, layer)
+        self._build(plan, action, layer, self._round)
 
     def _remember(self, call: LayerCall) -> None:
         """Keeps the widest dispatch row per hidden size (for the moe_ep
@@ -487,7 +598,18 @@ class WorkspaceManager:
         if known is None or call.layout.activation_bytes > known.activation_bytes:
             self._layouts[call.layout.hidden_size] = call.layout
 
-    def _build(self, plan: Plan, action: Action, layer: str) -> None:
+    def _build(
+        self, plan: Plan, action: Action, layer: str, round_number: int, *, later: bool = False
+    ) -> None:
+        """Builds ``plan``, passes the EP barrier, releases the superseded
+        workspace and commits round ``round_number``'s plan (without waiting
+        for the acknowledgement when ``later``: an answer read while settling).
+
+        Raises:
+            BackendError: the backend could not build.
+            RankLost: a peer died in the barrier.
+            CoordinatorError: the commit was refused (waiting commits only).
+        """
         workspace = self.backend.workspace_bytes(plan.capacities, self.ep_size)
         spec = BuildSpec(
             ep_size=self.ep_size,
@@ -508,7 +630,7 @@ class WorkspaceManager:
         except RuntimeError as error:
             self.backend.release(handle)
             raise self._rank_lost("the post-build barrier", error) from error
-        superseded = self.moe_alltoall
+        superseded = self._alltoall
         self._drop_communication()
         self._set_built(handle, plan)
         if superseded is not None:
@@ -521,7 +643,7 @@ class WorkspaceManager:
         _log.info(
             "group %s round %d (%s): %s at %d bytes/rank, %d tokens, generation %d (%.3fs)",
             self.group,
-            self._round,
+            round_number,
             layer,
             action.value,
             workspace,
@@ -529,16 +651,17 @@ class WorkspaceManager:
             plan.generation,
             build_seconds,
         )
-        self._transport.commit(
-            self.group,
-            CommitRecord(
-                ep_rank=self.ep_rank,
-                lifetime=self.lifetime,
-                round=self._round,
-                plan=plan,
-                build_seconds=build_seconds,
-            ),
+        record = CommitRecord(
+            ep_rank=self.ep_rank,
+            lifetime=self.lifetime,
+            round=round_number,
+            plan=plan,
+            build_seconds=build_seconds,
         )
+        if later:
+            self._transport.commit_later(self.group, record)
+        else:
+            self._transport.commit(self.group, record)
 
     # --- vLLM's surface ----------------------------------------------------
 
@@ -598,11 +721,15 @@ class WorkspaceManager:
         ``config.extra_payload_bytes_per_token`` the rest of the plan's
         dispatch bytes. Shapes: see :meth:`ReferenceCommunication.dispatch`.
 
+        Every answer still outstanding is read first (:meth:`_settle`).
+
         Raises:
             BackendError: nothing is built, or the backend cannot make the
                 object (e.g. FlashInfer without ``moe_ep``).
+            CoordinatorError: a covered round was refused (naming its layers
+                and ranks).
         """
-        handle, plan = self.moe_alltoall, self._built
+        handle, plan = self.moe_alltoall, self._built  # reads every outstanding answer
         if handle is None or plan is None:
             raise BackendError("get_communication() before initialize(): nothing is built")
         if self._communication is None:
@@ -626,8 +753,9 @@ class WorkspaceManager:
         Raises:
             RuntimeError: FlashInfer's: a dispatch is waiting for its combine.
         """
-        if self.moe_alltoall is not None:
-            self.moe_alltoall.checkpoint_prepare()
+        handle = self.moe_alltoall
+        if handle is not None:
+            handle.checkpoint_prepare()
 
     def checkpoint_restore(self) -> None:
         """Maps the workspace again after :meth:`checkpoint_prepare`, exchanging
@@ -636,8 +764,9 @@ class WorkspaceManager:
         Raises:
             RuntimeError: FlashInfer's: the group differs from the allocation's.
         """
-        if self.moe_alltoall is not None:
-            self.moe_alltoall.checkpoint_restore(GroupCommunicator(self.cpu_group))
+        handle = self.moe_alltoall
+        if handle is not None:
+            handle.checkpoint_restore(GroupCommunicator(self.cpu_group))
 
     def combine_into(
         self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, output: torch.Tensor
@@ -651,19 +780,34 @@ class WorkspaceManager:
             BackendError: nothing is built.
             RuntimeError: the backend's (FlashInfer's) own checks.
         """
-        if self.moe_alltoall is None:
+        handle = self.moe_alltoall
+        if handle is None:
             raise BackendError("combine_into() before initialize(): nothing is built")
-        return self.moe_alltoall.combine(payload, runtime_max_tokens_per_rank, output=output)
+        return handle.combine(payload, runtime_max_tokens_per_rank, output=output)
 
     def cleanup(self) -> None:
         """Frees the current workspace and closes the sidecar channel.
 
-        Local: no collective, so it is safe in teardown paths where peers may
+        Every answer still outstanding is read first, so closing the session
+        never fails a round a peer has yet to propose; otherwise local: no
+        collective (unless such an answer asks for a build every rank of
+        its round joins), so it is safe in teardown paths where peers may
         already be gone; call it on every rank only when none uses the
         all-to-all any more. A later ``initialize()`` starts a new lifetime
         (every rank must clean up before) and builds afresh.
+
+        Raises:
+            CoordinatorError: a covered round was refused (naming its layers
+                and ranks); raised after freeing and closing.
+            BackendError: a build an outstanding answer asked for failed
+                (raised after freeing and closing).
         """
-        handle = self.moe_alltoall
+        unsettled: Exception | None = None
+        try:
+            self._settle()
+        except Exception as error:
+            unsettled = error
+        handle = self._alltoall
         self._drop_communication()
         self._set_built(None, None)
         if handle is not None:
@@ -672,6 +816,8 @@ class WorkspaceManager:
         self._transport.close()
         self.lifetime = new_lifetime_secret()
         self._round = 0
+        if unsettled is not None:
+            raise unsettled
 
     def destroy(self) -> None:
         """What vLLM calls when it tears its communicator down

@@ -25,14 +25,16 @@ import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.client.errors import (
+    CoordinatorError,
     CoordinatorUnavailable,
     InternalError,
     InvalidArgument,
@@ -115,6 +117,38 @@ class Transport(Protocol):
         """
         ...
 
+    @property
+    def unanswered(self) -> int:
+        """Messages sent with :meth:`propose_later` or :meth:`commit_later`
+        whose answer :meth:`next_answer` has not returned yet."""
+        ...
+
+    def propose_later(self, proposal: Proposal) -> None:
+        """Sends ``proposal`` without waiting for its round to close; its
+        decision comes from :meth:`next_answer`, in the order sent.
+
+        Raises:
+            CoordinatorError: the proposal could not be sent.
+        """
+        ...
+
+    def commit_later(self, group: str, record: CommitRecord) -> None:
+        """Sends a commit without waiting for its acknowledgement (see
+        :meth:`propose_later`)."""
+        ...
+
+    def next_answer(self) -> Decision | None:
+        """The answer to the oldest message sent and not yet answered: a
+        proposal's decision, or None for an acknowledged commit.
+
+        Raises:
+            CoordinatorError: the typed error that message was answered with
+                (a refused round names the layers and ranks); the message
+                counts as answered.
+            InternalError: nothing is unanswered.
+        """
+        ...
+
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """The ranks of ``group``'s current lifetime known to be gone (empty when
         the transport cannot know, as in embedded mode).
@@ -145,6 +179,15 @@ def _decision_from_proto(p: Proposal, response: pb.ProposeResponse, target: str)
             f"answer is for round {decision.round}"
         )
     return decision
+
+
+@dataclass(frozen=True)
+class _Unanswered:
+    """A message sent and not yet answered: a proposal, or a group's commit."""
+
+    proposal: Proposal | None = None
+    group: str = ""
+    record: CommitRecord | None = None
 
 
 # --- gRPC ------------------------------------------------------------------
@@ -221,10 +264,20 @@ class GrpcTransport:
         self._stub: pb_grpc.WorkspaceCoordinatorStub | None = None
         self._stream: SessionStream | None = None
         self._lock = threading.Lock()
+        self._unanswered: deque[_Unanswered] = deque()
+        self._sent_on: SessionStream | None = None
+        """The stream the unanswered messages were sent on (a new stream
+        sends them again: proposals and commits are idempotent)."""
+        self._answers: deque[Decision | CoordinatorError | None] = deque()
+        """Unary mode: the answers of messages already exchanged, in order."""
 
     @property
     def rpc_count(self) -> int:
         return self._rpc_count
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._unanswered)
 
     @property
     def embedded(self) -> bool:
@@ -233,7 +286,16 @@ class GrpcTransport:
     def __getstate__(self) -> dict[str, Any]:
         # A channel cannot be pickled; the receiving process opens its own.
         state = dict(self.__dict__)
-        state.update(_pid=None, _channel=None, _stub=None, _stream=None, _lock=None)
+        state.update(
+            _pid=None,
+            _channel=None,
+            _stub=None,
+            _stream=None,
+            _lock=None,
+            _sent_on=None,
+            _unanswered=deque(),
+            _answers=deque(),
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -276,12 +338,15 @@ class GrpcTransport:
                 health_pb2.HealthCheckRequest(), timeout=remaining, wait_for_ready=True
             )
 
-    def _call(self, method: str, timeout: float, send: Callable[[float], _Reply]) -> _Reply:
+    def _call(
+        self, method: str, timeout: float, send: Callable[[float], _Reply], *, count: bool = True
+    ) -> _Reply:
         deadline = time.monotonic() + self.unavailable_retry
         attempts = 0
         while True:
             attempts += 1
-            self._rpc_count += 1
+            if count or attempts > 1:
+                self._rpc_count += 1
             try:
                 return send(timeout)
             except (grpc.RpcError, SessionStatus) as failure:
@@ -344,6 +409,99 @@ class GrpcTransport:
 
         self._call("Commit", self.call_timeout, send)
 
+    def _request(self, entry: _Unanswered) -> pb.SessionRequest:
+        if entry.proposal is not None:
+            return session_propose_to_proto(self._next_id(), entry.proposal)
+        assert entry.record is not None
+        return session_commit_to_proto(self._next_id(), entry.group, entry.record)
+
+    def _stream_with_unanswered(self) -> SessionStream:
+        """The open stream, on which every unanswered message has been sent
+        (sent again on a stream opened since)."""
+        stream = self._stream_here()
+        if stream is not self._sent_on:
+            for entry in self._unanswered:
+                stream.send(self._request(entry))
+            self._sent_on = stream
+        return stream
+
+    def _send_later(self, entry: _Unanswered) -> None:
+        if not self.session:
+            # Unary calls cannot be left in flight: exchange now, hand the
+            # answer out in order.
+            answer: Decision | CoordinatorError | None
+            try:
+                if entry.proposal is not None:
+                    answer = self.propose(entry.proposal)
+                else:
+                    assert entry.record is not None
+                    self.commit(entry.group, entry.record)
+                    answer = None
+            except CoordinatorError as error:
+                answer = error
+            self._answers.append(answer)
+            self._unanswered.append(entry)
+            return
+        stream = self._stream_with_unanswered()
+        self._unanswered.append(entry)
+        self._rpc_count += 1
+        stream.send(self._request(entry))
+
+    def propose_later(self, proposal: Proposal) -> None:
+        """See :meth:`Transport.propose_later`."""
+        self._send_later(_Unanswered(proposal=proposal))
+
+    def commit_later(self, group: str, record: CommitRecord) -> None:
+        """See :meth:`Transport.commit_later`."""
+        self._send_later(_Unanswered(group=group, record=record))
+
+    def next_answer(self) -> Decision | None:
+        """See :meth:`Transport.next_answer`.
+
+        A stream that broke meanwhile (the sidecar restarting) is opened
+        again and every unanswered message sent again, within the
+        UNAVAILABLE retry window.
+
+        Raises:
+            CoordinatorError: the typed error the oldest message was answered with.
+            InternalError: nothing is unanswered.
+        """
+        if not self._unanswered:
+            raise InternalError("next_answer() with nothing unanswered")
+        entry = self._unanswered[0]
+        if self._answers:
+            self._unanswered.popleft()
+            answer = self._answers.popleft()
+            if isinstance(answer, CoordinatorError):
+                raise answer
+            return answer
+
+        def receive(timeout: float) -> pb.SessionResponse:
+            stream = self._stream_with_unanswered()
+            response = stream.receive(timeout)
+            if response.WhichOneof("result") == "error":
+                raise SessionStatus.named(response.error.code, response.error.message)
+            return response
+
+        method = "Propose" if entry.proposal is not None else "Commit"
+        timeout = self.propose_timeout if entry.proposal is not None else self.call_timeout
+        try:
+            response = self._call(method, timeout, receive, count=False)
+        except CoordinatorError:
+            stream = self._stream
+            if stream is None or not stream.alive:
+                # The session is over (the sidecar saw this rank leave):
+                # nothing sent on it will be answered.
+                self._unanswered.clear()
+                self._sent_on = None
+            else:
+                self._unanswered.popleft()
+            raise
+        self._unanswered.popleft()
+        if entry.proposal is None:
+            return None
+        return _decision_from_proto(entry.proposal, response.decision, self.target)
+
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """The ranks of ``group``'s current lifetime the sidecar knows are gone.
 
@@ -369,6 +527,9 @@ class GrpcTransport:
             self._channel = None
             self._stub = None
             self._pid = None
+            self._sent_on = None
+            self._unanswered.clear()
+            self._answers.clear()
 
 
 def _unimplemented(failure: grpc.RpcError | SessionStatus) -> bool:
@@ -402,10 +563,45 @@ class EmbeddedTransport:
         self.round_timeout = round_timeout
         self._clock = clock
         self._groups: dict[str, GroupState] = {}
+        self._answers: deque[Decision | CoordinatorError | None] = deque()
 
     @property
     def rpc_count(self) -> int:
         return 0
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._answers)
+
+    def propose_later(self, proposal: Proposal) -> None:
+        """Decides at once (in-process nothing waits); the decision comes from
+        :meth:`next_answer`."""
+        try:
+            self._answers.append(self.propose(proposal))
+        except CoordinatorError as error:
+            self._answers.append(error)
+
+    def commit_later(self, group: str, record: CommitRecord) -> None:
+        """Commits at once; the acknowledgement comes from :meth:`next_answer`."""
+        try:
+            self.commit(group, record)
+            self._answers.append(None)
+        except CoordinatorError as error:
+            self._answers.append(error)
+
+    def next_answer(self) -> Decision | None:
+        """See :meth:`Transport.next_answer`.
+
+        Raises:
+            CoordinatorError: the oldest message's typed error.
+            InternalError: nothing is unanswered.
+        """
+        if not self._answers:
+            raise InternalError("next_answer() with nothing unanswered")
+        answer = self._answers.popleft()
+        if isinstance(answer, CoordinatorError):
+            raise answer
+        return answer
 
     @property
     def embedded(self) -> bool:
@@ -463,7 +659,8 @@ class EmbeddedTransport:
         return []
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Forgets the answers not yet read."""
+        self._answers.clear()
 
 
 def transport_for(
