@@ -36,9 +36,9 @@ read in the order sent, later (:meth:`WorkspaceManager._settle`):
 * before a round that waits (one that needs more than was built, or round 1
   of a lifetime), before ``get_communication()``, ``moe_alltoall``,
   ``combine_into()``, the checkpoints and ``cleanup()``, every earlier answer
-  is read; and at most :data:`MAX_UNANSWERED` are ever outstanding (a
-  covered round reads the oldest first), so the sidecar still retains the
-  round an answer refers to;
+  is read; and at most ``max_unanswered`` are ever outstanding (a covered
+  round past it reads the oldest first), so the answers never outgrow the
+  stream's flow-control window;
 * a refusal (another layer name or shape on another rank) is raised there,
   on every rank, with the sidecar's message naming the round, layers and ranks;
 * an answer that is not REUSE (the sidecar's plan is above what was built:
@@ -46,7 +46,10 @@ read in the order sent, later (:meth:`WorkspaceManager._settle`):
   is executed there: every rank of that round got the same decision, the
   ranks that waited in it build at once, the ranks that passed it as
   covered join that build when they read the answer, so the build's
-  collectives and the barrier meet and no rank builds alone.
+  collectives and the barrier meet and no rank builds alone. Such a rank
+  then reads every answer still outstanding and commits what it holds
+  against the latest round answered (the sidecar's latest closed round, so
+  still retained, and decided at the plan just built).
 
 So a covered round costs a rank one message put on its stream, no wait and
 no collective.
@@ -95,14 +98,15 @@ from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRE
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
 from moe_sidecar.core.identity import new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan, decide_action
-from moe_sidecar.core.policy import RETAINED_ROUNDS, validate_group_name
+from moe_sidecar.core.policy import validate_group_name
 
-__all__ = ["MAX_UNANSWERED", "ManagerCounters", "WorkspaceManager"]
+__all__ = ["DEFAULT_MAX_UNANSWERED", "ManagerCounters", "WorkspaceManager"]
 
-MAX_UNANSWERED = RETAINED_ROUNDS - 1
-"""Most messages a rank leaves unanswered (covered rounds, and the commit of
-a build one of them asked for). Below the rounds the sidecar retains, so
-the round a late commit or a resent proposal refers to is still known."""
+DEFAULT_MAX_UNANSWERED = 256
+"""Most covered rounds a rank leaves unanswered. Enough for a whole model's
+layers, so a rank never waits on the slowest peer mid-model; small enough
+that the answers (about 100 bytes each) fit the session stream's HTTP/2
+flow-control window (64 KiB), past which the sidecar could not send them."""
 
 _GONE_WAIT_S = 2.0
 """How long a rank whose collective failed asks the sidecar who left (its
@@ -181,12 +185,15 @@ class WorkspaceManager:
         propose_timeout: seconds one Propose may wait for its round; must
             exceed the sidecar's ``--round-timeout``. Default: env
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else 120.
+        max_unanswered: most covered rounds left unanswered at once
+            (:data:`DEFAULT_MAX_UNANSWERED`); past it a covered round reads
+            the oldest answer first.
 
     Raises:
         InvalidArgument: no group name in sidecar mode (see ``group``), a bad
-            group name, ``local_ranks`` outside ``[1, ep_size]``, or an
-            unknown backend name (naming ``MOE_SIDECAR_BACKEND`` when it came
-            from there).
+            group name, ``local_ranks`` outside ``[1, ep_size]``,
+            ``max_unanswered`` below 1, or an unknown backend name (naming
+            ``MOE_SIDECAR_BACKEND`` when it came from there).
         ValueError: an unknown backend name passed as ``backend``.
     """
 
@@ -199,7 +206,11 @@ class WorkspaceManager:
         *,
         local_ranks: int | None = None,
         propose_timeout: float | None = None,
+        max_unanswered: int = DEFAULT_MAX_UNANSWERED,
     ) -> None:
+        if max_unanswered < 1:
+            raise InvalidArgument.of("max_unanswered", max_unanswered, "must be at least 1")
+        self.max_unanswered = max_unanswered
         self.cpu_group = cpu_group
         self.ep_size = dist.get_world_size(cpu_group)
         self.ep_rank = dist.get_rank(cpu_group)
@@ -373,21 +384,26 @@ class WorkspaceManager:
         sidecar's plan rose above what was built while this rank passed the
         round as covered) is built here: every rank of that round got the
         same decision and builds it, at once or when it reads it, so the
-        build's collectives meet. Its commit is sent without waiting and
-        read like the other answers.
+        build's collectives meet. Then every answer still outstanding is
+        read (more builds if they ask for them), and the plan held is
+        committed against the latest round answered: every message sent
+        before the commit has been answered, so that round is the sidecar's
+        latest closed one (still retained), decided at the plan held.
 
         Raises:
-            CoordinatorError: the oldest answer is a refusal (naming the
-                round's layers and ranks), or the sidecar could not be reached.
+            CoordinatorError: an answer is a refusal (naming the round's
+                layers and ranks), the commit was refused, or the sidecar
+                could not be reached.
             InternalError: a REUSE of a plan this rank does not hold.
             BackendError: a build an answer asked for failed.
         """
-        while self._transport.unanswered > keep:
+        built: tuple[int, float] | None = None  # (round answered, build seconds)
+        while self._transport.unanswered > (0 if built else keep):
             decision = self._transport.next_answer()
-            if decision is None:
-                continue  # a commit, acknowledged
             if decision.action is Action.REUSE:
                 self._check_reuse(decision, decision.layer)
+                if built is not None:
+                    built = (decision.round, built[1])
                 continue
             _log.info(
                 "group %s round %d (%s): %s asked for after this rank passed the round as "
@@ -397,7 +413,10 @@ class WorkspaceManager:
                 decision.layer,
                 decision.action.value,
             )
-            self._build(decision.plan, decision.action, decision.layer, decision.round, later=True)
+            seconds = self._build(decision.plan, decision.action, decision.layer, decision.round)
+            built = (decision.round, seconds)
+        if built is not None and self._built is not None:
+            self._commit(built[0], self._built, built[1])
 
     def _check_reuse(self, decision: Decision, layer: str) -> None:
         if self._built is None or not self._built.covers(decision.plan.capacities):
@@ -409,8 +428,8 @@ class WorkspaceManager:
 
     def _propose_covered(self, call: LayerCall, layer: str) -> None:
         """A covered round: sends the proposal and goes on (at most
-        :data:`MAX_UNANSWERED` answers outstanding)."""
-        self._settle(keep=MAX_UNANSWERED - 1)
+        ``max_unanswered`` answers outstanding)."""
+        self._settle(keep=self.max_unanswered - 1)
         self._round += 1
         self._transport.propose_later(
             self._proposal(Requirement(capacities=call.capacities, layer=layer))
@@ -588,7 +607,20 @@ class WorkspaceManager:
             self._reuses += 1
             _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, plan)
             return
-        self._build(plan, action, layer, self._round)
+        build_seconds = self._build(plan, action, layer, self._round)
+        self._commit(self._round, plan, build_seconds)
+
+    def _commit(self, round_number: int, plan: Plan, build_seconds: float) -> None:
+        self._transport.commit(
+            self.group,
+            CommitRecord(
+                ep_rank=self.ep_rank,
+                lifetime=self.lifetime,
+                round=round_number,
+                plan=plan,
+                build_seconds=build_seconds,
+            ),
+        )
 
     def _remember(self, call: LayerCall) -> None:
         """Keeps the widest dispatch row per hidden size (for the moe_ep
@@ -598,17 +630,14 @@ class WorkspaceManager:
         if known is None or call.layout.activation_bytes > known.activation_bytes:
             self._layouts[call.layout.hidden_size] = call.layout
 
-    def _build(
-        self, plan: Plan, action: Action, layer: str, round_number: int, *, later: bool = False
-    ) -> None:
-        """Builds ``plan``, passes the EP barrier, releases the superseded
-        workspace and commits round ``round_number``'s plan (without waiting
-        for the acknowledgement when ``later``: an answer read while settling).
+    def _build(self, plan: Plan, action: Action, layer: str, round_number: int) -> float:
+        """Builds ``plan`` (decided in round ``round_number``), passes the EP
+        barrier and releases the superseded workspace; returns the build's
+        seconds. The caller commits.
 
         Raises:
             BackendError: the backend could not build.
             RankLost: a peer died in the barrier.
-            CoordinatorError: the commit was refused (waiting commits only).
         """
         workspace = self.backend.workspace_bytes(plan.capacities, self.ep_size)
         spec = BuildSpec(
@@ -651,17 +680,7 @@ class WorkspaceManager:
             plan.generation,
             build_seconds,
         )
-        record = CommitRecord(
-            ep_rank=self.ep_rank,
-            lifetime=self.lifetime,
-            round=round_number,
-            plan=plan,
-            build_seconds=build_seconds,
-        )
-        if later:
-            self._transport.commit_later(self.group, record)
-        else:
-            self._transport.commit(self.group, record)
+        return build_seconds
 
     # --- vLLM's surface ----------------------------------------------------
 

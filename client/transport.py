@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -119,8 +119,8 @@ class Transport(Protocol):
 
     @property
     def unanswered(self) -> int:
-        """Messages sent with :meth:`propose_later` or :meth:`commit_later`
-        whose answer :meth:`next_answer` has not returned yet."""
+        """Proposals sent with :meth:`propose_later` whose decision
+        :meth:`next_answer` has not returned yet."""
         ...
 
     def propose_later(self, proposal: Proposal) -> None:
@@ -132,19 +132,14 @@ class Transport(Protocol):
         """
         ...
 
-    def commit_later(self, group: str, record: CommitRecord) -> None:
-        """Sends a commit without waiting for its acknowledgement (see
-        :meth:`propose_later`)."""
-        ...
-
-    def next_answer(self) -> Decision | None:
-        """The answer to the oldest message sent and not yet answered: a
-        proposal's decision, or None for an acknowledged commit.
+    def next_answer(self) -> Decision:
+        """The decision of the oldest proposal sent with :meth:`propose_later`
+        and not yet answered.
 
         Raises:
-            CoordinatorError: the typed error that message was answered with
-                (a refused round names the layers and ranks); the message
-                counts as answered.
+            CoordinatorError: the typed error that proposal was answered with
+                (a refused round names the layers and ranks); it counts as
+                answered.
             InternalError: nothing is unanswered.
         """
         ...
@@ -179,15 +174,6 @@ def _decision_from_proto(p: Proposal, response: pb.ProposeResponse, target: str)
             f"answer is for round {decision.round}"
         )
     return decision
-
-
-@dataclass(frozen=True)
-class _Unanswered:
-    """A message sent and not yet answered: a proposal, or a group's commit."""
-
-    proposal: Proposal | None = None
-    group: str = ""
-    record: CommitRecord | None = None
 
 
 # --- gRPC ------------------------------------------------------------------
@@ -264,12 +250,12 @@ class GrpcTransport:
         self._stub: pb_grpc.WorkspaceCoordinatorStub | None = None
         self._stream: SessionStream | None = None
         self._lock = threading.Lock()
-        self._unanswered: deque[_Unanswered] = deque()
+        self._unanswered: deque[Proposal] = deque()
         self._sent_on: SessionStream | None = None
-        """The stream the unanswered messages were sent on (a new stream
-        sends them again: proposals and commits are idempotent)."""
-        self._answers: deque[Decision | CoordinatorError | None] = deque()
-        """Unary mode: the answers of messages already exchanged, in order."""
+        """The stream the unanswered proposals were sent on (a new stream
+        sends them again: proposals are idempotent)."""
+        self._answers: deque[Decision | CoordinatorError] = deque()
+        """Unary mode: the answers of proposals already exchanged, in order."""
 
     @property
     def rpc_count(self) -> int:
@@ -409,66 +395,48 @@ class GrpcTransport:
 
         self._call("Commit", self.call_timeout, send)
 
-    def _request(self, entry: _Unanswered) -> pb.SessionRequest:
-        if entry.proposal is not None:
-            return session_propose_to_proto(self._next_id(), entry.proposal)
-        assert entry.record is not None
-        return session_commit_to_proto(self._next_id(), entry.group, entry.record)
-
     def _stream_with_unanswered(self) -> SessionStream:
-        """The open stream, on which every unanswered message has been sent
+        """The open stream, on which every unanswered proposal has been sent
         (sent again on a stream opened since)."""
         stream = self._stream_here()
         if stream is not self._sent_on:
-            for entry in self._unanswered:
-                stream.send(self._request(entry))
+            for proposal in self._unanswered:
+                stream.send(session_propose_to_proto(self._next_id(), proposal))
             self._sent_on = stream
         return stream
 
-    def _send_later(self, entry: _Unanswered) -> None:
+    def propose_later(self, proposal: Proposal) -> None:
+        """See :meth:`Transport.propose_later`."""
         if not self.session:
             # Unary calls cannot be left in flight: exchange now, hand the
             # answer out in order.
-            answer: Decision | CoordinatorError | None
+            answer: Decision | CoordinatorError
             try:
-                if entry.proposal is not None:
-                    answer = self.propose(entry.proposal)
-                else:
-                    assert entry.record is not None
-                    self.commit(entry.group, entry.record)
-                    answer = None
+                answer = self.propose(proposal)
             except CoordinatorError as error:
                 answer = error
             self._answers.append(answer)
-            self._unanswered.append(entry)
+            self._unanswered.append(proposal)
             return
         stream = self._stream_with_unanswered()
-        self._unanswered.append(entry)
+        self._unanswered.append(proposal)
         self._rpc_count += 1
-        stream.send(self._request(entry))
+        stream.send(session_propose_to_proto(self._next_id(), proposal))
 
-    def propose_later(self, proposal: Proposal) -> None:
-        """See :meth:`Transport.propose_later`."""
-        self._send_later(_Unanswered(proposal=proposal))
-
-    def commit_later(self, group: str, record: CommitRecord) -> None:
-        """See :meth:`Transport.commit_later`."""
-        self._send_later(_Unanswered(group=group, record=record))
-
-    def next_answer(self) -> Decision | None:
+    def next_answer(self) -> Decision:
         """See :meth:`Transport.next_answer`.
 
         A stream that broke meanwhile (the sidecar restarting) is opened
-        again and every unanswered message sent again, within the
+        again and every unanswered proposal sent again, within the
         UNAVAILABLE retry window.
 
         Raises:
-            CoordinatorError: the typed error the oldest message was answered with.
+            CoordinatorError: the typed error the oldest proposal was answered with.
             InternalError: nothing is unanswered.
         """
         if not self._unanswered:
             raise InternalError("next_answer() with nothing unanswered")
-        entry = self._unanswered[0]
+        proposal = self._unanswered[0]
         if self._answers:
             self._unanswered.popleft()
             answer = self._answers.popleft()
@@ -483,10 +451,8 @@ class GrpcTransport:
                 raise SessionStatus.named(response.error.code, response.error.message)
             return response
 
-        method = "Propose" if entry.proposal is not None else "Commit"
-        timeout = self.propose_timeout if entry.proposal is not None else self.call_timeout
         try:
-            response = self._call(method, timeout, receive, count=False)
+            response = self._call("Propose", self.propose_timeout, receive, count=False)
         except CoordinatorError:
             stream = self._stream
             if stream is None or not stream.alive:
@@ -498,9 +464,7 @@ class GrpcTransport:
                 self._unanswered.popleft()
             raise
         self._unanswered.popleft()
-        if entry.proposal is None:
-            return None
-        return _decision_from_proto(entry.proposal, response.decision, self.target)
+        return _decision_from_proto(proposal, response.decision, self.target)
 
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """The ranks of ``group``'s current lifetime the sidecar knows are gone.
@@ -563,7 +527,7 @@ class EmbeddedTransport:
         self.round_timeout = round_timeout
         self._clock = clock
         self._groups: dict[str, GroupState] = {}
-        self._answers: deque[Decision | CoordinatorError | None] = deque()
+        self._answers: deque[Decision | CoordinatorError] = deque()
 
     @property
     def rpc_count(self) -> int:
@@ -581,15 +545,7 @@ class EmbeddedTransport:
         except CoordinatorError as error:
             self._answers.append(error)
 
-    def commit_later(self, group: str, record: CommitRecord) -> None:
-        """Commits at once; the acknowledgement comes from :meth:`next_answer`."""
-        try:
-            self.commit(group, record)
-            self._answers.append(None)
-        except CoordinatorError as error:
-            self._answers.append(error)
-
-    def next_answer(self) -> Decision | None:
+    def next_answer(self) -> Decision:
         """See :meth:`Transport.next_answer`.
 
         Raises:
