@@ -4,8 +4,15 @@ Each node's sidecar (or, embedded, each rank's own core) decides for the
 ranks it sees. When an EP group spans more ranks than one decider sees, its
 ranks agree with ONE ``all_gather`` of a small int64 row per rank::
 
-    failed | epoch | generation | capacities (one slot per field, in
-    moe_sidecar.core.plan.Capacities' order)
+    failed | round | settling | epoch | generation | capacities (one slot
+    per field, in moe_sidecar.core.plan.Capacities' order)
+
+``round`` and ``settling`` say where the rank is: agreeing on a round, or
+(``settling``) on what it holds before using it, after rounds it passed as
+covered without agreeing (embedded mode). Ranks whose rows name different
+places are out of step (one passed as covered a round another needed agreed:
+they stated different layers or sizes) and every rank raises, naming each
+rank's round and layer.
 
 and every rank then folds the gathered plans with the decision core's own
 :func:`moe_sidecar.core.plan.join`. The same rows in, the same join, so every rank
@@ -42,7 +49,9 @@ from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch, join
 __all__ = ["LocalOutcome", "agree", "failure_code"]
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
-_ROW = 3 + len(_CAPACITY_FIELDS)
+_HEAD = 5
+"""failed, round, settling, epoch, generation."""
+_ROW = _HEAD + len(_CAPACITY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,10 @@ class LocalOutcome:
     layer: str
     plan: Plan | None = None
     failure: BaseException | None = None
+    round: int = 0
+    """The round agreed on (0: not counted)."""
+    settling: bool = False
+    """The rank agrees on what it holds before using it, not on a round."""
 
 
 def failure_code(error: BaseException) -> ErrorCode:
@@ -65,21 +78,61 @@ def failure_code(error: BaseException) -> ErrorCode:
 
 
 def _row(mine: LocalOutcome) -> torch.Tensor:
+    place = [mine.round, int(mine.settling)]
     if mine.failure is not None or mine.plan is None:
-        return torch.tensor([1] + [0] * (_ROW - 1), dtype=torch.int64)
+        return torch.tensor([1, *place] + [0] * (_ROW - 3), dtype=torch.int64)
     p = mine.plan
     return torch.tensor(
-        [0, p.epoch, p.generation, *(getattr(p.capacities, name) for name in _CAPACITY_FIELDS)],
+        [
+            0,
+            *place,
+            p.epoch,
+            p.generation,
+            *(getattr(p.capacities, name) for name in _CAPACITY_FIELDS),
+        ],
         dtype=torch.int64,
     )
 
 
 def _plan(row: list[int]) -> Plan:
     return Plan(
-        capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[3:], strict=True))),
-        epoch=row[1],
-        generation=row[2],
+        capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[_HEAD:], strict=True))),
+        epoch=row[3],
+        generation=row[4],
     )
+
+
+def _raise_out_of_step(
+    group: dist.ProcessGroup, mine: LocalOutcome, values: list[list[int]], group_name: str
+) -> None:
+    error = mine.failure
+    failure = (str(error), failure_code(error).value) if error is not None else ("", "")
+    gathered = _gather_objects(group, (mine.layer, *failure))
+    failures = []
+    parts = []
+    codes = []
+    for rank, (row, item) in enumerate(zip(values, gathered, strict=True)):
+        layer, text, code = item if isinstance(item, tuple) else ("", "", "")
+        if text:
+            codes.append(ErrorCode(code))
+        where = (
+            f"is settling after round {row[1]} (it passed rounds as covered)"
+            if row[2]
+            else f"needs round {row[1]} agreed"
+        )
+        detail = where + (f" (it failed: {text})" if text else "")
+        failures.append(RankFailure(ep_rank=rank, layer=str(layer), detail=detail))
+        parts.append(f"rank {rank} (layer {_layer_text(str(layer))}) {detail}")
+    message = (
+        f"ranks of EP group {group_name!r} are out of step: " + "; ".join(parts) + "; a rank "
+        "passes a round as covered when what is built serves its layer, so the ranks stated "
+        "different layers or sizes in a round; every rank must run the same layers in the "
+        "same order"
+    )
+    if codes:
+        # A rank failed where its peers passed as covered: its error is the cause.
+        raise error_for_code(codes[0], message) from mine.failure
+    raise AgreementError(message, tuple(failures)) from mine.failure
 
 
 def _layer_text(layer: str) -> str:
@@ -147,7 +200,8 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> P
         group_name: the EP group's name, for messages.
 
     Raises:
-        AgreementError: ranks disagree on ``top_k`` or ``num_experts``.
+        AgreementError: ranks disagree on ``top_k`` or ``num_experts``, or
+            are out of step (agreeing on different rounds, or some settling).
         CoordinatorError: at least one rank failed; every rank raises the
             failing rank's error class, naming every failed rank and layer
             (the local failure, if any, is the ``__cause__``).
@@ -159,6 +213,8 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> P
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
     values = [[int(v) for v in r.tolist()] for r in rows]
+    if len({(v[1], v[2]) for v in values}) > 1:
+        _raise_out_of_step(group, mine, values, group_name)
     if any(v[0] for v in values):
         _raise_failures(group, mine, group_name)
     plans = [_plan(v) for v in values]

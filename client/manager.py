@@ -53,6 +53,16 @@ read in the order sent, later (:meth:`WorkspaceManager._settle`):
 
 So a covered round costs a rank one message put on its stream, no wait and
 no collective.
+
+Embedded mode passes covered rounds too, as far as its agreement allows: a
+covered round asks the rank's own core (which keeps its history) and, when
+that answers REUSE, skips the all-gather. The ranks' next agreement (the
+next round that waits, or ``get_communication()`` / ``moe_alltoall`` /
+``combine_into()`` / the checkpoints, which agree once on what is held)
+carries each rank's round: ranks that passed different rounds as covered
+are out of step (they stated different layers or sizes in a round), and
+every rank raises, naming each rank's round and layer. ``cleanup()`` stays
+local in embedded mode and agrees on nothing.
 """
 
 from __future__ import annotations
@@ -238,6 +248,9 @@ class WorkspaceManager:
         self._rebuilds = 0
         self._reuses = 0
         self._covered = 0
+        self._unagreed = 0
+        """Embedded: rounds passed as covered since the last agreement."""
+        self._last_layer = ""
         self._releases = 0
         self._first_build_seconds: float | None = None
 
@@ -371,7 +384,7 @@ class WorkspaceManager:
         the layer and one decider sees the whole group (its decision can then
         only be REUSE, or a build every rank of the round joins later)."""
         return (
-            not self.agrees_across_ranks
+            (self.embedded or not self.agrees_across_ranks)
             and self._built is not None
             and self._built.covers(call.capacities)
         )
@@ -397,6 +410,10 @@ class WorkspaceManager:
             InternalError: a REUSE of a plan this rank does not hold.
             BackendError: a build an answer asked for failed.
         """
+        if self.embedded:
+            if self._unagreed:
+                self._agree_on_held()
+            return
         built: tuple[int, float] | None = None  # (round answered, build seconds)
         while self._transport.unanswered > (0 if built else keep):
             decision = self._transport.next_answer()
@@ -417,6 +434,32 @@ class WorkspaceManager:
             built = (decision.round, seconds)
         if built is not None and self._built is not None:
             self._commit(built[0], self._built, built[1])
+
+    def _agree_on_held(self) -> None:
+        """Embedded: one agreement on what is held, after rounds passed as
+        covered; it finds ranks out of step (see :mod:`moe_sidecar.client.agreement`).
+
+        Raises:
+            AgreementError: the ranks passed different rounds as covered.
+            RankLost: a peer died in the all-gather.
+            InternalError: the ranks hold different plans.
+        """
+        held = self._built
+        self._unagreed = 0
+        agreed = self._agree(
+            LocalOutcome(
+                ep_rank=self.ep_rank,
+                layer=self._last_layer,
+                plan=held,
+                round=self._round,
+                settling=True,
+            )
+        )
+        if held is None or not held.covers(agreed.capacities):
+            raise InternalError(
+                f"EP group {self.group!r} after round {self._round}: this rank holds {held} but "
+                f"the ranks' plans join to {agreed}; restart the ranks"
+            )
 
     def _check_reuse(self, decision: Decision, layer: str) -> None:
         if self._built is None or not self._built.covers(decision.plan.capacities):
@@ -468,19 +511,10 @@ class WorkspaceManager:
             tuple(r.ep_rank for r in gone),
         )
 
-    def _agree(self, layer: str, decision: Decision | None, failure: BaseException | None) -> Plan:
+    def _agree(self, outcome: LocalOutcome) -> Plan:
         self._collectives += 1
         try:
-            return agree(
-                self.cpu_group,
-                LocalOutcome(
-                    ep_rank=self.ep_rank,
-                    layer=layer,
-                    plan=decision.plan if decision is not None else None,
-                    failure=failure,
-                ),
-                group_name=self.group,
-            )
+            return agree(self.cpu_group, outcome, group_name=self.group)
         except RuntimeError as error:
             if isinstance(error, BackendError):
                 raise
@@ -490,7 +524,11 @@ class WorkspaceManager:
             raise
 
     def _decide(
-        self, layer: str, decision: Decision | None, failure: BaseException | None
+        self,
+        layer: str,
+        decision: Decision | None,
+        failure: BaseException | None,
+        round_number: int,
     ) -> tuple[Action, Plan]:
         """The action and plan of this round, from the decision received.
 
@@ -499,7 +537,16 @@ class WorkspaceManager:
         rank's plan and derives the action with the core's own function.
         """
         if self.agrees_across_ranks:
-            plan = self._agree(layer, decision, failure)
+            self._unagreed = 0
+            plan = self._agree(
+                LocalOutcome(
+                    ep_rank=self.ep_rank,
+                    layer=layer,
+                    plan=decision.plan if decision is not None else None,
+                    failure=failure,
+                    round=round_number,
+                )
+            )
             return decide_action(self._built, plan), plan
         assert decision is not None
         if decision.action is Action.REUSE:
@@ -567,6 +614,10 @@ class WorkspaceManager:
         failure: BaseException | None = None
         decision: Decision | None = None
         call: LayerCall | None = None
+        # The round this call is, proposed or not: a failed call joins the
+        # agreement of the round its peers are in.
+        this_round = self._round + 1
+        self._last_layer = layer
         try:
             call = classify_call(
                 self.ep_size,
@@ -584,23 +635,34 @@ class WorkspaceManager:
                     "extra_payload_bytes_per_token": extra_payload_bytes_per_token,
                 },
             )
-            if self._passes_as_covered(call):
+            covered = self._passes_as_covered(call)
+            if covered and not self.embedded:
                 self._propose_covered(call, layer)
                 return
-            # A round that waits reads every earlier answer first (and does
-            # what they ask), so it decides on top of what they built.
-            self._settle()
+            if not self.embedded:
+                # A round that waits reads every earlier answer first (and
+                # does what they ask), so it decides on top of what they built.
+                # (Embedded: this round's agreement checks the earlier ones.)
+                self._settle()
             # A refused call proposes nothing, so it uses up no round: the
             # caller may correct it and go on.
             self._round += 1
             decision = self._propose(Requirement(capacities=call.capacities, layer=layer))
+            if covered and decision.action is Action.REUSE:
+                # Embedded: the rank's own core agrees; the next agreement
+                # checks that every rank passed the same rounds.
+                self._unagreed += 1
+                self._covered += 1
+                self._reuses += 1
+                self._remember(call)
+                return
         except Exception as error:
             if not self.agrees_across_ranks:
                 raise
             # Still join the agreement, so the other ranks raise too instead
             # of waiting for this one forever.
             failure = error
-        action, plan = self._decide(layer, decision, failure)
+        action, plan = self._decide(layer, decision, failure, this_round)
         assert call is not None  # a failure raised in _decide
         self._remember(call)
         if action is Action.REUSE:
@@ -822,6 +884,7 @@ class WorkspaceManager:
                 (raised after freeing and closing).
         """
         unsettled: Exception | None = None
+        self._unagreed = 0  # embedded: cleanup agrees on nothing
         try:
             self._settle()
         except Exception as error:
