@@ -15,15 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tests.multiprocess.workers import (
-    HIDDEN,
-    MAX_TOKENS,
-    NUM_EXPERTS,
-    TOP_K,
-    Layer,
-    exchange,
-    nvfp4_layer,
-)
+from tests.multiprocess.workers import HIDDEN, MAX_TOKENS, Layer, exchange, nvfp4_layer
 
 
 def _manager(cpu_group: Any, group: str, target: str | None) -> Any:
@@ -171,9 +163,43 @@ def merged_plan_worker(
     return result
 
 
+def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> dict[str, Any]:
+    """Embedded mode: round 1 builds, rounds 2-5 are covered (no collective),
+    ``get_communication()`` agrees once on what is held. With
+    ``grow_on_rank_1``, rank 1 needs more tokens in round 3, a round rank 0
+    passes as covered: the ranks are out of step and both raise."""
+    cpu_group = dist.new_group(backend="gloo")
+    manager = _manager(cpu_group, group, "embedded")
+    _initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    built = manager.counters.collectives
+    per_round = []
+    raised = None
+    try:
+        for i in range(1, 5):
+            tokens = MAX_TOKENS * 2 if grow_on_rank_1 and rank == 1 and i == 2 else MAX_TOKENS
+            before = manager.counters.collectives
+            _initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp", max_num_tokens=tokens))
+            per_round.append(manager.counters.collectives - before)
+        manager.get_communication()
+    except Exception as error:
+        raised = {"type": type(error).__name__, "message": str(error)}
+    counters = manager.counters
+    error = None
+    if raised is None:
+        error = exchange(manager.moe_alltoall, nvfp4_layer("check"), rank, world, seed=3)
+    manager.cleanup()
+    return {
+        "built_collectives": built,
+        "per_round": per_round,
+        "collectives": counters.collectives,
+        "covered": counters.covered,
+        "raised": raised,
+        "max_error": error,
+    }
+
+
 __all__ = [
-    "NUM_EXPERTS",
-    "TOP_K",
+    "embedded_worker",
     "growth_in_covered_round_worker",
     "merged_plan_worker",
     "no_wait_worker",

@@ -17,6 +17,9 @@ its answer is read later, in order: before a round that waits, in
 * A plan merged from another node (through etcd) above what was built: the
   covered rounds' answers are REBUILD, and every rank rebuilds once, when it
   reads them.
+* Embedded mode: covered rounds skip the all-gather; ``get_communication()``
+  agrees once; a rank needing growth in a round its peer passed as covered
+  puts them out of step, and both raise naming the rounds.
 """
 
 from __future__ import annotations
@@ -187,3 +190,37 @@ def test_a_plan_merged_from_another_node_rebuilds_every_rank_once(
     finally:
         ours.stop()
         other.stop()
+
+
+def test_embedded_covered_rounds_skip_the_agreement(tmp_path: Path) -> None:
+    results = run_ranks(
+        covered_workers.embedded_worker,
+        2,
+        timeout=90,
+        tmp_path=tmp_path,
+        args=("covered/embedded", False),
+    )
+    for rank, result in enumerate(results):
+        where = f"rank {rank}: {result}"
+        assert result["raised"] is None and result["max_error"] == 0.0, where
+        assert result["per_round"] == [0, 0, 0, 0] and result["covered"] == 4, where
+        # Round 1's agreement and barrier, then one agreement before use.
+        assert result["built_collectives"] == 2 and result["collectives"] == 3, where
+
+
+def test_embedded_ranks_out_of_step_raise_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(
+        covered_workers.embedded_worker,
+        2,
+        timeout=90,
+        tmp_path=tmp_path,
+        args=("covered/embedded-out-of-step", True),
+    )
+    for rank, result in enumerate(results):
+        where = f"rank {rank}: {result}"
+        raised = result["raised"]
+        assert raised is not None and raised["type"] == "AgreementError", where
+        message = raised["message"]
+        assert "out of step" in message, where
+        assert "rank 0 (layer 'model.layers.4.mlp') is settling after round 5" in message, where
+        assert "rank 1 (layer 'model.layers.2.mlp') needs round 3 agreed" in message, where
