@@ -4,8 +4,8 @@ Each node's sidecar (or, embedded, each rank's own core) decides for the
 ranks it sees. When an EP group spans more ranks than one decider sees, its
 ranks agree with ONE ``all_gather`` of a small int64 row per rank::
 
-    failed | round | settling | epoch | generation | capacities (one slot
-    per field, in moe_sidecar.core.plan.Capacities' order)
+    failed | round | settling | action | epoch | generation | capacities
+    (one slot per field, in moe_sidecar.core.plan.Capacities' order)
 
 ``round`` and ``settling`` say where the rank is: agreeing on a round, or
 (``settling``) on what it holds before using it, after rounds it passed as
@@ -15,9 +15,10 @@ they stated different layers or sizes) and every rank raises, naming each
 rank's round and layer.
 
 and every rank then folds the gathered plans with the decision core's own
-:func:`moe_sidecar.core.plan.join`. The same rows in, the same join, so every rank
-holds the same plan, and the manager derives the same action from it with
-:func:`moe_sidecar.core.plan.decide_action`. Nothing here takes a maximum.
+:func:`moe_sidecar.core.plan.join`, and the decided actions by what they ask
+(REUSE, then REBUILD, then BUILD: a build any decider asked for is every
+rank's). The same rows in, the same fold, so every rank holds the same plan
+and executes the same action, the one its deciders gave (:func:`agree_round`).
 
 A rank whose proposal failed still joins the collective, so every rank takes
 the same branch: either all proceed with the same plan, or all raise. Only
@@ -44,13 +45,15 @@ from moe_sidecar.client.errors import (
     RankFailure,
 )
 from moe_sidecar.core.errors import error_for_code
-from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch, join
+from moe_sidecar.core.plan import Action, Capacities, Plan, ShapeMismatch, join
 
-__all__ = ["LocalOutcome", "agree", "failure_code"]
+__all__ = ["LocalOutcome", "agree", "agree_round", "failure_code"]
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
-_HEAD = 5
-"""failed, round, settling, epoch, generation."""
+_HEAD = 6
+"""failed, round, settling, action, epoch, generation."""
+_ACTIONS = (Action.REUSE, Action.REBUILD, Action.BUILD)
+"""The row's action slot: the index here, in the order of what an action asks."""
 _ROW = _HEAD + len(_CAPACITY_FIELDS)
 
 
@@ -66,6 +69,8 @@ class LocalOutcome:
     """The round agreed on (0: not counted)."""
     settling: bool = False
     """The rank agrees on what it holds before using it, not on a round."""
+    action: Action = Action.REUSE
+    """What the rank's decider decided for ``plan``."""
 
 
 def failure_code(error: BaseException) -> ErrorCode:
@@ -86,6 +91,7 @@ def _row(mine: LocalOutcome) -> torch.Tensor:
         [
             0,
             *place,
+            _ACTIONS.index(mine.action),
             p.epoch,
             p.generation,
             *(getattr(p.capacities, name) for name in _CAPACITY_FIELDS),
@@ -97,8 +103,8 @@ def _row(mine: LocalOutcome) -> torch.Tensor:
 def _plan(row: list[int]) -> Plan:
     return Plan(
         capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[_HEAD:], strict=True))),
-        epoch=row[3],
-        generation=row[4],
+        epoch=row[4],
+        generation=row[5],
     )
 
 
@@ -188,15 +194,18 @@ def _raise_disagreement(
     )
 
 
-def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
-    """Makes every rank of ``group`` hold the same plan, or raise the same error.
+def agree_round(
+    group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str
+) -> tuple[Action, Plan]:
+    """Makes every rank of ``group`` hold the same plan and action, or raise the same error.
 
     The agreed plan is the join (:func:`moe_sidecar.core.plan.join`) of every
-    rank's local plan.
+    rank's local plan; the agreed action is the one that asks most among the
+    actions the ranks' deciders gave (REUSE < REBUILD < BUILD).
 
     Args:
         group: the EP group's CPU (gloo) process group; nothing else is used.
-        mine: this rank's local plan or failure.
+        mine: this rank's local plan and action, or failure.
         group_name: the EP group's name, for messages.
 
     Raises:
@@ -219,7 +228,21 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> P
         _raise_failures(group, mine, group_name)
     plans = [_plan(v) for v in values]
     try:
-        return functools.reduce(join, plans)
+        plan = functools.reduce(join, plans)
     except ShapeMismatch:
         _raise_disagreement(group, mine, plans, group_name)
         raise  # pragma: no cover - _raise_disagreement always raises
+    return _ACTIONS[max(v[3] for v in values)], plan
+
+
+def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
+    """The plan of :func:`agree_round` (every rank holds the same plan, or raises
+    the same error).
+
+    Raises:
+        AgreementError: ranks disagree on ``top_k`` or ``num_experts``, or
+            are out of step.
+        CoordinatorError: at least one rank failed (see :func:`agree_round`).
+        InvalidArgument: ``mine`` holds neither a plan nor a failure.
+    """
+    return agree_round(group, mine, group_name=group_name)[1]

@@ -17,9 +17,11 @@ Each ``initialize()`` of an MoE layer:
 2. when the EP group spans more ranks than one decider sees (``ep_size >
    local_ranks``), and always in embedded mode, agree across the EP group with
    one all-gather on ``cpu_group`` (:mod:`moe_sidecar.client.agreement`): the
-   plans are folded with the core's join and the action is derived from the
-   agreed plan with the core's own :func:`~moe_sidecar.core.plan.decide_action`;
-   otherwise the manager executes the action it received, as it is;
+   plans are folded with the core's join, and the actions the deciders gave
+   by what they ask (a build any of them asked for is every rank's);
+   otherwise the manager executes the action it received, as it is. Either
+   way it executes an action it was given, never one of its own: a REUSE
+   of a plan it does not hold is refused as an internal error;
 3. BUILD/REBUILD: build through the backend at the plan's capacities (the
    backend's size function turns them into bytes), pass a barrier on
    ``cpu_group`` (never the world: pipeline stages rebuild a different
@@ -78,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome, agree
+from moe_sidecar.client.agreement import LocalOutcome, agree_round
 from moe_sidecar.client.backends import (
     AlltoAll,
     AlltoAllBackend,
@@ -107,7 +109,7 @@ from moe_sidecar.client.vllm_sizing import (
 from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
 from moe_sidecar.core.identity import new_lifetime_secret
-from moe_sidecar.core.plan import Action, Plan, decide_action
+from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy import validate_group_name
 
 __all__ = ["DEFAULT_MAX_UNANSWERED", "ManagerCounters", "WorkspaceManager"]
@@ -512,9 +514,12 @@ class WorkspaceManager:
         )
 
     def _agree(self, outcome: LocalOutcome) -> Plan:
+        return self._agree_round(outcome)[1]
+
+    def _agree_round(self, outcome: LocalOutcome) -> tuple[Action, Plan]:
         self._collectives += 1
         try:
-            return agree(self.cpu_group, outcome, group_name=self.group)
+            return agree_round(self.cpu_group, outcome, group_name=self.group)
         except RuntimeError as error:
             if isinstance(error, BackendError):
                 raise
@@ -533,21 +538,23 @@ class WorkspaceManager:
         """The action and plan of this round, from the decision received.
 
         A group one decider sees whole executes the decision as it came. A
-        group agreed across deciders (nodes, or embedded ranks) joins every
-        rank's plan and derives the action with the core's own function.
+        group agreed across deciders (nodes, or embedded ranks) executes the
+        agreed one: the join of every rank's plan, with the action that asks
+        most among those the deciders gave.
         """
         if self.agrees_across_ranks:
             self._unagreed = 0
-            plan = self._agree(
+            action, plan = self._agree_round(
                 LocalOutcome(
                     ep_rank=self.ep_rank,
                     layer=layer,
                     plan=decision.plan if decision is not None else None,
                     failure=failure,
                     round=round_number,
+                    action=decision.action if decision is not None else Action.REUSE,
                 )
             )
-            return decide_action(self._built, plan), plan
+            decision = Decision(round_number, action, plan, grew=False, layer=layer)
         assert decision is not None
         if decision.action is Action.REUSE:
             self._check_reuse(decision, layer)

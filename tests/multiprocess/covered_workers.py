@@ -184,9 +184,9 @@ def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> 
     except Exception as error:
         raised = {"type": type(error).__name__, "message": str(error)}
     counters = manager.counters
-    error = None
+    max_error = None
     if raised is None:
-        error = exchange(manager.moe_alltoall, nvfp4_layer("check"), rank, world, seed=3)
+        max_error = exchange(manager.moe_alltoall, nvfp4_layer("check"), rank, world, seed=3)
     manager.cleanup()
     return {
         "built_collectives": built,
@@ -194,7 +194,7 @@ def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> 
         "collectives": counters.collectives,
         "covered": counters.covered,
         "raised": raised,
-        "max_error": error,
+        "max_error": max_error,
     }
 
 
