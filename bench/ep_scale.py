@@ -1343,8 +1343,8 @@ def section_reuse(run: Run) -> dict[str, Any]:
         f"({summary['bare_proposal_p50'] * 1e6:.1f} us per proposal)"
     )
     for mode, how in (
-        ("sidecar", "session stream, 1 RPC, 0 collectives"),
-        ("embedded", "in-process core + 1 all-gather"),
+        ("sidecar", "covered: 1 message on the session stream, no wait, 0 collectives"),
+        ("embedded", "covered: the in-process core, no all-gather"),
     ):
         st = summary[f"{mode}_round"]
         r0 = first[0][f"reuse_{mode}"]

@@ -324,15 +324,12 @@ class GrpcTransport:
                 health_pb2.HealthCheckRequest(), timeout=remaining, wait_for_ready=True
             )
 
-    def _call(
-        self, method: str, timeout: float, send: Callable[[float], _Reply], *, count: bool = True
-    ) -> _Reply:
+    def _call(self, method: str, timeout: float, send: Callable[[float], _Reply]) -> _Reply:
         deadline = time.monotonic() + self.unavailable_retry
         attempts = 0
         while True:
             attempts += 1
-            if count or attempts > 1:
-                self._rpc_count += 1
+            self._rpc_count += 1
             try:
                 return send(timeout)
             except (grpc.RpcError, SessionStatus) as failure:
@@ -405,6 +402,14 @@ class GrpcTransport:
             self._sent_on = stream
         return stream
 
+    def _drop_in_flight(self, stream: SessionStream) -> None:
+        """Reads and drops the answers still in flight on ``stream`` (they
+        were sent after a proposal that must be sent again, so they are
+        refused as out of sequence, or the stream is gone)."""
+        while stream.alive and stream.unanswered:
+            with contextlib.suppress(grpc.RpcError, SessionStatus):
+                stream.receive(self.call_timeout)
+
     def propose_later(self, proposal: Proposal) -> None:
         """See :meth:`Transport.propose_later`."""
         if not self.session:
@@ -444,25 +449,43 @@ class GrpcTransport:
                 raise answer
             return answer
 
-        def receive(timeout: float) -> pb.SessionResponse:
+        deadline = time.monotonic() + self.unavailable_retry
+        attempts = 0
+        while True:
+            attempts += 1
+            if attempts > 1:
+                self._rpc_count += 1
             stream = self._stream_with_unanswered()
-            response = stream.receive(timeout)
-            if response.WhichOneof("result") == "error":
-                raise SessionStatus.named(response.error.code, response.error.message)
-            return response
-
-        try:
-            response = self._call("Propose", self.propose_timeout, receive, count=False)
-        except CoordinatorError:
-            stream = self._stream
-            if stream is None or not stream.alive:
-                # The session is over (the sidecar saw this rank leave):
-                # nothing sent on it will be answered.
-                self._unanswered.clear()
+            try:
+                response = stream.receive(self.propose_timeout)
+                if response.WhichOneof("result") == "error":
+                    raise SessionStatus.named(response.error.code, response.error.message)
+                break
+            except (grpc.RpcError, SessionStatus) as failure:
+                error = error_from_rpc(
+                    failure, method="Propose", target=self.target, timeout=self.propose_timeout
+                )
+                retriable = isinstance(error, CoordinatorUnavailable)
+                if not retriable or time.monotonic() >= deadline:
+                    if retriable:
+                        # Giving up: what is still in flight is answered by nothing useful.
+                        self._drop_in_flight(stream)
+                        self._unanswered.clear()
+                        self._sent_on = None
+                    elif stream.alive:
+                        self._unanswered.popleft()  # answered: with an error
+                    else:
+                        self._unanswered.clear()  # the session is over
+                        self._sent_on = None
+                    raise error from failure
+                # Undecided (the sidecar draining, restarting, or unable to
+                # persist): every proposal from this one on is sent again, in
+                # order, once the answers still in flight are out of the way.
+                self._drop_in_flight(stream)
                 self._sent_on = None
-            else:
-                self._unanswered.popleft()
-            raise
+            # Jitter keeps the ranks of a node from retrying in lockstep.
+            time.sleep(min(random.uniform(0.01, 0.05), max(deadline - time.monotonic(), 0.0)))
+            self._wait_ready(deadline)
         self._unanswered.popleft()
         return _decision_from_proto(proposal, response.decision, self.target)
 
