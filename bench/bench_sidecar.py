@@ -194,7 +194,7 @@ async def coordinator_rounds(workdir: Path, ranks: int, rounds: int, warmup: int
 # --- the sidecar -----------------------------------------------------------------------
 
 
-def start_sidecar(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_sidecar(workdir: Path, max_groups: int) -> tuple[subprocess.Popen[bytes], str]:
     sock = workdir / "bench.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
     process = subprocess.Popen(
@@ -212,9 +212,10 @@ def start_sidecar(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             "0",
             "--round-timeout",
             "60",
-            # The memory figure fills 1,000 groups, beyond the default --max-groups.
+            # Every group of the run must fit: the memory figure's fill alone
+            # is beyond the default --max-groups.
             "--max-groups",
-            "1000",
+            str(max_groups),
         ],
         cwd=ROOT,
         env=env,
@@ -541,8 +542,14 @@ async def run(quick: bool) -> int:
     if quick:
         plan = {1: (200, 20), 8: (100, 10), 64: (20, 5)}
     results: dict[int, tuple[Series, Series]] = {}
+    sat_groups, sat_ranks, sat_rounds = (16, 8, 20) if quick else (16, 8, 100)
+    fill_groups_count, fill_ranks, fill_rounds = (1000, 8, 3) if not quick else (200, 8, 3)
+    # The sidecar holds every group the run creates: one per process-round
+    # mode that talks to it (session, unary), one per latency row, the
+    # saturation groups and the fill.
+    run_groups = (len(_MODES) - 1) + len(plan) + sat_groups + fill_groups_count
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
-        process, target = start_sidecar(Path(tmp))
+        process, target = start_sidecar(Path(tmp), run_groups)
         sidecar = psutil.Process(process.pid)
         try:
             idle_rss = sidecar.memory_info().rss
@@ -645,7 +652,6 @@ async def run(quick: bool) -> int:
             print(f"{'ranks':>5} | {'per Propose (us)':>18} | {'per empty Check (us)':>22}")
             print("\n".join(cpu_lines))
 
-            sat_groups, sat_ranks, sat_rounds = (16, 8, 20) if quick else (16, 8, 100)
             saturated = await saturated_rate(target, sat_groups, sat_ranks, sat_rounds)
             core_sat = core_rounds(8, 500, 50).rate
             print()
@@ -655,7 +661,7 @@ async def run(quick: bool) -> int:
                 f"ratio {saturated / core_sat:.4f})"
             )
 
-            groups, ranks, rounds = (1000, 8, 3) if not quick else (200, 8, 3)
+            groups, ranks, rounds = fill_groups_count, fill_ranks, fill_rounds
             fill_started = time.perf_counter()
             await fill_groups(target, groups, ranks, rounds, parallel=16)
             fill_wall = time.perf_counter() - fill_started

@@ -32,8 +32,13 @@ the whole run; rank processes are spawned per step (``spawn``, gloo on
    first rank processes: ``--reuse-rounds`` REUSE rounds through the sidecar
    (the session stream, the transport's default), the same in embedded mode,
    and the bare decision (``policy.propose`` for the N ranks of a round, in
-   process); p50/p99. Whole-model initialisation: every rank's total time
-   in ``initialize()`` over the model, through the sidecar and embedded.
+   process); p50/p99. Whole-model initialisation, measured alike for every
+   mode: a fresh group, every rank released together by one barrier, no
+   checks in the timed part; the figure is the slowest rank's time in
+   ``initialize()`` over the model plus its first ``get_communication()``
+   (where a rank reads the answers still outstanding), through the sidecar,
+   embedded, and with no coordination at all (``bench/uncoordinated.py``:
+   the same sizing, union and builds, nothing proposed or agreed).
 4. **Cold start, cache prewarmed**: fresh rank processes from their start
    to a ready all-to-all (a first dispatch + combine of each layer kind at
    ``--tokens``), through the sidecar that remembers the plan, and embedded.
@@ -90,6 +95,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_bench import _percentile  # noqa: E402
 from bench.gpu_cold_start import _FdTee  # noqa: E402
+from bench.uncoordinated import UncoordinatedRank  # noqa: E402
 from bench.vllm_gpu_bench import Vllm033Manager  # noqa: E402
 from moe_sidecar.client.backends.base import BuildSpec  # noqa: E402
 from moe_sidecar.client.backends.reference import (  # noqa: E402
@@ -369,6 +375,62 @@ def _run_model(
     }
 
 
+INIT_MODES = ("none", "embedded", "sidecar")
+"""The whole-model initialisations timed alike, in this order."""
+
+
+def _timed_inits(cfg: RankConfig, formats: dict[str, object]) -> dict[str, dict[str, Any]]:
+    """The model's initialisation in every mode of :data:`INIT_MODES`, alike:
+    a fresh group name, one barrier on the EP group before it, nothing but
+    ``initialize()`` (and the first ``get_communication()``) in the timed part."""
+    import torch.distributed as dist
+
+    from moe_sidecar.client import WorkspaceManager
+
+    out: dict[str, dict[str, Any]] = {}
+    for mode in INIT_MODES:
+        rank_object: Any = (
+            UncoordinatedRank(world(), backend=cfg.backend)
+            if mode == "none"
+            else WorkspaceManager(
+                world(),
+                group=f"{cfg.group}/timed-{mode}",
+                target=cfg.target if mode == "sidecar" else "embedded",
+                backend=cfg.backend,
+            )
+        )
+        dist.barrier()  # every rank starts the model together
+        seconds: list[float] = []
+        for label, fmt in model_layers(cfg.layers):
+            started = time.perf_counter()
+            rank_object.initialize(
+                max_num_tokens=cfg.tokens,
+                top_k=TOP_K,
+                num_experts=NUM_EXPERTS,
+                hidden_size=HIDDEN,
+                dispatch_format=formats[fmt],
+                extra_payload_bytes_per_token=0,
+                layer=label,
+            )
+            seconds.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        if mode != "none":
+            rank_object.get_communication()  # reads every answer still outstanding
+        settle = time.perf_counter() - started
+        _synchronize(cfg)
+        out[mode] = {
+            "layer_seconds": seconds,
+            "settle_s": settle,
+            "init_s": sum(seconds) + settle,
+            "builds": rank_object.builds
+            if mode == "none"
+            else rank_object.counters.builds + rank_object.counters.rebuilds,
+        }
+        rank_object.cleanup()
+        dist.barrier()
+    return out
+
+
 def _reuse_rounds(manager: Any, cfg: RankConfig, formats: dict[str, object]) -> dict[str, Any]:
     """``cfg.reuse_rounds`` REUSE rounds (an NVFP4 layer, covered), every rank
     released together by a barrier, each timed on this rank."""
@@ -449,6 +511,7 @@ def lifetime_rank(
     manager.cleanup()
     dist.barrier()
     if reuse:
+        out["init"] = _timed_inits(cfg, formats)
         embedded = WorkspaceManager(
             world(), group=f"{cfg.group}/embedded", target="embedded", backend=cfg.backend
         )
@@ -1280,8 +1343,8 @@ def section_reuse(run: Run) -> dict[str, Any]:
         f"({summary['bare_proposal_p50'] * 1e6:.1f} us per proposal)"
     )
     for mode, how in (
-        ("sidecar", "session stream, 1 RPC, 0 collectives"),
-        ("embedded", "in-process core + 1 all-gather"),
+        ("sidecar", "covered: 1 message on the session stream, no wait, 0 collectives"),
+        ("embedded", "covered: the in-process core, no all-gather"),
     ):
         st = summary[f"{mode}_round"]
         r0 = first[0][f"reuse_{mode}"]
@@ -1290,24 +1353,25 @@ def section_reuse(run: Run) -> dict[str, Any]:
             f"(slowest of {a.ep} ranks per round; {st['p50'] / core:.1f}x the bare decision); "
             f"rank 0: {r0['rpcs_per_round']:.2f} RPC, {r0['collectives_per_round']:.2f} collectives per round"
         )
-    init = {
-        "sidecar": max(r["model"]["init_s"] for r in first),
-        "embedded": max(r["embedded_model"]["init_s"] for r in first),
-    }
+    init = {mode: max(r["init"][mode]["init_s"] for r in first) for mode in INIT_MODES}
     summary["whole_model_init_s"] = init
     summary["whole_model_init_ratio"] = (
         init["sidecar"] / init["embedded"] if init["embedded"] else None
     )
-    for mode, key in (("sidecar", "model"), ("embedded", "embedded_model")):
-        r0 = first[0][key]
-        build_s = sum(b["seconds"] for b in r0["builds"])
+    summary["whole_model_init_vs_none"] = init["sidecar"] / init["none"] if init["none"] else None
+    for mode in INIT_MODES:
+        r0 = first[0]["init"][mode]
+        layer_s = r0["layer_seconds"]
         print(
-            f"   whole-model init ({a.layers} layers), {mode:8s}: {init[mode]:.3f} s (slowest rank's time in "
-            f"initialize(); rank 0: {r0['init_s']:.3f} s, of which {build_s:.3f} s in its 2 build rounds)"
+            f"   whole-model init ({a.layers} layers, timed alike), {mode:8s}: {init[mode]:.3f} s "
+            f"(slowest rank's initialize() + first get_communication(); rank 0: {r0['init_s']:.3f} s, "
+            f"of which {layer_s[0] + layer_s[-1]:.3f} s in its 2 build rounds, "
+            f"{r0['settle_s']:.4f} s in get_communication())"
         )
     if summary["whole_model_init_ratio"] is not None:
         print(
-            f"   sidecar / embedded: {summary['whole_model_init_ratio']:.2f} (target at 8 ranks: <= 0.5)"
+            f"   sidecar / embedded: {summary['whole_model_init_ratio']:.2f} (target: <= 1); "
+            f"sidecar / none: {summary['whole_model_init_vs_none'] or 0:.2f} (target: <= 1.10)"
         )
     run.record(reuse_checks(first, a.reuse_rounds))
     return summary
@@ -1411,7 +1475,8 @@ def headline(run: Run) -> list[str]:
         )
         init = three["whole_model_init_s"]
         lines.append(
-            f"whole-model init: sidecar {init['sidecar']:.3f} s, embedded {init['embedded']:.3f} s"
+            f"whole-model init (timed alike): sidecar {init['sidecar']:.3f} s, embedded "
+            f"{init['embedded']:.3f} s, no coordination {init['none']:.3f} s"
         )
     four = s.get("4") or {}
     for name, case in four.items():

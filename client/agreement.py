@@ -4,13 +4,21 @@ Each node's sidecar (or, embedded, each rank's own core) decides for the
 ranks it sees. When an EP group spans more ranks than one decider sees, its
 ranks agree with ONE ``all_gather`` of a small int64 row per rank::
 
-    failed | epoch | generation | capacities (one slot per field, in
-    moe_sidecar.core.plan.Capacities' order)
+    failed | round | settling | action | epoch | generation | capacities
+    (one slot per field, in moe_sidecar.core.plan.Capacities' order)
+
+``round`` and ``settling`` say where the rank is: agreeing on a round, or
+(``settling``) on what it holds before using it, after rounds it passed as
+covered without agreeing (embedded mode). Ranks whose rows name different
+places are out of step (one passed as covered a round another needed agreed:
+they stated different layers or sizes) and every rank raises, naming each
+rank's round and layer.
 
 and every rank then folds the gathered plans with the decision core's own
-:func:`moe_sidecar.core.plan.join`. The same rows in, the same join, so every rank
-holds the same plan, and the manager derives the same action from it with
-:func:`moe_sidecar.core.plan.decide_action`. Nothing here takes a maximum.
+:func:`moe_sidecar.core.plan.join`, and the decided actions by what they ask
+(REUSE, then REBUILD, then BUILD: a build any decider asked for is every
+rank's). The same rows in, the same fold, so every rank holds the same plan
+and executes the same action, the one its deciders gave (:func:`agree_round`).
 
 A rank whose proposal failed still joins the collective, so every rank takes
 the same branch: either all proceed with the same plan, or all raise. Only
@@ -43,15 +51,26 @@ from moe_sidecar.client.errors import (
     RankFailure,
 )
 from moe_sidecar.core.errors import error_for_code
-from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch, join
+from moe_sidecar.core.plan import Action, Capacities, Plan, ShapeMismatch, join
 
-__all__ = ["GROUP_SECRET_BYTES", "LocalOutcome", "agree", "failure_code", "share_group_secret"]
+__all__ = [
+    "GROUP_SECRET_BYTES",
+    "LocalOutcome",
+    "agree",
+    "agree_round",
+    "failure_code",
+    "share_group_secret",
+]
 
 GROUP_SECRET_BYTES = 16
 """Random bytes of a group's proof: 128 bits, guessed by nobody."""
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
-_ROW = 3 + len(_CAPACITY_FIELDS)
+_HEAD = 6
+"""failed, round, settling, action, epoch, generation."""
+_ACTIONS = (Action.REUSE, Action.REBUILD, Action.BUILD)
+"""The row's action slot: the index here, in the order of what an action asks."""
+_ROW = _HEAD + len(_CAPACITY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,12 @@ class LocalOutcome:
     layer: str
     plan: Plan | None = None
     failure: BaseException | None = None
+    round: int = 0
+    """The round agreed on (0: not counted)."""
+    settling: bool = False
+    """The rank agrees on what it holds before using it, not on a round."""
+    action: Action = Action.REUSE
+    """What the rank's decider decided for ``plan``."""
 
 
 def failure_code(error: BaseException) -> ErrorCode:
@@ -74,21 +99,62 @@ def failure_code(error: BaseException) -> ErrorCode:
 
 
 def _row(mine: LocalOutcome) -> torch.Tensor:
+    place = [mine.round, int(mine.settling)]
     if mine.failure is not None or mine.plan is None:
-        return torch.tensor([1] + [0] * (_ROW - 1), dtype=torch.int64)
+        return torch.tensor([1, *place] + [0] * (_ROW - 3), dtype=torch.int64)
     p = mine.plan
     return torch.tensor(
-        [0, p.epoch, p.generation, *(getattr(p.capacities, name) for name in _CAPACITY_FIELDS)],
+        [
+            0,
+            *place,
+            _ACTIONS.index(mine.action),
+            p.epoch,
+            p.generation,
+            *(getattr(p.capacities, name) for name in _CAPACITY_FIELDS),
+        ],
         dtype=torch.int64,
     )
 
 
 def _plan(row: list[int]) -> Plan:
     return Plan(
-        capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[3:], strict=True))),
-        epoch=row[1],
-        generation=row[2],
+        capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[_HEAD:], strict=True))),
+        epoch=row[4],
+        generation=row[5],
     )
+
+
+def _raise_out_of_step(
+    group: dist.ProcessGroup, mine: LocalOutcome, values: list[list[int]], group_name: str
+) -> None:
+    error = mine.failure
+    failure = (str(error), failure_code(error).value) if error is not None else ("", "")
+    gathered = _gather_objects(group, (mine.layer, *failure))
+    failures = []
+    parts = []
+    codes = []
+    for rank, (row, item) in enumerate(zip(values, gathered, strict=True)):
+        layer, text, code = item if isinstance(item, tuple) else ("", "", "")
+        if text:
+            codes.append(ErrorCode(code))
+        where = (
+            f"is settling after round {row[1]} (it passed rounds as covered)"
+            if row[2]
+            else f"needs round {row[1]} agreed"
+        )
+        detail = where + (f" (it failed: {text})" if text else "")
+        failures.append(RankFailure(ep_rank=rank, layer=str(layer), detail=detail))
+        parts.append(f"rank {rank} (layer {_layer_text(str(layer))}) {detail}")
+    message = (
+        f"ranks of EP group {group_name!r} are out of step: " + "; ".join(parts) + "; a rank "
+        "passes a round as covered when what is built serves its layer, so the ranks stated "
+        "different layers or sizes in a round; every rank must run the same layers in the "
+        "same order"
+    )
+    if codes:
+        # A rank failed where its peers passed as covered: its error is the cause.
+        raise error_for_code(codes[0], message) from mine.failure
+    raise AgreementError(message, tuple(failures)) from mine.failure
 
 
 def _layer_text(layer: str) -> str:
@@ -144,19 +210,23 @@ def _raise_disagreement(
     )
 
 
-def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
-    """Makes every rank of ``group`` hold the same plan, or raise the same error.
+def agree_round(
+    group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str
+) -> tuple[Action, Plan]:
+    """Makes every rank of ``group`` hold the same plan and action, or raise the same error.
 
     The agreed plan is the join (:func:`moe_sidecar.core.plan.join`) of every
-    rank's local plan.
+    rank's local plan; the agreed action is the one that asks most among the
+    actions the ranks' deciders gave (REUSE < REBUILD < BUILD).
 
     Args:
         group: the EP group's CPU (gloo) process group; nothing else is used.
-        mine: this rank's local plan or failure.
+        mine: this rank's local plan and action, or failure.
         group_name: the EP group's name, for messages.
 
     Raises:
-        AgreementError: ranks disagree on ``top_k`` or ``num_experts``.
+        AgreementError: ranks disagree on ``top_k`` or ``num_experts``, or
+            are out of step (agreeing on different rounds, or some settling).
         CoordinatorError: at least one rank failed; every rank raises the
             failing rank's error class, naming every failed rank and layer
             (the local failure, if any, is the ``__cause__``).
@@ -168,14 +238,30 @@ def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> P
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
     values = [[int(v) for v in r.tolist()] for r in rows]
+    if len({(v[1], v[2]) for v in values}) > 1:
+        _raise_out_of_step(group, mine, values, group_name)
     if any(v[0] for v in values):
         _raise_failures(group, mine, group_name)
     plans = [_plan(v) for v in values]
     try:
-        return functools.reduce(join, plans)
+        plan = functools.reduce(join, plans)
     except ShapeMismatch:
         _raise_disagreement(group, mine, plans, group_name)
         raise  # pragma: no cover - _raise_disagreement always raises
+    return _ACTIONS[max(v[3] for v in values)], plan
+
+
+def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
+    """The plan of :func:`agree_round` (every rank holds the same plan, or raises
+    the same error).
+
+    Raises:
+        AgreementError: ranks disagree on ``top_k`` or ``num_experts``, or
+            are out of step.
+        CoordinatorError: at least one rank failed (see :func:`agree_round`).
+        InvalidArgument: ``mine`` holds neither a plan nor a failure.
+    """
+    return agree_round(group, mine, group_name=group_name)[1]
 
 
 def share_group_secret(group: dist.ProcessGroup) -> str:

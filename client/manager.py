@@ -17,17 +17,54 @@ Each ``initialize()`` of an MoE layer:
 2. when the EP group spans more ranks than one decider sees (``ep_size >
    local_ranks``), and always in embedded mode, agree across the EP group with
    one all-gather on ``cpu_group`` (:mod:`moe_sidecar.client.agreement`): the
-   plans are folded with the core's join and the action is derived from the
-   agreed plan with the core's own :func:`~moe_sidecar.core.plan.decide_action`;
-   otherwise the manager executes the action it received, as it is;
+   plans are folded with the core's join, and the actions the deciders gave
+   by what they ask (a build any of them asked for is every rank's);
+   otherwise the manager executes the action it received, as it is. Either
+   way it executes an action it was given, never one of its own: a REUSE
+   of a plan it does not hold is refused as an internal error;
 3. BUILD/REBUILD: build through the backend at the plan's capacities (the
    backend's size function turns them into bytes), pass a barrier on
    ``cpu_group`` (never the world: pipeline stages rebuild a different
    number of times), release the superseded workspace (and destroy the
    ``moe_ep`` object made over it), and commit the plan now held.
 
-So a REUSE round of a node-local group in sidecar mode costs exactly one RPC
-and no collective.
+A round whose layer the built plan already covers (a *covered round*) of a
+node-local group in sidecar mode does not wait: every rank of a round must
+state the same layer, so its decision can only be REUSE. The rank sends its
+proposal on its session (so the sidecar still keeps the history, sees the
+rank alive and checks that the ranks agree) and returns; the answers are
+read in the order sent, later (:meth:`WorkspaceManager._settle`):
+
+* before a round that waits (one that needs more than was built, or round 1
+  of a lifetime), before ``get_communication()``, ``moe_alltoall``,
+  ``combine_into()``, the checkpoints and ``cleanup()``, every earlier answer
+  is read; and at most ``max_unanswered`` are ever outstanding (a covered
+  round past it reads the oldest first), so the answers never outgrow the
+  stream's flow-control window;
+* a refusal (another layer name or shape on another rank) is raised there,
+  on every rank, with the sidecar's message naming the round, layers and ranks;
+* an answer that is not REUSE (the sidecar's plan is above what was built:
+  merged from another node, or another rank of that round needed more)
+  is executed there: every rank of that round got the same decision, the
+  ranks that waited in it build at once, the ranks that passed it as
+  covered join that build when they read the answer, so the build's
+  collectives and the barrier meet and no rank builds alone. Such a rank
+  then reads every answer still outstanding and commits what it holds
+  against the latest round answered (the sidecar's latest closed round, so
+  still retained, and decided at the plan just built).
+
+So a covered round costs a rank one message put on its stream, no wait and
+no collective.
+
+Embedded mode passes covered rounds too, as far as its agreement allows: a
+covered round asks the rank's own core (which keeps its history) and, when
+that answers REUSE, skips the all-gather. The ranks' next agreement (the
+next round that waits, or ``get_communication()`` / ``moe_alltoall`` /
+``combine_into()`` / the checkpoints, which agree once on what is held)
+carries each rank's round: ranks that passed different rounds as covered
+are out of step (they stated different layers or sizes in a round), and
+every rank raises, naming each rank's round and layer. ``cleanup()`` stays
+local in embedded mode and agrees on nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome, agree, share_group_secret
+from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
 from moe_sidecar.client.backends import (
     AlltoAll,
     AlltoAllBackend,
@@ -72,10 +109,16 @@ from moe_sidecar.client.vllm_sizing import (
 from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
-from moe_sidecar.core.plan import Action, Plan, decide_action
+from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy import validate_group_name
 
-__all__ = ["ManagerCounters", "WorkspaceManager"]
+__all__ = ["DEFAULT_MAX_UNANSWERED", "ManagerCounters", "WorkspaceManager"]
+
+DEFAULT_MAX_UNANSWERED = 256
+"""Most covered rounds a rank leaves unanswered. Enough for a whole model's
+layers, so a rank never waits on the slowest peer mid-model; small enough
+that the answers (about 100 bytes each) fit the session stream's HTTP/2
+flow-control window (64 KiB), past which the sidecar could not send them."""
 
 _GONE_WAIT_S = 2.0
 """How long a rank whose collective failed asks the sidecar who left (its
@@ -95,11 +138,14 @@ class ManagerCounters:
     rebuilds: int
     """Rounds that built a larger one and released the old (REBUILD)."""
     reuses: int
-    """Rounds that kept what was built (REUSE)."""
+    """Rounds that kept what was built (REUSE), covered rounds included when
+    they return (one whose answer later asked for a build also counts there)."""
     releases: int
     """Workspaces handed back to the backend (rebuilds and cleanup)."""
     rpcs: int
     """Calls sent to the sidecar, retries included (0 in embedded mode)."""
+    covered: int
+    """Rounds passed as covered: proposed without waiting for the answer."""
     collectives: int
     """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
     the hostname exchange at construction); the backend's own build
@@ -153,12 +199,15 @@ class WorkspaceManager:
         propose_timeout: seconds one Propose may wait for its round; must
             exceed the sidecar's ``--round-timeout``. Default: env
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else 120.
+        max_unanswered: most covered rounds left unanswered at once
+            (:data:`DEFAULT_MAX_UNANSWERED`); past it a covered round reads
+            the oldest answer first.
 
     Raises:
         InvalidArgument: no group name in sidecar mode (see ``group``), a bad
-            group name, ``local_ranks`` outside ``[1, ep_size]``, or an
-            unknown backend name (naming ``MOE_SIDECAR_BACKEND`` when it came
-            from there).
+            group name, ``local_ranks`` outside ``[1, ep_size]``,
+            ``max_unanswered`` below 1, or an unknown backend name (naming
+            ``MOE_SIDECAR_BACKEND`` when it came from there).
         ValueError: an unknown backend name passed as ``backend``.
     """
 
@@ -171,7 +220,11 @@ class WorkspaceManager:
         *,
         local_ranks: int | None = None,
         propose_timeout: float | None = None,
+        max_unanswered: int = DEFAULT_MAX_UNANSWERED,
     ) -> None:
+        if max_unanswered < 1:
+            raise InvalidArgument.of("max_unanswered", max_unanswered, "must be at least 1")
+        self.max_unanswered = max_unanswered
         self.cpu_group = cpu_group
         self.ep_size = dist.get_world_size(cpu_group)
         self.ep_rank = dist.get_rank(cpu_group)
@@ -200,6 +253,10 @@ class WorkspaceManager:
         self._builds = 0
         self._rebuilds = 0
         self._reuses = 0
+        self._covered = 0
+        self._unagreed = 0
+        """Embedded: rounds passed as covered since the last agreement."""
+        self._last_layer = ""
         self._releases = 0
         self._first_build_seconds: float | None = None
 
@@ -213,7 +270,7 @@ class WorkspaceManager:
         capacities and dispatch row."""
 
         self.initialized = False
-        self.moe_alltoall: AlltoAll | None = None
+        self._alltoall: AlltoAll | None = None
         self.workspace_size = 0
         self.max_num_tokens = 0
         self.top_k = 0
@@ -279,13 +336,28 @@ class WorkspaceManager:
             reuses=self._reuses,
             releases=self._releases,
             rpcs=self._transport.rpc_count,
+            covered=self._covered,
             collectives=self._collectives,
             first_build_seconds=self._first_build_seconds,
             jit_compiled=getattr(self.backend, "jit_compiled", None),
         )
 
+    @property
+    def moe_alltoall(self) -> AlltoAll | None:
+        """The all-to-all built (FlashInfer's ``MoeAlltoAll``; None: nothing
+        built), once every answer still outstanding has been read
+        (see :meth:`_settle`).
+
+        Raises:
+            CoordinatorError: a covered round was refused (naming its layers
+                and ranks).
+            BackendError: a build an answer asked for failed.
+        """
+        self._settle()
+        return self._alltoall
+
     def _set_built(self, handle: AlltoAll | None, plan: Plan | None) -> None:
-        self.moe_alltoall = handle
+        self._alltoall = handle
         self._built = plan
         self.initialized = handle is not None
         self.workspace_size = (
@@ -320,19 +392,122 @@ class WorkspaceManager:
         except RuntimeError as error:
             raise self._rank_lost("sharing the group's proof", error) from error
 
+    def _proposal(self, requirement: Requirement) -> Proposal:
+        return Proposal(
+            group=self.group,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            local_ranks=self.local_ranks,
+            lifetime=self.lifetime,
+            round=self._round,
+            requirement=requirement,
+            proof=self._group_proof or "",
+        )
+
     def _propose(self, requirement: Requirement) -> Decision:
-        return self._transport.propose(
-            Proposal(
-                group=self.group,
-                ep_size=self.ep_size,
+        return self._transport.propose(self._proposal(requirement))
+
+    def _passes_as_covered(self, call: LayerCall) -> bool:
+        """Whether this round needs no answer to go on: the plan built covers
+        the layer and one decider sees the whole group (its decision can then
+        only be REUSE, or a build every rank of the round joins later)."""
+        return (
+            (self.embedded or not self.agrees_across_ranks)
+            and self._built is not None
+            and self._built.covers(call.capacities)
+        )
+
+    def _settle(self, keep: int = 0) -> None:
+        """Reads the answers still outstanding, oldest first, until at most
+        ``keep`` remain, and does what they ask.
+
+        A REUSE needs nothing. A refusal is raised. A BUILD/REBUILD (the
+        sidecar's plan rose above what was built while this rank passed the
+        round as covered) is built here: every rank of that round got the
+        same decision and builds it, at once or when it reads it, so the
+        build's collectives meet. Then every answer still outstanding is
+        read (more builds if they ask for them), and the plan held is
+        committed against the latest round answered: every message sent
+        before the commit has been answered, so that round is the sidecar's
+        latest closed one (still retained), decided at the plan held.
+
+        Raises:
+            CoordinatorError: an answer is a refusal (naming the round's
+                layers and ranks), the commit was refused, or the sidecar
+                could not be reached.
+            InternalError: a REUSE of a plan this rank does not hold.
+            BackendError: a build an answer asked for failed.
+        """
+        if self.embedded:
+            if self._unagreed:
+                self._agree_on_held()
+            return
+        built: tuple[int, float] | None = None  # (round answered, build seconds)
+        while self._transport.unanswered > (0 if built else keep):
+            decision = self._transport.next_answer()
+            if decision.action is Action.REUSE:
+                self._check_reuse(decision, decision.layer)
+                if built is not None:
+                    built = (decision.round, built[1])
+                continue
+            _log.info(
+                "group %s round %d (%s): %s asked for after this rank passed the round as "
+                "covered (the sidecar's plan is above what was built)",
+                self.group,
+                decision.round,
+                decision.layer,
+                decision.action.value,
+            )
+            seconds = self._build(decision.plan, decision.action, decision.layer, decision.round)
+            built = (decision.round, seconds)
+        if built is not None and self._built is not None:
+            self._commit(built[0], self._built, built[1])
+
+    def _agree_on_held(self) -> None:
+        """Embedded: one agreement on what is held, after rounds passed as
+        covered; it finds ranks out of step (see :mod:`moe_sidecar.client.agreement`).
+
+        Raises:
+            AgreementError: the ranks passed different rounds as covered.
+            RankLost: a peer died in the all-gather.
+            InternalError: the ranks hold different plans.
+        """
+        held = self._built
+        self._unagreed = 0
+        agreed = self._agree(
+            LocalOutcome(
                 ep_rank=self.ep_rank,
-                local_ranks=self.local_ranks,
-                lifetime=self.lifetime,
+                layer=self._last_layer,
+                plan=held,
                 round=self._round,
-                requirement=requirement,
-                proof=self._group_proof or "",
+                settling=True,
             )
         )
+        if held is None or not held.covers(agreed.capacities):
+            raise InternalError(
+                f"EP group {self.group!r} after round {self._round}: this rank holds {held} but "
+                f"the ranks' plans join to {agreed}; restart the ranks"
+            )
+
+    def _check_reuse(self, decision: Decision, layer: str) -> None:
+        if self._built is None or not self._built.covers(decision.plan.capacities):
+            raise InternalError(
+                f"group {self.group!r} round {decision.round} (layer {layer!r}): the sidecar "
+                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
+                "sidecar's state replaced while this process ran? Restart the ranks"
+            )
+
+    def _propose_covered(self, call: LayerCall, layer: str) -> None:
+        """A covered round: sends the proposal and goes on (at most
+        ``max_unanswered`` answers outstanding)."""
+        self._settle(keep=self.max_unanswered - 1)
+        self._round += 1
+        self._transport.propose_later(
+            self._proposal(Requirement(capacities=call.capacities, layer=layer))
+        )
+        self._covered += 1
+        self._reuses += 1
+        self._remember(call)
 
     def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
         """The typed error for a collective that failed because a peer died,
@@ -364,19 +539,13 @@ class WorkspaceManager:
             tuple(r.ep_rank for r in gone),
         )
 
-    def _agree(self, layer: str, decision: Decision | None, failure: BaseException | None) -> Plan:
+    def _agree(self, outcome: LocalOutcome) -> Plan:
+        return self._agree_round(outcome)[1]
+
+    def _agree_round(self, outcome: LocalOutcome) -> tuple[Action, Plan]:
         self._collectives += 1
         try:
-            return agree(
-                self.cpu_group,
-                LocalOutcome(
-                    ep_rank=self.ep_rank,
-                    layer=layer,
-                    plan=decision.plan if decision is not None else None,
-                    failure=failure,
-                ),
-                group_name=self.group,
-            )
+            return agree_round(self.cpu_group, outcome, group_name=self.group)
         except RuntimeError as error:
             if isinstance(error, BackendError):
                 raise
@@ -386,26 +555,35 @@ class WorkspaceManager:
             raise
 
     def _decide(
-        self, layer: str, decision: Decision | None, failure: BaseException | None
+        self,
+        layer: str,
+        decision: Decision | None,
+        failure: BaseException | None,
+        round_number: int,
     ) -> tuple[Action, Plan]:
         """The action and plan of this round, from the decision received.
 
         A group one decider sees whole executes the decision as it came. A
-        group agreed across deciders (nodes, or embedded ranks) joins every
-        rank's plan and derives the action with the core's own function.
+        group agreed across deciders (nodes, or embedded ranks) executes the
+        agreed one: the join of every rank's plan, with the action that asks
+        most among those the deciders gave.
         """
         if self.agrees_across_ranks:
-            plan = self._agree(layer, decision, failure)
-            return decide_action(self._built, plan), plan
-        assert decision is not None
-        if decision.action is Action.REUSE and (
-            self._built is None or not self._built.covers(decision.plan.capacities)
-        ):
-            raise InternalError(
-                f"group {self.group!r} round {self._round} (layer {layer!r}): the sidecar "
-                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
-                "sidecar's state replaced while this process ran? Restart the ranks"
+            self._unagreed = 0
+            action, plan = self._agree_round(
+                LocalOutcome(
+                    ep_rank=self.ep_rank,
+                    layer=layer,
+                    plan=decision.plan if decision is not None else None,
+                    failure=failure,
+                    round=round_number,
+                    action=decision.action if decision is not None else Action.REUSE,
+                )
             )
+            decision = Decision(round_number, action, plan, grew=False, layer=layer)
+        assert decision is not None
+        if decision.action is Action.REUSE:
+            self._check_reuse(decision, layer)
         return decision.action, decision.plan
 
     def initialize(
@@ -475,6 +653,10 @@ class WorkspaceManager:
         failure: BaseException | None = None
         decision: Decision | None = None
         call: LayerCall | None = None
+        # The round this call is, proposed or not: a failed call joins the
+        # agreement of the round its peers are in.
+        this_round = self._round + 1
+        self._last_layer = layer
         try:
             call = classify_call(
                 self.ep_size,
@@ -492,24 +674,55 @@ class WorkspaceManager:
                     "extra_payload_bytes_per_token": extra_payload_bytes_per_token,
                 },
             )
+            covered = self._passes_as_covered(call)
+            if covered and not self.embedded:
+                self._propose_covered(call, layer)
+                return
+            if not self.embedded:
+                # A round that waits reads every earlier answer first (and
+                # does what they ask), so it decides on top of what they built.
+                # (Embedded: this round's agreement checks the earlier ones.)
+                self._settle()
             # A refused call proposes nothing, so it uses up no round: the
             # caller may correct it and go on.
             self._round += 1
             decision = self._propose(Requirement(capacities=call.capacities, layer=layer))
+            if covered and decision.action is Action.REUSE:
+                # Embedded: the rank's own core agrees; the next agreement
+                # checks that every rank passed the same rounds.
+                self._unagreed += 1
+                self._covered += 1
+                self._reuses += 1
+                self._remember(call)
+                return
         except Exception as error:
             if not self.agrees_across_ranks:
                 raise
             # Still join the agreement, so the other ranks raise too instead
             # of waiting for this one forever.
             failure = error
-        action, plan = self._decide(layer, decision, failure)
+        action, plan = self._decide(layer, decision, failure, this_round)
         assert call is not None  # a failure raised in _decide
         self._remember(call)
         if action is Action.REUSE:
             self._reuses += 1
             _log.debug("group %s round %d (%s): reuse %s", self.group, self._round, layer, plan)
             return
-        self._build(plan, action, layer)
+        build_seconds = self._build(plan, action, layer, self._round)
+        self._commit(self._round, plan, build_seconds)
+
+    def _commit(self, round_number: int, plan: Plan, build_seconds: float) -> None:
+        self._transport.commit(
+            self.group,
+            CommitRecord(
+                ep_rank=self.ep_rank,
+                lifetime=self.lifetime,
+                round=round_number,
+                plan=plan,
+                build_seconds=build_seconds,
+                proof=self._group_proof or "",
+            ),
+        )
 
     def _remember(self, call: LayerCall) -> None:
         """Keeps the widest dispatch row per hidden size (for the moe_ep
@@ -519,7 +732,15 @@ class WorkspaceManager:
         if known is None or call.layout.activation_bytes > known.activation_bytes:
             self._layouts[call.layout.hidden_size] = call.layout
 
-    def _build(self, plan: Plan, action: Action, layer: str) -> None:
+    def _build(self, plan: Plan, action: Action, layer: str, round_number: int) -> float:
+        """Builds ``plan`` (decided in round ``round_number``), passes the EP
+        barrier and releases the superseded workspace; returns the build's
+        seconds. The caller commits.
+
+        Raises:
+            BackendError: the backend could not build.
+            RankLost: a peer died in the barrier.
+        """
         workspace = self.backend.workspace_bytes(plan.capacities, self.ep_size)
         spec = BuildSpec(
             ep_size=self.ep_size,
@@ -540,7 +761,7 @@ class WorkspaceManager:
         except RuntimeError as error:
             self.backend.release(handle)
             raise self._rank_lost("the post-build barrier", error) from error
-        superseded = self.moe_alltoall
+        superseded = self._alltoall
         self._drop_communication()
         self._set_built(handle, plan)
         if superseded is not None:
@@ -553,7 +774,7 @@ class WorkspaceManager:
         _log.info(
             "group %s round %d (%s): %s at %d bytes/rank, %d tokens, generation %d (%.3fs)",
             self.group,
-            self._round,
+            round_number,
             layer,
             action.value,
             workspace,
@@ -561,17 +782,7 @@ class WorkspaceManager:
             plan.generation,
             build_seconds,
         )
-        self._transport.commit(
-            self.group,
-            CommitRecord(
-                ep_rank=self.ep_rank,
-                lifetime=self.lifetime,
-                round=self._round,
-                plan=plan,
-                build_seconds=build_seconds,
-                proof=self._group_proof or "",
-            ),
-        )
+        return build_seconds
 
     # --- vLLM's surface ----------------------------------------------------
 
@@ -631,11 +842,15 @@ class WorkspaceManager:
         ``config.extra_payload_bytes_per_token`` the rest of the plan's
         dispatch bytes. Shapes: see :meth:`ReferenceCommunication.dispatch`.
 
+        Every answer still outstanding is read first (:meth:`_settle`).
+
         Raises:
             BackendError: nothing is built, or the backend cannot make the
                 object (e.g. FlashInfer without ``moe_ep``).
+            CoordinatorError: a covered round was refused (naming its layers
+                and ranks).
         """
-        handle, plan = self.moe_alltoall, self._built
+        handle, plan = self.moe_alltoall, self._built  # reads every outstanding answer
         if handle is None or plan is None:
             raise BackendError("get_communication() before initialize(): nothing is built")
         if self._communication is None:
@@ -660,8 +875,9 @@ class WorkspaceManager:
         Raises:
             RuntimeError: FlashInfer's: a dispatch is waiting for its combine.
         """
-        if self.moe_alltoall is not None:
-            self.moe_alltoall.checkpoint_prepare()
+        handle = self.moe_alltoall
+        if handle is not None:
+            handle.checkpoint_prepare()
 
     def checkpoint_restore(self) -> None:
         """Maps the workspace again after :meth:`checkpoint_prepare`, exchanging
@@ -670,8 +886,9 @@ class WorkspaceManager:
         Raises:
             RuntimeError: FlashInfer's: the group differs from the allocation's.
         """
-        if self.moe_alltoall is not None:
-            self.moe_alltoall.checkpoint_restore(GroupCommunicator(self.cpu_group))
+        handle = self.moe_alltoall
+        if handle is not None:
+            handle.checkpoint_restore(GroupCommunicator(self.cpu_group))
 
     def combine_into(
         self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, output: torch.Tensor
@@ -685,19 +902,35 @@ class WorkspaceManager:
             BackendError: nothing is built.
             RuntimeError: the backend's (FlashInfer's) own checks.
         """
-        if self.moe_alltoall is None:
+        handle = self.moe_alltoall
+        if handle is None:
             raise BackendError("combine_into() before initialize(): nothing is built")
-        return self.moe_alltoall.combine(payload, runtime_max_tokens_per_rank, output=output)
+        return handle.combine(payload, runtime_max_tokens_per_rank, output=output)
 
     def cleanup(self) -> None:
         """Frees the current workspace and closes the sidecar channel.
 
-        Local: no collective, so it is safe in teardown paths where peers may
+        Every answer still outstanding is read first, so closing the session
+        never fails a round a peer has yet to propose; otherwise local: no
+        collective (unless such an answer asks for a build every rank of
+        its round joins), so it is safe in teardown paths where peers may
         already be gone; call it on every rank only when none uses the
         all-to-all any more. A later ``initialize()`` starts a new lifetime
         (every rank must clean up before) and builds afresh.
+
+        Raises:
+            CoordinatorError: a covered round was refused (naming its layers
+                and ranks); raised after freeing and closing.
+            BackendError: a build an outstanding answer asked for failed
+                (raised after freeing and closing).
         """
-        handle = self.moe_alltoall
+        unsettled: Exception | None = None
+        self._unagreed = 0  # embedded: cleanup agrees on nothing
+        try:
+            self._settle()
+        except Exception as error:
+            unsettled = error
+        handle = self._alltoall
         self._drop_communication()
         self._set_built(None, None)
         if handle is not None:
@@ -707,6 +940,8 @@ class WorkspaceManager:
         self.lifetime = new_lifetime_secret()
         self._group_proof = None
         self._round = 0
+        if unsettled is not None:
+            raise unsettled
 
     def destroy(self) -> None:
         """What vLLM calls when it tears its communicator down

@@ -2,13 +2,17 @@
 
 Ranks run synchronous code, so the stream is driven from the calling thread:
 a message is put on the request queue (gRPC's own thread sends it) and the
-answer is the next message of the response iterator. One message is in
-flight at a time. The stream's life is the rank's liveness as the sidecar
-sees it (see the ``Session`` RPC), so the stream stays open between calls.
+answer is the next message of the response iterator. The sidecar answers a
+session's messages one at a time, in the order sent, so several may be in
+flight: :meth:`SessionStream.send` returns at once and
+:meth:`SessionStream.receive` reads the oldest answer not yet read (a
+covered round sends its proposal and goes on; its answer is read later).
+The stream's life is the rank's liveness as the sidecar sees it (see the
+``Session`` RPC), so the stream stays open between calls.
 
-A call waits at most its deadline: a watchdog thread (one per session,
+A receive waits at most its deadline: a watchdog thread (one per session,
 waking a few times a second, costing nothing per call) cancels the stream of
-a call past its deadline, and the call fails as a client-side deadline.
+a receive past its deadline, and it fails as a client-side deadline.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from typing import Final
 
 import grpc
@@ -49,6 +54,8 @@ class SessionStream:
     def __init__(self, stub: pb_grpc.WorkspaceCoordinatorStub) -> None:
         self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
         self._responses = stub.Session(iter(self._requests.get, _CLOSE))
+        self._sent: deque[int] = deque()
+        """Ids of the messages sent and not yet answered, oldest first."""
         self._deadline: float | None = None
         self._timed_out = False
         self._alive = True
@@ -63,16 +70,32 @@ class SessionStream:
         """False once the stream failed, timed out or was closed."""
         return self._alive
 
-    def call(self, request: pb.SessionRequest, timeout: float) -> pb.SessionResponse:
-        """Sends ``request`` and returns its answer, waiting at most ``timeout`` seconds.
+    @property
+    def unanswered(self) -> int:
+        """Messages sent whose answer has not been read yet."""
+        return len(self._sent)
+
+    def send(self, request: pb.SessionRequest) -> None:
+        """Sends ``request`` without waiting for its answer (read it with :meth:`receive`)."""
+        self._sent.append(request.id)
+        self._requests.put(request)
+
+    def receive(self, timeout: float) -> pb.SessionResponse:
+        """The answer to the oldest message sent and not yet answered,
+        waiting at most ``timeout`` seconds for it.
 
         Raises:
-            SessionStatus: DEADLINE_EXCEEDED when the answer did not come in time.
+            SessionStatus: DEADLINE_EXCEEDED when the answer did not come in
+                time; INTERNAL when nothing was sent or the answer is another
+                message's; UNAVAILABLE when the sidecar ended the session.
             grpc.RpcError: the stream failed (the sidecar went away, or the
                 stream was cancelled).
         """
+        if not self._sent:
+            raise SessionStatus(
+                RpcStatus(grpc.StatusCode.INTERNAL, "session: receive() with nothing sent")
+            )
         self._deadline = time.monotonic() + timeout
-        self._requests.put(request)
         try:
             response: pb.SessionResponse = next(self._responses)
         except grpc.RpcError:
@@ -89,16 +112,37 @@ class SessionStream:
             ) from None
         finally:
             self._deadline = None
-        if response.id != request.id:
+        expected = self._sent.popleft()
+        if response.id != expected:
             self._alive = False
             self._responses.cancel()
             raise SessionStatus(
                 RpcStatus(
                     grpc.StatusCode.INTERNAL,
-                    f"session answered message {response.id} to message {request.id}",
+                    f"session answered message {response.id} to message {expected}",
                 )
             )
         return response
+
+    def call(self, request: pb.SessionRequest, timeout: float) -> pb.SessionResponse:
+        """Sends ``request`` and returns its answer, waiting at most ``timeout``
+        seconds; nothing else may be unanswered.
+
+        Raises:
+            SessionStatus: DEADLINE_EXCEEDED when the answer did not come in
+                time; INTERNAL when an earlier message is still unanswered.
+            grpc.RpcError: the stream failed (the sidecar went away, or the
+                stream was cancelled).
+        """
+        if self._sent:
+            raise SessionStatus(
+                RpcStatus(
+                    grpc.StatusCode.INTERNAL,
+                    f"session: call() while {len(self._sent)} message(s) are unanswered",
+                )
+            )
+        self.send(request)
+        return self.receive(timeout)
 
     def _watch(self) -> None:
         while self._alive:

@@ -25,6 +25,7 @@ import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
@@ -33,6 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.client.errors import (
+    CoordinatorError,
     CoordinatorUnavailable,
     InternalError,
     InvalidArgument,
@@ -112,6 +114,33 @@ class Transport(Protocol):
 
         Raises:
             CoordinatorError: the commit was refused or could not be delivered.
+        """
+        ...
+
+    @property
+    def unanswered(self) -> int:
+        """Proposals sent with :meth:`propose_later` whose decision
+        :meth:`next_answer` has not returned yet."""
+        ...
+
+    def propose_later(self, proposal: Proposal) -> None:
+        """Sends ``proposal`` without waiting for its round to close; its
+        decision comes from :meth:`next_answer`, in the order sent.
+
+        Raises:
+            CoordinatorError: the proposal could not be sent.
+        """
+        ...
+
+    def next_answer(self) -> Decision:
+        """The decision of the oldest proposal sent with :meth:`propose_later`
+        and not yet answered.
+
+        Raises:
+            CoordinatorError: the typed error that proposal was answered with
+                (a refused round names the layers and ranks); it counts as
+                answered.
+            InternalError: nothing is unanswered.
         """
         ...
 
@@ -221,10 +250,20 @@ class GrpcTransport:
         self._stub: pb_grpc.WorkspaceCoordinatorStub | None = None
         self._stream: SessionStream | None = None
         self._lock = threading.Lock()
+        self._unanswered: deque[Proposal] = deque()
+        self._sent_on: SessionStream | None = None
+        """The stream the unanswered proposals were sent on (a new stream
+        sends them again: proposals are idempotent)."""
+        self._answers: deque[Decision | CoordinatorError] = deque()
+        """Unary mode: the answers of proposals already exchanged, in order."""
 
     @property
     def rpc_count(self) -> int:
         return self._rpc_count
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._unanswered)
 
     @property
     def embedded(self) -> bool:
@@ -233,7 +272,16 @@ class GrpcTransport:
     def __getstate__(self) -> dict[str, Any]:
         # A channel cannot be pickled; the receiving process opens its own.
         state = dict(self.__dict__)
-        state.update(_pid=None, _channel=None, _stub=None, _stream=None, _lock=None)
+        state.update(
+            _pid=None,
+            _channel=None,
+            _stub=None,
+            _stream=None,
+            _lock=None,
+            _sent_on=None,
+            _unanswered=deque(),
+            _answers=deque(),
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -344,6 +392,103 @@ class GrpcTransport:
 
         self._call("Commit", self.call_timeout, send)
 
+    def _stream_with_unanswered(self) -> SessionStream:
+        """The open stream, on which every unanswered proposal has been sent
+        (sent again on a stream opened since)."""
+        stream = self._stream_here()
+        if stream is not self._sent_on:
+            for proposal in self._unanswered:
+                stream.send(session_propose_to_proto(self._next_id(), proposal))
+            self._sent_on = stream
+        return stream
+
+    def _drop_in_flight(self, stream: SessionStream) -> None:
+        """Reads and drops the answers still in flight on ``stream`` (they
+        were sent after a proposal that must be sent again, so they are
+        refused as out of sequence, or the stream is gone)."""
+        while stream.alive and stream.unanswered:
+            with contextlib.suppress(grpc.RpcError, SessionStatus):
+                stream.receive(self.call_timeout)
+
+    def propose_later(self, proposal: Proposal) -> None:
+        """See :meth:`Transport.propose_later`."""
+        if not self.session:
+            # Unary calls cannot be left in flight: exchange now, hand the
+            # answer out in order.
+            answer: Decision | CoordinatorError
+            try:
+                answer = self.propose(proposal)
+            except CoordinatorError as error:
+                answer = error
+            self._answers.append(answer)
+            self._unanswered.append(proposal)
+            return
+        stream = self._stream_with_unanswered()
+        self._unanswered.append(proposal)
+        self._rpc_count += 1
+        stream.send(session_propose_to_proto(self._next_id(), proposal))
+
+    def next_answer(self) -> Decision:
+        """See :meth:`Transport.next_answer`.
+
+        A stream that broke meanwhile (the sidecar restarting) is opened
+        again and every unanswered proposal sent again, within the
+        UNAVAILABLE retry window.
+
+        Raises:
+            CoordinatorError: the typed error the oldest proposal was answered with.
+            InternalError: nothing is unanswered.
+        """
+        if not self._unanswered:
+            raise InternalError("next_answer() with nothing unanswered")
+        proposal = self._unanswered[0]
+        if self._answers:
+            self._unanswered.popleft()
+            answer = self._answers.popleft()
+            if isinstance(answer, CoordinatorError):
+                raise answer
+            return answer
+
+        deadline = time.monotonic() + self.unavailable_retry
+        attempts = 0
+        while True:
+            attempts += 1
+            if attempts > 1:
+                self._rpc_count += 1
+            stream = self._stream_with_unanswered()
+            try:
+                response = stream.receive(self.propose_timeout)
+                if response.WhichOneof("result") == "error":
+                    raise SessionStatus.named(response.error.code, response.error.message)
+                break
+            except (grpc.RpcError, SessionStatus) as failure:
+                error = error_from_rpc(
+                    failure, method="Propose", target=self.target, timeout=self.propose_timeout
+                )
+                retriable = isinstance(error, CoordinatorUnavailable)
+                if not retriable or time.monotonic() >= deadline:
+                    if retriable:
+                        # Giving up: what is still in flight is answered by nothing useful.
+                        self._drop_in_flight(stream)
+                        self._unanswered.clear()
+                        self._sent_on = None
+                    elif stream.alive:
+                        self._unanswered.popleft()  # answered: with an error
+                    else:
+                        self._unanswered.clear()  # the session is over
+                        self._sent_on = None
+                    raise error from failure
+                # Undecided (the sidecar draining, restarting, or unable to
+                # persist): every proposal from this one on is sent again, in
+                # order, once the answers still in flight are out of the way.
+                self._drop_in_flight(stream)
+                self._sent_on = None
+            # Jitter keeps the ranks of a node from retrying in lockstep.
+            time.sleep(min(random.uniform(0.01, 0.05), max(deadline - time.monotonic(), 0.0)))
+            self._wait_ready(deadline)
+        self._unanswered.popleft()
+        return _decision_from_proto(proposal, response.decision, self.target)
+
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """The ranks of ``group``'s current lifetime the sidecar knows are gone.
 
@@ -369,6 +514,9 @@ class GrpcTransport:
             self._channel = None
             self._stub = None
             self._pid = None
+            self._sent_on = None
+            self._unanswered.clear()
+            self._answers.clear()
 
 
 def _unimplemented(failure: grpc.RpcError | SessionStatus) -> bool:
@@ -402,10 +550,37 @@ class EmbeddedTransport:
         self.round_timeout = round_timeout
         self._clock = clock
         self._groups: dict[str, GroupState] = {}
+        self._answers: deque[Decision | CoordinatorError] = deque()
 
     @property
     def rpc_count(self) -> int:
         return 0
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._answers)
+
+    def propose_later(self, proposal: Proposal) -> None:
+        """Decides at once (in-process nothing waits); the decision comes from
+        :meth:`next_answer`."""
+        try:
+            self._answers.append(self.propose(proposal))
+        except CoordinatorError as error:
+            self._answers.append(error)
+
+    def next_answer(self) -> Decision:
+        """See :meth:`Transport.next_answer`.
+
+        Raises:
+            CoordinatorError: the oldest message's typed error.
+            InternalError: nothing is unanswered.
+        """
+        if not self._answers:
+            raise InternalError("next_answer() with nothing unanswered")
+        answer = self._answers.popleft()
+        if isinstance(answer, CoordinatorError):
+            raise answer
+        return answer
 
     @property
     def embedded(self) -> bool:
@@ -468,7 +643,8 @@ class EmbeddedTransport:
         return []
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Forgets the answers not yet read."""
+        self._answers.clear()
 
 
 def _past_boundary(proposal: Proposal) -> Proposal:

@@ -47,7 +47,7 @@ def _rank_main(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    port: int,
+    init_method: str,
     timeout: float,
     results: Any,
     env: dict[str, str],
@@ -67,7 +67,7 @@ def _rank_main(
 
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=init_method,
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout),
@@ -107,7 +107,10 @@ def run_ranks(
     tmp_path.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    # A fresh rendezvous file per world: no TCP port to pick and lose to
+    # another process between picking and binding (gloo's own sockets take
+    # ports the kernel assigns).
+    init_method = f"file://{tmp_path / f'rendezvous-{time.monotonic_ns()}'}"
     base_env = {"MOE_SIDECAR_TARGET": "", "MOE_SIDECAR_LOCAL_RANKS": ""}
     stack_files = [str(tmp_path / f"rank{rank}.stacks") for rank in range(world_size)]
     processes = []
@@ -117,7 +120,17 @@ def run_ranks(
             env.update(envs[rank])
         process = context.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, timeout, results, env, args, stack_files[rank]),
+            args=(
+                fn,
+                rank,
+                world_size,
+                init_method,
+                timeout,
+                results,
+                env,
+                args,
+                stack_files[rank],
+            ),
             name=f"rank{rank}",
             daemon=True,
         )

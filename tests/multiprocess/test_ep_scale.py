@@ -101,7 +101,12 @@ def test_the_smoke_run_makes_every_measurement_and_passes_every_check(tmp_path: 
     reuse = sections["3"]
     for key in ("bare_round", "sidecar_round", "embedded_round"):
         assert reuse[key]["n"] == ROUNDS and 0 < reuse[key]["p50"] <= reuse[key]["p99"]
-    assert set(reuse["whole_model_init_s"]) == {"sidecar", "embedded"}
+    assert set(reuse["whole_model_init_s"]) == {"sidecar", "embedded", "none"}
+    for rank in sections["1"]["first_lifetime"]:
+        # Timed alike: every mode builds once and rebuilds once.
+        assert {m: rank["init"][m]["builds"] for m in rank["init"]} == dict.fromkeys(
+            ("none", "embedded", "sidecar"), 2
+        )
 
     cold = sections["4"]
     remembered = cold["prewarmed + a sidecar that remembers the plan"]["summary"]

@@ -336,11 +336,16 @@ def divergence_worker(rank: int, world: int, target: str, group: str) -> dict[st
     good = nvfp4_layer("model.layers.0.mlp")
     manager.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, good.x_bytes, good.x_sf_bytes)
     top_k = 4 if rank == 1 else TOP_K
-    return _expect_failure(
-        lambda: manager.initialize(
+
+    def round_two() -> None:
+        manager.initialize(
             MAX_TOKENS, top_k, NUM_EXPERTS, HIDDEN, good.x_bytes, good.x_sf_bytes, layer="mtp.mlp"
         )
-    )
+        # Rank 0's round is covered: it returns at once, and the refusal is
+        # raised when the answer is read, as vLLM does before its first step.
+        manager.get_communication()
+
+    return _expect_failure(round_two)
 
 
 def _expect_failure(call: Callable[[], None]) -> dict[str, Any]:
@@ -374,11 +379,16 @@ def embedded_divergence_worker(rank: int, world: int) -> dict[str, Any]:
     )
     later = _manager(cpu_group, "diverge-later/ep2", "embedded")
     later.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes)
-    round_two = _expect_failure(
-        lambda: later.initialize(
+
+    def second() -> None:
+        later.initialize(
             MAX_TOKENS, top_k, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes, layer="mtp"
         )
-    )
+        # Rank 0 passes its round 2 as covered; its agreement before use
+        # finds rank 1 out of step, and both raise.
+        later.get_communication()
+
+    round_two = _expect_failure(second)
     return {"round_one": round_one, "round_two": round_two}
 
 

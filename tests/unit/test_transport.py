@@ -14,7 +14,9 @@ import pytest
 
 from moe_sidecar.client.errors import (
     CoordinatorUnavailable,
+    InternalError,
     InvalidArgument,
+    PreconditionFailed,
     RoundTimedOut,
     SessionStatus,
     rpc_status,
@@ -200,3 +202,95 @@ def test_embedded_transport_decides_like_the_core() -> None:
     state = transport.group_state("e")
     assert state is not None and state.plan is not None and state.plan.generation == 2
     assert transport.rpc_count == 0
+
+
+def _rank_proposal(group: str, rank: int, rnd: int, layer: str = "layer.0") -> Proposal:
+    return Proposal(
+        group=group,
+        ep_size=2,
+        ep_rank=rank,
+        local_ranks=2,
+        lifetime=f"life-{rank}-lifetime-token",
+        round=rnd,
+        requirement=Requirement(Capacities(16, 64, 128, 2, 8), layer),
+    )
+
+
+@pytest.mark.parametrize("session", [True, False], ids=["session", "unary"])
+def test_proposals_left_in_flight_are_answered_in_order(sidecar: Sidecar, session: bool) -> None:
+    group = f"t-flight-{session}"
+    mine, peer = GrpcTransport(sidecar.target, session=session), GrpcTransport(sidecar.target)
+    try:
+        if session:
+            # Round 1 waits for rank 1: left in flight, it returns at once.
+            started = time.monotonic()
+            mine.propose_later(_rank_proposal(group, 0, 1))
+            assert time.monotonic() - started < 1.0 and mine.unanswered == 1
+            mine.propose_later(_rank_proposal(group, 0, 2))
+            peer_decisions = [peer.propose(_rank_proposal(group, 1, n)) for n in (1, 2)]
+        else:
+            # Unary calls cannot stay in flight: the peer must be there first.
+            answers: list[object] = []
+            thread = threading.Thread(
+                target=lambda: answers.extend(
+                    peer.propose(_rank_proposal(group, 1, n)) for n in (1, 2)
+                )
+            )
+            thread.start()
+            mine.propose_later(_rank_proposal(group, 0, 1))
+            mine.propose_later(_rank_proposal(group, 0, 2))
+            thread.join(timeout=30)
+            peer_decisions = list(answers)  # type: ignore[arg-type]
+        assert mine.unanswered == 2
+        assert [mine.next_answer(), mine.next_answer()] == peer_decisions
+        assert [d.action for d in peer_decisions] == [Action.BUILD, Action.REUSE]
+        assert mine.unanswered == 0
+    finally:
+        mine.close()
+        peer.close()
+
+
+def test_a_refused_proposal_in_flight_raises_its_typed_error(sidecar: Sidecar) -> None:
+    mine, peer = GrpcTransport(sidecar.target), GrpcTransport(sidecar.target)
+    try:
+        mine.propose_later(_rank_proposal("t-flight-refused", 0, 1, layer="model.layers.0.mlp"))
+        with pytest.raises(PreconditionFailed, match="disagree"):
+            peer.propose(_rank_proposal("t-flight-refused", 1, 1, layer="model.layers.9.mlp"))
+        with pytest.raises(PreconditionFailed) as caught:
+            mine.next_answer()
+        assert "'model.layers.0.mlp'" in caught.value.message
+        assert "'model.layers.9.mlp'" in caught.value.message
+        assert mine.unanswered == 0
+        with pytest.raises(InternalError, match="nothing unanswered"):
+            mine.next_answer()
+    finally:
+        mine.close()
+        peer.close()
+
+
+def test_proposals_in_flight_are_sent_again_after_the_sidecar_restarts(tmp_path: Path) -> None:
+    group = "t-flight-restart"
+    restarting = Sidecar(tmp_path / "restarting", round_timeout=20.0).start()
+    mine = GrpcTransport(restarting.target, unavailable_retry=30.0)
+    peer = GrpcTransport(restarting.target, unavailable_retry=30.0)
+    try:
+        mine.propose_later(_rank_proposal(group, 0, 1))
+        # The round is open (rank 1 has not proposed) when the sidecar stops.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not restarting.get_group(group).waiting_ranks:
+            time.sleep(0.02)  # the poll interval of a wait with a deadline
+        restarting.stop()
+        restarting.start()
+        answers: list[object] = []
+        thread = threading.Thread(
+            target=lambda: answers.append(peer.propose(_rank_proposal(group, 1, 1)))
+        )
+        thread.start()
+        decision = mine.next_answer()  # the stream broke: sent again, then answered
+        thread.join(timeout=30)
+        assert answers == [decision] and decision.action is Action.BUILD
+        assert mine.unanswered == 0 and mine.rpc_count > 1
+    finally:
+        mine.close()
+        peer.close()
+        restarting.stop()
