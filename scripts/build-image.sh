@@ -14,7 +14,7 @@
 #    mounted for the build only (it ends up in no layer).
 #
 # The base is kept between runs: its rootfs tarball under
-# $MOE_SIDECAR_IMAGE_CACHE (default /var/cache/moe-sidecar/image) and the
+# $SIDECAR_IMAGE_CACHE (default /var/cache/moe-sidecar/image) and the
 # imported image in podman's storage, both named by a hash of the release, the
 # architecture, the package list and the apt sources, so a change to any of
 # them builds a new base. buildah's layer cache is kept too. --clean ignores
@@ -43,7 +43,7 @@ for arg in "$@"; do
     esac
 done
 
-cache_dir=${MOE_SIDECAR_IMAGE_CACHE:-/var/cache/moe-sidecar/image}
+cache_dir=${SIDECAR_IMAGE_CACHE:-/var/cache/moe-sidecar/image}
 # What the Dockerfile needs from the base: python3 with venv (the build stage's
 # `python -m venv`), `python` itself, and CA certificates for pip.
 packages=python3,python3-venv,python-is-python3,ca-certificates
@@ -135,7 +135,7 @@ else
     if [ -s "$base_tar" ]; then
         echo "build-image: base rootfs cached at $base_tar"
     else
-        mkdir -p "$cache_dir" || fail "cannot create $cache_dir (set MOE_SIDECAR_IMAGE_CACHE)"
+        mkdir -p "$cache_dir" || fail "cannot create $cache_dir (set SIDECAR_IMAGE_CACHE)"
         # Written beside its final name and renamed once complete, so an
         # interrupted run never leaves a truncated tarball to reuse.
         partial=$base_tar.partial.$$

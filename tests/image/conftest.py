@@ -1,6 +1,6 @@
 """The tests marked ``image`` run the sidecar image itself, with podman.
 
-``MOE_SIDECAR_IMAGE`` names the image (``.ci/run`` builds it with
+``SIDECAR_TEST_IMAGE`` names the image (``.ci/run`` builds it with
 ``scripts/build-image.sh`` and sets it). They need root (a network namespace
 per pod, volumes owned by the manifest's users), podman with runc, ``ip`` and
 ``nsenter``. Without any of these they skip, except under ``CI=true``, where
@@ -18,7 +18,7 @@ import pytest
 
 from tests.image.pod import Pod, podman, tools_missing
 
-ENV_IMAGE = "MOE_SIDECAR_IMAGE"
+ENV_IMAGE = "SIDECAR_TEST_IMAGE"
 
 
 def _unavailable(reason: str) -> None:

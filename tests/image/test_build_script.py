@@ -31,7 +31,7 @@ def test_the_default_tag_is_the_project_version_the_daemonset_runs() -> None:
 def test_ci_builds_the_image_and_names_it_before_the_readme_command() -> None:
     lines = [line.strip() for line in CI.read_text().splitlines()]
     build = lines.index(f"scripts/build-image.sh {TAG}")
-    export = lines.index(f"export MOE_SIDECAR_IMAGE={TAG}")
+    export = lines.index(f"export SIDECAR_TEST_IMAGE={TAG}")
     readme = lines.index(
         "python -m pip install -q torch==2.13.0 -e '.[client,dev]' && python -m pytest"
     )

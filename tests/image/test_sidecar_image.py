@@ -1,6 +1,6 @@
 """The built sidecar image, run: as the image says, and as the DaemonSet runs it.
 
-The image is ``$MOE_SIDECAR_IMAGE`` (``scripts/build-image.sh`` builds it from
+The image is ``$SIDECAR_TEST_IMAGE`` (``scripts/build-image.sh`` builds it from
 ``docker/Dockerfile``; ``.ci/run`` does so before the tests). Each test starts
 real containers with podman in a pod of their own (``tests/image/pod.py``):
 the DaemonSet's sidecar with the manifest's security context, volumes,

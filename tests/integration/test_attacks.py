@@ -1133,7 +1133,10 @@ def test_6_an_unwritable_state_stops_the_start(tmp_path: Path, read_only: str) -
         target.chmod(0o644 if read_only == "database file" else 0o755)
     assert code == 1
     error = _one_line_error(stderr)["error"]
-    assert str(database) in error
+    # The message names what to change: the file, or the directory and its flag.
+    assert str(target) in error
+    if read_only == "state dir":
+        assert "--state-dir" in error
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.1:50051"])
@@ -1150,7 +1153,8 @@ def test_6_tcp_beyond_loopback_without_tls_is_refused_at_start(
         code, stderr = _start_until_exit(tmp_path, env=env, listen=())
     assert code == 2
     assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
-    assert f"listen={listen!r}: TCP beyond loopback needs TLS (--tls-cert and --tls-key" in stderr
+    named = "--listen " if source == "flag" else "MOE_SIDECAR_LISTEN="
+    assert f"{named}{listen!r}: TCP beyond loopback needs TLS (--tls-cert and --tls-key" in stderr
     assert "--insecure" in stderr
 
 
