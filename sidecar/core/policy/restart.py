@@ -113,7 +113,7 @@ def join_restart(
             )
         return Step(state, reply=Wait(index, 1, pending.deadline))
     takeover = layout != state.local_ranks
-    conflict = why_cannot_join(state, pending, p, inherits=not takeover)
+    conflict = why_cannot_join(state, pending, p, inherits=not takeover, restart=True)
     if conflict is not None:
         if not single_proof(with_proposal(pending, p)):
             # Beside another proof's proposals, a conflict refuses only its maker.
