@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
-from moe_sidecar.core.errors import ErrorCode
+from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import gone_text, group_event
 from moe_sidecar.core.policy.proof import single_proof
@@ -84,7 +84,7 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
     rnd = state.open_round
     if rnd is None:
         return Step(state, effects=(Persist(), left))
-    message = f"round {rnd.number} of group {state.name!r} abandoned: {gone_text(record)}"
+    message = f"round {rnd.number} of group {quote_name(state.name)} abandoned: {gone_text(record)}"
     refusal = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
     closed = record_outcome(state, refusal)
     event = group_event(

@@ -26,10 +26,10 @@ from moe_sidecar.core.effects import (
     Step,
     Wait,
 )
-from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFailed
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
-from moe_sidecar.core.policy.events import group_event, lifetime_started
+from moe_sidecar.core.policy.events import group_event, lifetime_started, requirement_text
 from moe_sidecar.core.policy.proof import (
     Verdict,
     closing_proof,
@@ -83,8 +83,8 @@ def join_restart(
     layout = pending.proposals[0].local_ranks if pending.proposals else p.local_ranks
     if p.local_ranks != layout:
         raise PreconditionFailed(
-            f"rank {p.ep_rank} of group {p.group!r} begins a new lifetime with local_ranks="
-            f"{p.local_ranks}, but the group's restart collects local_ranks={layout}"
+            f"rank {p.ep_rank} of group {quote_name(p.group)} begins a new lifetime with "
+            f"local_ranks={p.local_ranks}, but the group's restart collects local_ranks={layout}"
         )
     index = state.lifetime_index + 1
     effects: tuple[Effect, ...] = ()
@@ -102,14 +102,15 @@ def join_restart(
     if earlier is not None:
         if earlier.lifetime != p.lifetime:
             raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r}: another lifetime "
+                f"rank {p.ep_rank} of group {quote_name(p.group)}: another lifetime "
                 f"({short_id(earlier.lifetime)}) already joined the group's restart as this "
                 f"rank; lifetime {short_id(p.lifetime)} is refused (two processes claim one rank)"
             )
         if earlier.requirement != p.requirement:
             raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} re-proposed round 1 with "
-                f"{p.requirement} after proposing {earlier.requirement}"
+                f"rank {p.ep_rank} of group {quote_name(p.group)} re-proposed round 1 with "
+                f"{requirement_text(p.requirement)} after proposing "
+                f"{requirement_text(earlier.requirement)}"
             )
         return Step(state, reply=Wait(index, 1, pending.deadline))
     takeover = layout != state.local_ranks
@@ -153,8 +154,8 @@ def _restart(
     rnd = state.open_round
     if rnd is not None:
         message = (
-            f"round {rnd.number} of group {p.group!r} abandoned: every local rank of the group "
-            "began a new lifetime (the group restarted)"
+            f"round {rnd.number} of group {quote_name(p.group)} abandoned: every local rank of "
+            "the group began a new lifetime (the group restarted)"
         )
         aborted = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
         effects += [

@@ -39,7 +39,7 @@ from moe_sidecar.core.effects import (
     Replicate,
     Step,
 )
-from moe_sidecar.core.errors import ErrorCode, InvalidArgument
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument, quote_name
 from moe_sidecar.core.group import (
     Decision,
     GroupState,
@@ -204,7 +204,7 @@ def why_cannot_join(
         other = q.requirement.capacities
         if other.shape != need.shape:
             return (
-                f"ranks disagree in round {p.round} of group {p.group!r}: {who(q)} has "
+                f"ranks disagree in round {p.round} of group {quote_name(p.group)}: {who(q)} has "
                 f"{shape_text(other)} but {who(p)} has {shape_text(need)}"
             )
         if (
@@ -213,9 +213,10 @@ def why_cannot_join(
             and q.requirement.layer != p.requirement.layer
         ):
             return (
-                f"ranks disagree in round {p.round} of group {p.group!r}: rank {q.ep_rank} is at "
-                f"layer {q.requirement.layer!r} but rank {p.ep_rank} is at layer "
-                f"{p.requirement.layer!r}; every rank must run the same layers in the same order"
+                f"ranks disagree in round {p.round} of group {quote_name(p.group)}: rank "
+                f"{q.ep_rank} is at layer {quote_name(q.requirement.layer)} but rank {p.ep_rank} "
+                f"is at layer {quote_name(p.requirement.layer)}; every rank must run the same "
+                "layers in the same order"
             )
     plan = state.plan if inherits else None
     built = None if restart else state.built
@@ -225,7 +226,7 @@ def why_cannot_join(
     if base is not None and base.capacities.shape != need.shape:
         stored = built is None
         return (
-            f"heterogeneous MoE layers in group {p.group!r}: {who(p)} has "
+            f"heterogeneous MoE layers in group {quote_name(p.group)}: {who(p)} has "
             f"{shape_text(need)} but the plan{' (stored from an earlier lifetime)' if stored else ''} "
             f"has {shape_text(base.capacities)}, fixed by {shape_origin(state)}; FlashInfer's "
             "all-to-all needs one top_k and num_experts for every layer"
@@ -249,7 +250,7 @@ def _split_shapes_text(
     first = next((g for g in state.history if g.plan.epoch == state.epoch), None)
     node = f" on node {first.node!r}" if first is not None and first.node else ""
     return (
-        f"round {p.round} of group {p.group!r} cannot be decided: {proposers} layer "
+        f"round {p.round} of group {quote_name(p.group)} cannot be decided: {proposers} layer "
         f"{layer_text(p.requirement.layer)} with {shape_text(p.requirement.capacities)}; the "
         f"group's plan (epoch {plan.epoch}, merged from another node after a reset) has "
         f"{shape_text(plan.capacities)}, fixed by {shape_origin(state)}{node}, but this "
@@ -316,7 +317,7 @@ def displace(
 
     Returns the group counted, the round without the holder, and the effects."""
     message = (
-        f"group {state.name!r} rank {holder.ep_rank}: the group proof does not match "
+        f"group {quote_name(state.name)} rank {holder.ep_rank}: the group proof does not match "
         f"({proof_text(holder.proof)}): the rank's slot in round {rnd.number} was taken back by "
         f"a proposal with proof {proof_text(taker.proof)}, which the rest of the round's ranks "
         "hold; a process that is not one of the group's ranks cannot propose for it"
@@ -412,7 +413,7 @@ def decide_round(
         # Refused here rather than raised: the round's waiting ranks must
         # hear the same answer as its last proposer, not its timeout.
         message = why_cannot_join(state, rnd, p) or (
-            f"round {rnd.number} of group {state.name!r} cannot be decided: {error}; "
+            f"round {rnd.number} of group {quote_name(state.name)} cannot be decided: {error}; "
             "FlashInfer's all-to-all needs one top_k and num_experts for every layer"
         )
         return refuse_round(state, rnd, p, message, now, effects)
@@ -425,8 +426,8 @@ def decide_round(
     except InvalidArgument as error:
         what = "would grow the plan" if grew else "needs the stored plan, which is"
         message = (
-            f"round {rnd.number} of group {state.name!r}: {who(cause)} {what} out of range "
-            f"({error.message}); nothing was stored"
+            f"round {rnd.number} of group {quote_name(state.name)}: {who(cause)} {what} out of "
+            f"range ({error.message}); nothing was stored"
             + ("" if grew else "; ResetGroup forgets the stored plan")
         )
         return refuse_round(state, rnd, p, message, now, effects)
