@@ -138,7 +138,10 @@ def commit(
     validate_commit(state, c, ceiling)
     _committed_decision(state, c)
     if c.proof != state.proof:
-        why = f"the group's lifetime {state.lifetime_index} runs with proof {proof_text(state.proof or '')}"
+        why = (
+            f"the group's lifetime {state.lifetime_index} runs with proof "
+            f"{proof_text(state.proof or '')}"
+        )
         return refuse_proof(
             state, c.ep_rank, c.round, mismatch_text(state.name, c.ep_rank, c.proof, why), now
         )
@@ -158,23 +161,21 @@ def commit(
     )
     if spans_nodes:
         state = _absorb(state, c, now, node)
+    return _recorded(before, state, c, now)
+
+
+def _recorded(before: GroupState, state: GroupState, c: CommitRecord, now: float) -> Step:
+    """The step of a commit recorded (``before`` became ``state``): persisted,
+    replicated when the stored plan or epoch moved, published."""
     moved = state.plan != before.plan or state.epoch != before.epoch
-    return Step(
+    event = group_event(
         state,
-        effects=(
-            Persist(),
-            *((Replicate(),) if moved else ()),
-            Publish(
-                group_event(
-                    state,
-                    EventKind.COMMIT,
-                    now,
-                    round=c.round,
-                    plan=c.plan,
-                    ep_rank=c.ep_rank,
-                    message=f"rank {c.ep_rank} holds generation {c.plan.generation} "
-                    f"(built in {c.build_seconds:.3f}s)",
-                )
-            ),
-        ),
+        EventKind.COMMIT,
+        now,
+        round=c.round,
+        plan=c.plan,
+        ep_rank=c.ep_rank,
+        message=f"rank {c.ep_rank} holds generation {c.plan.generation} "
+        f"(built in {c.build_seconds:.3f}s)",
     )
+    return Step(state, effects=(Persist(), *((Replicate(),) if moved else ()), Publish(event)))

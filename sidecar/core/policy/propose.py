@@ -261,6 +261,21 @@ def _join_round(
             raise PreconditionFailed(conflict)
         return refuse_round(state, rnd, p, conflict, now, effects)
 
+    return _add_proposal(state, rnd, p, now, effects, node, ceiling)
+
+
+def _add_proposal(
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    now: float,
+    effects: tuple[Effect, ...],
+    node: str,
+    ceiling: int,
+) -> Step:
+    """Adds ``p``, which may join, to ``rnd``: it waits for the round's other
+    ranks, or closes the round once every local slot holds one proof's
+    proposals."""
     rnd = with_proposal(rnd, p)
     full = (
         len(rnd.proposals) >= state.local_ranks

@@ -100,18 +100,7 @@ def join_restart(
             state, pending, effects = displace(state, pending, index, verdict.displaced, p, now)
             earlier = None
     if earlier is not None:
-        if earlier.lifetime != p.lifetime:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {quote_name(p.group)}: another lifetime "
-                f"({short_id(earlier.lifetime)}) already joined the group's restart as this "
-                f"rank; lifetime {short_id(p.lifetime)} is refused (two processes claim one rank)"
-            )
-        if earlier.requirement != p.requirement:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {quote_name(p.group)} re-proposed round 1 with "
-                f"{requirement_text(p.requirement)} after proposing "
-                f"{requirement_text(earlier.requirement)}"
-            )
+        _check_retry(earlier, p)
         return Step(state, reply=Wait(index, 1, pending.deadline))
     takeover = layout != state.local_ranks
     conflict = why_cannot_join(state, pending, p, inherits=not takeover, restart=True)
@@ -129,6 +118,28 @@ def join_restart(
             effects=(*effects, Deadline(state.next_deadline())),
         )
     return _restart(state, pending, p, now, node, ceiling, effects)
+
+
+def _check_retry(earlier: Proposal, p: Proposal) -> None:
+    """Checks that ``p``, of a rank whose slot in the restart ``earlier``
+    (of ``p``'s proof) holds, is a retry of it.
+
+    Raises:
+        PreconditionFailed: another lifetime claims the rank, or the retry
+            changed content.
+    """
+    if earlier.lifetime != p.lifetime:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {quote_name(p.group)}: another lifetime "
+            f"({short_id(earlier.lifetime)}) already joined the group's restart as this "
+            f"rank; lifetime {short_id(p.lifetime)} is refused (two processes claim one rank)"
+        )
+    if earlier.requirement != p.requirement:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {quote_name(p.group)} re-proposed round 1 with "
+            f"{requirement_text(p.requirement)} after proposing "
+            f"{requirement_text(earlier.requirement)}"
+        )
 
 
 def _restart(
