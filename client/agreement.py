@@ -50,7 +50,7 @@ from moe_sidecar.client.errors import (
     InvalidArgument,
     RankFailure,
 )
-from moe_sidecar.core.errors import error_for_code
+from moe_sidecar.core.errors import error_for_code, quote_name
 from moe_sidecar.core.plan import Action, Capacities, Plan, ShapeMismatch, join
 
 __all__ = [
@@ -158,7 +158,7 @@ def _raise_out_of_step(
 
 
 def _layer_text(layer: str) -> str:
-    return repr(layer) if layer else "(unnamed layer)"
+    return quote_name(layer) if layer else "(unnamed layer)"
 
 
 def _gather_objects(group: dist.ProcessGroup, item: object) -> list[object]:
@@ -181,8 +181,8 @@ def _raise_failures(group: dist.ProcessGroup, mine: LocalOutcome, group_name: st
     ]
     first_code = ErrorCode(failures[0][2]) if failures else ErrorCode.INTERNAL
     message = (
-        f"EP group {group_name!r}: {len(failures)} of {len(gathered)} ranks failed this round: "
-        + "; ".join(parts)
+        f"EP group {quote_name(group_name)}: {len(failures)} of {len(gathered)} ranks failed this "
+        "round: " + "; ".join(parts)
     )
     raise error_for_code(first_code, message) from mine.failure
 
@@ -202,10 +202,10 @@ def _raise_disagreement(
     majority = f"top_k={top_k}, num_experts={experts}"
     odd = [f for f in failures if f.detail != majority]
     raise AgreementError(
-        f"ranks of EP group {group_name!r} disagree on the MoE layer shape: "
+        f"ranks of EP group {quote_name(group_name)} disagree on the MoE layer shape: "
         + "; ".join(f"rank {f.ep_rank} layer {_layer_text(f.layer)} has {f.detail}" for f in odd)
-        + f" while {counts[(top_k, experts)]} rank(s) have {majority}; every rank must run the same "
-        "layers in the same order",
+        + f" while {counts[(top_k, experts)]} rank(s) have {majority}; every rank must run the "
+        "same layers in the same order",
         failures,
     )
 

@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted
+from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted, quote_name
 from moe_sidecar.core.group import Decision, summarize
 from moe_sidecar.core.identity import lifetime_id
 from moe_sidecar.metrics import SidecarMetrics
@@ -47,12 +47,10 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "MAX_PAGE_BYTES",
     "MAX_PENDING_RESPONSE_BYTES",
-    "QUOTED_NAME_CHARACTERS",
     "SERVICE_NAME",
     "SHUTDOWN_DETAILS",
     "CoordinatorServicer",
     "coordinator_handler",
-    "quote_name",
 ]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["WorkspaceCoordinator"]
@@ -77,20 +75,9 @@ _Response = TypeVar("_Response", bound=Message)
 _Identity: TypeAlias = tuple[str, int, str]
 """(group, ep_rank, lifetime id): whom a session message speaks for."""
 
-QUOTED_NAME_CHARACTERS = 64
-"""How much of a name an error message quotes; a longer name is cut (an
-ellipsis and its length follow), so no answer echoes a huge name whole."""
 SHUTDOWN_DETAILS = (
     "the sidecar is shutting down; open a new session once it is back (rounds are kept)"
 )
-
-
-def quote_name(name: str, limit: int = QUOTED_NAME_CHARACTERS) -> str:
-    """``name`` quoted for an error message: whole up to ``limit`` characters,
-    else its first ``limit`` followed by an ellipsis and its length."""
-    if len(name) <= limit:
-        return repr(name)
-    return f"{name[:limit]!r}… ({len(name)} characters)"
 
 
 class _OpenSessions:

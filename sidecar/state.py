@@ -57,6 +57,7 @@ from moe_sidecar.core.errors import (
     CoordinatorUnavailable,
     GroupNotFound,
     ResourceExhausted,
+    quote_name,
 )
 from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.metrics import SidecarMetrics
@@ -247,7 +248,7 @@ class Coordinator:
             except StoreError as error:
                 _log.error("cannot persist group", extra={"group": name, "error": str(error)})
                 raise CoordinatorUnavailable(
-                    f"cannot persist group {name!r}: {error}; nothing was decided"
+                    f"cannot persist group {quote_name(name)}: {error}; nothing was decided"
                 ) from error
         if step.persists:
             self._dirty.discard(name)
@@ -454,7 +455,9 @@ class Coordinator:
         try:
             self._store.delete(name)
         except StoreError as error:
-            raise CoordinatorUnavailable(f"cannot remove group {name!r}: {error}") from error
+            raise CoordinatorUnavailable(
+                f"cannot remove group {quote_name(name)}: {error}"
+            ) from error
         del self._groups[name]
         self._removed.add(name)
         self._dirty.discard(name)
@@ -469,13 +472,15 @@ class Coordinator:
         try:
             self._store.forget_removed(name)
         except StoreError as error:
-            raise CoordinatorUnavailable(f"cannot record group {name!r} again: {error}") from error
+            raise CoordinatorUnavailable(
+                f"cannot record group {quote_name(name)} again: {error}"
+            ) from error
         self._removed.discard(name)
 
     def _check_admin(self, call: str, name: str) -> None:
         if not self._admin_enabled:
             raise AdminDisabled(
-                f"{call}(group={name!r}) is an admin call; start the sidecar with "
+                f"{call}(group={quote_name(name)}) is an admin call; start the sidecar with "
                 "--enable-admin (env MOE_SIDECAR_ENABLE_ADMIN=true) to allow it"
             )
         if self._phase is _Phase.CLOSED:
@@ -556,7 +561,7 @@ class Coordinator:
             policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
             self.metrics.refused("groups")
             raise ResourceExhausted(
-                f"group={proposal.group!r} would be group {local + 1} of this "
+                f"group={quote_name(proposal.group)} would be group {local + 1} of this "
                 f"sidecar; --max-groups is {self._max_groups}: remove idle groups (moe-sidecar "
                 "groups --idle-for SECONDS, then moe-sidecar remove GROUP) or raise the limit"
             )

@@ -28,6 +28,7 @@ import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from moe_sidecar.core.errors import quote_name
 from moe_sidecar.core.group import GroupState
 from moe_sidecar.row_codec import RowError, decode_group, encode_group
 
@@ -204,11 +205,14 @@ class StateStore:
                 state = decode_group(text)
             except RowError as error:
                 raise StoreError(
-                    f"{str(self.path)!r}: group {name!r} is corrupt ({error}); "
+                    f"{str(self.path)!r}: group {quote_name(name)} is corrupt ({error}); "
                     "move the file away to start from empty state"
                 ) from None
             if state.name != name:
-                raise StoreError(f"{str(self.path)!r}: row {name!r} holds group {state.name!r}")
+                raise StoreError(
+                    f"{str(self.path)!r}: row {quote_name(name)} holds group "
+                    f"{quote_name(state.name)}"
+                )
             groups[name] = state
         return groups
 
@@ -220,7 +224,7 @@ class StateStore:
             StoreError: the write failed; nothing of it is stored.
         """
         row = (state.name, encode_group(state))
-        with self._driver_errors(f"save group {state.name!r}"):
+        with self._driver_errors(f"save group {quote_name(state.name)}"):
             if not pending:
                 self._db.execute(_UPSERT, row)
                 return
@@ -258,7 +262,7 @@ class StateStore:
         Raises:
             StoreError: the write failed.
         """
-        with self._driver_errors(f"clear group {name!r} from the outbox"):
+        with self._driver_errors(f"clear group {quote_name(name)} from the outbox"):
             cursor = self._db.execute("DELETE FROM outbox WHERE name = ? AND seq = ?", (name, seq))
         return cursor.rowcount > 0
 
@@ -269,7 +273,7 @@ class StateStore:
         Raises:
             StoreError: the write failed; nothing changed.
         """
-        with self._driver_errors(f"remove group {name!r}"), self._transaction():
+        with self._driver_errors(f"remove group {quote_name(name)}"), self._transaction():
             self._db.execute("DELETE FROM groups WHERE name = ?", (name,))
             self._db.execute("DELETE FROM outbox WHERE name = ?", (name,))
             self._db.execute("INSERT OR IGNORE INTO removed (name) VALUES (?)", (name,))
@@ -289,7 +293,7 @@ class StateStore:
         Raises:
             StoreError: the write failed.
         """
-        with self._driver_errors(f"record group {name!r} again"):
+        with self._driver_errors(f"record group {quote_name(name)} again"):
             self._db.execute("DELETE FROM removed WHERE name = ?", (name,))
 
     def save_many(self, states: Iterable[GroupState]) -> None:

@@ -31,6 +31,7 @@ from moe_sidecar.client.simulate.records import (
     SimulationConfig,
 )
 from moe_sidecar.core.defaults import EMBEDDED
+from moe_sidecar.core.errors import quote_name
 
 __all__ = ["rank_main"]
 
@@ -88,7 +89,7 @@ def _checked_exchange(manager: WorkspaceManager, layer: MoeLayer, tokens: int, s
     error = _exchange(manager, layer, tokens, seed)
     if error != 0.0:
         raise RuntimeError(
-            f"dispatch+combine of layer {layer.name!r} on rank {manager.ep_rank}: the "
+            f"dispatch+combine of layer {quote_name(layer.name)} on rank {manager.ep_rank}: the "
             f"combined result is off by {error} (expected exact)"
         )
 

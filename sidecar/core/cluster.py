@@ -29,7 +29,7 @@ from dataclasses import astuple, dataclass
 from typing import Final
 
 from moe_sidecar.core import limits
-from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.errors import InvalidArgument, quote_name
 from moe_sidecar.core.group import GroupState, Growth
 from moe_sidecar.core.plan import EpochPlan, Plan, dominates, join_epoch_plans
 
@@ -124,8 +124,9 @@ def join_cluster_plans(a: ClusterPlan, b: ClusterPlan, *, node: str, now: float)
     """
     if a.name != b.name or a.ep_size != b.ep_size:
         raise LayoutMismatch(
-            f"group {a.name!r} with ep_size={a.ep_size} cannot join group {b.name!r} with "
-            f"ep_size={b.ep_size}; the group name must change with the parallel layout"
+            f"group {quote_name(a.name)} with ep_size={a.ep_size} cannot join group "
+            f"{quote_name(b.name)} with ep_size={b.ep_size}; the group name must change with "
+            "the parallel layout"
         )
     held = join_epoch_plans(a.held, b.held)
     if a.epoch != b.epoch:

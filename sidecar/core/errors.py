@@ -10,9 +10,10 @@ neither grpc nor torch.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar
+from typing import ClassVar, Final
 
 __all__ = [
+    "QUOTED_NAME_CHARACTERS",
     "AdminDisabled",
     "CoordinatorError",
     "CoordinatorUnavailable",
@@ -27,7 +28,23 @@ __all__ = [
     "RoundTimedOut",
     "UndecodableRequest",
     "error_for_code",
+    "quote_name",
 ]
+
+QUOTED_NAME_CHARACTERS: Final = 64
+"""How much of a name an error message quotes; a longer name is cut (an
+ellipsis and its length follow), so no message echoes a long group or
+layer name whole."""
+
+
+def quote_name(name: str, limit: int = QUOTED_NAME_CHARACTERS) -> str:
+    """``name`` quoted for an error message: whole (as ``repr``) up to
+    ``limit`` characters, else its first ``limit`` followed by an ellipsis
+    and its length. Every message of the core, the servicer and the client
+    quotes group and layer names through it."""
+    if len(name) <= limit:
+        return repr(name)
+    return f"{name[:limit]!r}… ({len(name)} characters)"
 
 
 class ErrorCode(enum.Enum):
@@ -73,6 +90,12 @@ class InvalidArgument(CoordinatorError):
         """The error for ``field`` holding ``value``, with a message naming both."""
         return cls(f"{field}={value!r}: {reason}", field=field, value=value)
 
+    @classmethod
+    def of_name(cls, field: str, name: str, reason: str) -> InvalidArgument:
+        """The error for ``field`` holding the name or label ``name``, quoted
+        by :func:`quote_name`."""
+        return cls(f"{field}={quote_name(name)}: {reason}", field=field, value=name)
+
 
 class UndecodableRequest(InvalidArgument):
     """A request's bytes are not the method's message (INVALID_ARGUMENT, and
@@ -87,7 +110,7 @@ class GroupNotFound(CoordinatorError):
     @classmethod
     def named(cls, group: str) -> GroupNotFound:
         """The error for an unknown ``group``."""
-        return cls(f"group={group!r}: no such group on this sidecar")
+        return cls(f"group={quote_name(group)}: no such group on this sidecar")
 
 
 class PreconditionFailed(CoordinatorError):

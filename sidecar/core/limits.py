@@ -105,18 +105,18 @@ def check_name(field: str, value: str, *, allow_empty: bool) -> None:
     """Checks a name or label: printable, at most :data:`MAX_NAME_LENGTH` characters.
 
     Raises:
-        InvalidArgument: naming ``field`` and (a prefix of) ``value``.
+        InvalidArgument: naming ``field`` and ``value`` (quoted by
+            :func:`~moe_sidecar.core.errors.quote_name`, so cut when long).
     """
     if not isinstance(value, str):
         raise InvalidArgument.of(field, value, "must be a string")
     if not value and not allow_empty:
         raise InvalidArgument.of(field, value, "must not be empty")
     if len(value) > MAX_NAME_LENGTH:
-        raise InvalidArgument.of(
-            field, value[:40] + "...", f"is {len(value)} characters; at most {MAX_NAME_LENGTH}"
-        )
+        # The quoted name says its length.
+        raise InvalidArgument.of_name(field, value, f"at most {MAX_NAME_LENGTH} characters")
     if not value.isprintable():
-        raise InvalidArgument.of(field, value, "must hold printable characters only")
+        raise InvalidArgument.of_name(field, value, "must hold printable characters only")
 
 
 def check_capacities(prefix: str, capacities: Capacities, ep_size: int) -> None:

@@ -11,10 +11,13 @@ from typing import Any
 import grpc
 import pytest
 
+from moe_sidecar.core.errors import QUOTED_NAME_CHARACTERS, quote_name
+from moe_sidecar.core.limits import MAX_NAME_LENGTH
 from moe_sidecar.server import RunningServer, running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     NVFP4,
+    capacities,
     coordinator_stub,
     details,
     make_config,
@@ -45,7 +48,12 @@ def _proposal(**changes: Any) -> pb.ProposeRequest:
 
 BAD_PROPOSALS = [
     ("empty group", _proposal(group=""), INVALID, "group=''"),
-    ("long group", _proposal(group="g" * 257), INVALID, "group='gggg"),
+    (
+        "long group",
+        _proposal(group="g" * 257),
+        INVALID,
+        f"group={quote_name('g' * 257)}: at most 256 characters",
+    ),
     ("non-printable group", _proposal(group="a\tb"), INVALID, "group='a\\tb'"),
     ("ep_rank = ep_size", _proposal(ep_rank=2), INVALID, "ep_rank=2"),
     ("local_ranks 0", _proposal(local_ranks=0), INVALID, "local_ranks=0"),
@@ -218,6 +226,28 @@ async def test_bad_request(
         assert error.code() == code, details(error)
         assert needle in details(error)
         assert await _snapshot(stub) == before
+
+
+async def test_names_as_long_as_allowed_are_quoted_cut_in_a_refusal(server: RunningServer) -> None:
+    # A group and layers with names of the full 256 characters: the refusal of
+    # a layer of another shape quotes each to 64 characters and its length.
+    group = "m" * (MAX_NAME_LENGTH - 4) + "/ep2"
+    first = pb.Requirement(capacities=capacities(), layer="a" * MAX_NAME_LENGTH)
+    other = pb.Requirement(capacities=capacities(top_k=4), layer="b" * MAX_NAME_LENGTH)
+
+    def ask(rank: int, rnd: int, requirement: pb.Requirement) -> pb.ProposeRequest:
+        return propose_request(rank, rnd, requirement, group=group, ep_size=2, local_ranks=2)
+
+    async with coordinator_stub(server.addresses.listen[0]) as stub:
+        await asyncio.gather(*(stub.Propose(ask(r, 1, first), timeout=5) for r in range(2)))
+        refused = [await rpc_error(stub.Propose(ask(r, 2, other), timeout=5)) for r in range(2)]
+    assert [e.code() for e in refused] == [grpc.StatusCode.FAILED_PRECONDITION] * 2
+    message = details(refused[0])
+    assert details(refused[1]) == message
+    for name in (group, first.layer, other.layer):
+        assert quote_name(name) in message
+        assert name[: QUOTED_NAME_CHARACTERS + 1] not in message
+    assert "(256 characters)" in message and "top_k=4" in message
 
 
 async def test_get_and_reset_of_unknown_or_malformed_groups(server: RunningServer) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from moe_sidecar.core.plan import Capacities, Plan, join
@@ -35,7 +36,16 @@ from tests.integration.etcd_nodes import (
     stub,
     until,
 )
-from tests.integration.helpers import BF16, NVFP4, capacities, run_round
+from tests.integration.helpers import (
+    BF16,
+    NVFP4,
+    capacities,
+    details,
+    propose_request,
+    rpc_error,
+    run_round,
+    token,
+)
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -201,6 +211,57 @@ async def test_a_reset_on_node_a_reaches_node_b_and_is_not_undone(
         assert plan.epoch == 1 and plan.capacities == caps_of(NVFP4)
         stored = await in_etcd(etcd_server)
         assert stored is not None and stored.epoch == 1
+
+
+async def test_a_plan_of_another_shape_merged_after_a_reset_refuses_the_whole_round_at_once(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    # A's lifetime built top_k=2, then A was reset; B, hearing of the reset,
+    # decides a top_k=4 plan in the new epoch, which merges into A while A's
+    # lifetime still runs on what it built. No plan serves both: A's next
+    # round is refused for both of its ranks at once, long before the round
+    # timeout (20 s) or the calls' own (10 s), and the round is closed.
+    other_shape = requirement("l0", top_k=4)
+    with nodes(tmp_path, etcd_server, "node-a", "node-b") as (a, b):
+        await grow(a, [NVFP4], "a")
+        await converged(a, b, etcd_server)
+        async with stub(a) as s:
+            await s.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5)
+        await until(lambda: group_of(b), lambda g: g is not None and g.epoch == 1, "B reset")
+        assert (await grow(b, [other_shape], "b"))[0].plan.capacities.top_k == 4
+        await until(
+            lambda: group_of(a),
+            lambda g: stored_plan(g) is not None and g is not None and g.plan.capacities.top_k == 4,
+            "A merges B's plan",
+        )
+        async with stub(a) as s:
+            answers = await asyncio.gather(
+                *(
+                    rpc_error(
+                        s.Propose(
+                            propose_request(
+                                rank,
+                                2,
+                                other_shape,
+                                group=GROUP,
+                                ep_size=2,
+                                local_ranks=2,
+                                lifetime=token(f"a-{rank}"),
+                            ),
+                            timeout=10,
+                        )
+                    )
+                    for rank in range(2)
+                )
+            )
+        assert [e.code() for e in answers] == [grpc.StatusCode.FAILED_PRECONDITION] * 2
+        assert details(answers[0]) == details(answers[1])
+        message = details(answers[0])
+        assert "top_k=4, num_experts=16" in message and "top_k=2, num_experts=16" in message
+        assert "layer 'l0'" in message and "on node 'node-b'" in message
+        group = await group_of(a)
+        assert group is not None and group.open_round == 0 and group.waiting_ranks == 0
+        assert group.last_closed_round == 2 and group.plan.capacities.top_k == 4
 
 
 async def test_groups_shows_where_a_plan_came_from(tmp_path: Path, etcd_server: EtcdServer) -> None:

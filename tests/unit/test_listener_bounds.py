@@ -1,4 +1,4 @@
-"""The listener bounds of the config, and how error messages quote names."""
+"""The listener bounds of the config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import pytest
 
 from moe_sidecar.config import ConfigError, SidecarConfig
-from moe_sidecar.servicer import QUOTED_NAME_CHARACTERS, quote_name
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,13 +34,3 @@ def test_listener_bounds_have_defaults() -> None:
 def test_a_bad_listener_bound_is_refused_naming_it(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=rf"^{field}={value!r}: must be"):
         SidecarConfig(**{field: value})  # type: ignore[arg-type]
-
-
-def test_a_short_name_is_quoted_whole() -> None:
-    name = "n" * QUOTED_NAME_CHARACTERS
-    assert quote_name(name) == repr(name)
-
-
-def test_a_long_name_is_cut_with_an_ellipsis_and_its_length() -> None:
-    quoted = quote_name("x" * 100_000)
-    assert quoted == repr("x" * QUOTED_NAME_CHARACTERS) + "\u2026 (100000 characters)"

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from moe_sidecar.core import limits
 from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Step
-from moe_sidecar.core.errors import PreconditionFailed
+from moe_sidecar.core.errors import PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState
 from moe_sidecar.core.policy.events import group_event
 
@@ -24,8 +24,8 @@ def check_removable(state: GroupState) -> None:
         waiting = len(state.open_round.proposals) if state.open_round else 0
         restarting = len(state.pending.proposals) if state.pending else 0
         raise PreconditionFailed(
-            f"group {state.name!r} is in use: {waiting} rank(s) wait in an open round and "
-            f"{restarting} in a restart; remove it once its ranks are gone"
+            f"group {quote_name(state.name)} is in use: {waiting} rank(s) wait in an open round "
+            f"and {restarting} in a restart; remove it once its ranks are gone"
         )
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from moe_sidecar.core import limits
 from moe_sidecar.core.cluster import MAX_HISTORY
 from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Step
-from moe_sidecar.core.errors import PreconditionFailed
+from moe_sidecar.core.errors import PreconditionFailed, quote_name
 from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Growth, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import EpochPlan, ShapeMismatch, join, join_epoch_plans
@@ -28,20 +28,20 @@ def _committed_decision(state: GroupState, c: CommitRecord) -> Decision:
     record = state.rank(c.ep_rank)
     if record is None or record.lifetime != c.lifetime:
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime "
+            f"rank {c.ep_rank} of group {quote_name(state.name)} commits from lifetime "
             f"{short_id(c.lifetime)}, which never proposed to this sidecar"
         )
     if record.lifetime_index != state.lifetime_index:
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits from lifetime "
+            f"rank {c.ep_rank} of group {quote_name(state.name)} commits from lifetime "
             f"{short_id(c.lifetime)}, which ended when the group restarted"
         )
     outcome = state.outcome_of(c.round)
     if not isinstance(outcome, Decision):
         why = "was refused" if isinstance(outcome, Refusal) else "has no retained decision"
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits round {c.round}, which {why} "
-            f"(latest closed round: {state.last_closed_round})"
+            f"rank {c.ep_rank} of group {quote_name(state.name)} commits round {c.round}, which "
+            f"{why} (latest closed round: {state.last_closed_round})"
         )
     return outcome
 
@@ -62,8 +62,8 @@ def _check_matches_decision(state: GroupState, c: CommitRecord, *, spans_nodes: 
     )
     if not matches:
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round {c.round}, "
-            f"but the round decided {decided}"
+            f"rank {c.ep_rank} of group {quote_name(state.name)} commits {c.plan} for round "
+            f"{c.round}, but the round decided {decided}"
             + ("; a commit may only cover the decision" if spans_nodes else "")
         )
 
@@ -86,7 +86,7 @@ def _absorb(state: GroupState, c: CommitRecord, now: float, node: str) -> GroupS
         # Another node's plan of this epoch has another shape: the agreed
         # plan cannot join it, and nothing of the commit is recorded.
         raise PreconditionFailed(
-            f"rank {c.ep_rank} of group {state.name!r} commits {c.plan} for round "
+            f"rank {c.ep_rank} of group {quote_name(state.name)} commits {c.plan} for round "
             f"{c.round}, which cannot join the group's plan ({error}); FlashInfer's "
             "all-to-all needs one top_k and num_experts for every layer"
         ) from None
@@ -138,7 +138,10 @@ def commit(
     validate_commit(state, c, ceiling)
     _committed_decision(state, c)
     if c.proof != state.proof:
-        why = f"the group's lifetime {state.lifetime_index} runs with proof {proof_text(state.proof or '')}"
+        why = (
+            f"the group's lifetime {state.lifetime_index} runs with proof "
+            f"{proof_text(state.proof or '')}"
+        )
         return refuse_proof(
             state, c.ep_rank, c.round, mismatch_text(state.name, c.ep_rank, c.proof, why), now
         )
@@ -158,23 +161,21 @@ def commit(
     )
     if spans_nodes:
         state = _absorb(state, c, now, node)
+    return _recorded(before, state, c, now)
+
+
+def _recorded(before: GroupState, state: GroupState, c: CommitRecord, now: float) -> Step:
+    """The step of a commit recorded (``before`` became ``state``): persisted,
+    replicated when the stored plan or epoch moved, published."""
     moved = state.plan != before.plan or state.epoch != before.epoch
-    return Step(
+    event = group_event(
         state,
-        effects=(
-            Persist(),
-            *((Replicate(),) if moved else ()),
-            Publish(
-                group_event(
-                    state,
-                    EventKind.COMMIT,
-                    now,
-                    round=c.round,
-                    plan=c.plan,
-                    ep_rank=c.ep_rank,
-                    message=f"rank {c.ep_rank} holds generation {c.plan.generation} "
-                    f"(built in {c.build_seconds:.3f}s)",
-                )
-            ),
-        ),
+        EventKind.COMMIT,
+        now,
+        round=c.round,
+        plan=c.plan,
+        ep_rank=c.ep_rank,
+        message=f"rank {c.ep_rank} holds generation {c.plan.generation} "
+        f"(built in {c.build_seconds:.3f}s)",
     )
+    return Step(state, effects=(Persist(), *((Replicate(),) if moved else ()), Publish(event)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_sidecar.core.effects import EventKind, Step
-from moe_sidecar.core.errors import ErrorCode
+from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
 from moe_sidecar.core.policy.restart import restart_layout
@@ -25,8 +25,8 @@ def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
         parts.append(f"{unseen} rank(s) never seen in this lifetime")
     layer = rnd.proposals[0].requirement.layer if rnd.proposals else ""
     message = (
-        f"round {rnd.number} of group {state.name!r} (layer {layer!r}) timed out after "
-        f"{rnd.deadline - rnd.opened_at:.1f}s: {state.local_ranks - len(present)} of "
+        f"round {rnd.number} of group {quote_name(state.name)} (layer {quote_name(layer)}) timed "
+        f"out after {rnd.deadline - rnd.opened_at:.1f}s: {state.local_ranks - len(present)} of "
         f"{state.local_ranks} local ranks missing: {'; '.join(parts)}; "
         f"ranks present: {sorted(present)}"
     )
@@ -54,7 +54,7 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
     present = sorted(p.ep_rank for p in pending.proposals)
     running = [r for r in state.current_ranks() if r.ep_rank not in present]
     message = (
-        f"the restart of group {state.name!r} timed out after "
+        f"the restart of group {quote_name(state.name)} timed out after "
         f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {restart_layout(state)} "
         f"local ranks began a new lifetime (ranks {present}); a new lifetime begins only "
         "when every local rank of the group restarts, and the running lifetime's "

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
-from moe_sidecar.core.errors import ErrorCode
-from moe_sidecar.core.group import GroupState, OpenRound, Refusal
+from moe_sidecar.core.errors import ErrorCode, quote_name
+from moe_sidecar.core.group import GroupState, OpenRound, RankRecord, Refusal
 from moe_sidecar.core.policy.events import gone_text, group_event
 from moe_sidecar.core.policy.proof import single_proof
 from moe_sidecar.core.policy.rounds import (
@@ -59,15 +59,25 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
         and rnd.proposal_of(ep_rank) is not None
         and not single_proof(rnd)
     ):
-        # A rank of a round that holds two proofs is not known to be one of
-        # the group's ranks: its going withdraws its proposal and its place,
-        # and the round goes on (a stranger leaving must not fail it).
-        state = replace(
-            state,
-            open_round=without_proposal(rnd, ep_rank),
-            ranks=tuple(r for r in state.ranks if r.ep_rank != ep_rank),
-        )
-        return Step(state, effects=(Persist(), Deadline(state.next_deadline())))
+        return _withdraw(state, rnd, ep_rank)
+    return _mark_gone(state, record, why, now)
+
+
+def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:
+    """A rank of a round that holds two proofs is not known to be one of the
+    group's ranks: its going withdraws its proposal and its place, and the
+    round goes on (a stranger leaving must not fail it)."""
+    state = replace(
+        state,
+        open_round=without_proposal(rnd, ep_rank),
+        ranks=tuple(r for r in state.ranks if r.ep_rank != ep_rank),
+    )
+    return Step(state, effects=(Persist(), Deadline(state.next_deadline())))
+
+
+def _mark_gone(state: GroupState, record: RankRecord, why: str, now: float) -> Step:
+    """A rank of the running lifetime is gone: marked so, and the open round
+    (if any) abandoned for everyone in it."""
     record = replace(record, left=why, last_seen=now)
     state = with_rank(state, record)
     left = Publish(
@@ -76,7 +86,7 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
             EventKind.RANK_LEFT,
             now,
             round=record.last_round,
-            ep_rank=ep_rank,
+            ep_rank=record.ep_rank,
             layer=record.last_layer,
             message=gone_text(record),
         )
@@ -84,7 +94,7 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
     rnd = state.open_round
     if rnd is None:
         return Step(state, effects=(Persist(), left))
-    message = f"round {rnd.number} of group {state.name!r} abandoned: {gone_text(record)}"
+    message = f"round {rnd.number} of group {quote_name(state.name)} abandoned: {gone_text(record)}"
     refusal = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
     closed = record_outcome(state, refusal)
     event = group_event(
@@ -92,7 +102,7 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
         EventKind.ROUND_ABORTED,
         now,
         closes=rnd,
-        ep_rank=ep_rank,
+        ep_rank=record.ep_rank,
         layer=record.last_layer,
         message=message,
     )

@@ -4,7 +4,8 @@ texts refusals and events are made of. Pure."""
 from __future__ import annotations
 
 from moe_sidecar.core.effects import EventKind, GroupEvent, Publish
-from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord
+from moe_sidecar.core.errors import quote_name
+from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Requirement
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import Action, Capacities, Plan
 
@@ -14,6 +15,7 @@ __all__ = [
     "layer_text",
     "lifetime_started",
     "missing_text",
+    "requirement_text",
     "shape_origin",
     "shape_text",
     "who",
@@ -84,7 +86,13 @@ def lifetime_started(state: GroupState, p: Proposal, now: float) -> Publish:
 
 def layer_text(layer: str) -> str:
     """A layer label as refusals quote it."""
-    return repr(layer) if layer else "(unnamed layer)"
+    return quote_name(layer) if layer else "(unnamed layer)"
+
+
+def requirement_text(r: Requirement) -> str:
+    """A requirement as refusals quote it: its capacities and its layer (cut
+    like every name)."""
+    return f"Requirement(capacities={r.capacities!r}, layer={quote_name(r.layer)})"
 
 
 def who(p: Proposal) -> str:
@@ -107,7 +115,7 @@ def shape_origin(state: GroupState) -> str:
 
 def gone_text(record: RankRecord) -> str:
     """Why a rank that left is missing, with where it was last."""
-    layer = repr(record.last_layer) if record.last_layer else "(unnamed)"
+    layer = quote_name(record.last_layer) if record.last_layer else "(unnamed)"
     return (
         f"rank {record.ep_rank} (last reported round {record.last_round}, layer {layer}) is "
         f"gone: {record.left}"
@@ -118,7 +126,7 @@ def missing_text(missing: list[RankRecord]) -> list[str]:
     """Each missing rank with the round and layer it last reported."""
     return [
         f"rank {r.ep_rank} (last reported round {r.last_round}, layer "
-        + (repr(r.last_layer) if r.last_layer else "(unnamed)")
+        + (quote_name(r.last_layer) if r.last_layer else "(unnamed)")
         + ")"
         for r in missing
     ]

@@ -29,7 +29,7 @@ from moe_sidecar.core.effects import (
     Replicate,
     Step,
 )
-from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed
+from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState
 from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.core.policy.events import group_event
@@ -103,19 +103,19 @@ def _joined(local: ClusterPlan, remote: ClusterPlan, node: str, now: float) -> C
     try:
         joined = join_cluster_plans(local, remote, node=node, now=now)
     except LayoutMismatch as error:
-        raise PreconditionFailed(f"cannot merge group {remote.name!r}: {error}") from None
+        raise PreconditionFailed(f"cannot merge group {quote_name(remote.name)}: {error}") from None
     except ShapeMismatch as error:
         raise PreconditionFailed(
-            f"cannot merge group {remote.name!r}: the plan from another node has {error}; "
-            "FlashInfer's all-to-all needs one top_k and num_experts for every layer"
+            f"cannot merge group {quote_name(remote.name)}: the plan from another node has "
+            f"{error}; FlashInfer's all-to-all needs one top_k and num_experts for every layer"
         ) from None
     try:
         # Two plans in range can join out of range (one node's tokens, another's bytes).
         check_cluster_plan(joined)
     except InvalidArgument as error:
         raise PreconditionFailed(
-            f"cannot merge group {remote.name!r}: the join with the plan from another node "
-            f"would be out of range ({error.message}); nothing was merged"
+            f"cannot merge group {quote_name(remote.name)}: the join with the plan from another "
+            f"node would be out of range ({error.message}); nothing was merged"
         ) from None
     return joined
 

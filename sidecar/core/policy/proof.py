@@ -48,6 +48,7 @@ import enum
 from collections import Counter
 from dataclasses import dataclass
 
+from moe_sidecar.core.errors import quote_name
 from moe_sidecar.core.group import OpenRound, Proposal
 from moe_sidecar.core.identity import short_id
 
@@ -144,7 +145,8 @@ def contest(rnd: OpenRound, p: Proposal, local_ranks: int) -> Contest:
 def mismatch_text(group: str, ep_rank: int, proof: str, why: str) -> str:
     """The message of a refusal for a proof that does not match."""
     return (
-        f"group {group!r} rank {ep_rank}: the group proof does not match ({proof_text(proof)}): "
-        f"{why}; a process that is not one of the group's ranks cannot propose for it (the "
-        "ranks share their proof over the EP group's CPU group at their first initialize())"
+        f"group {quote_name(group)} rank {ep_rank}: the group proof does not match "
+        f"({proof_text(proof)}): {why}; a process that is not one of the group's ranks cannot "
+        "propose for it (the ranks share their proof over the EP group's CPU group at their "
+        "first initialize())"
     )

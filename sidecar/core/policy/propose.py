@@ -26,11 +26,11 @@ from dataclasses import dataclass, replace
 
 from moe_sidecar.core import limits
 from moe_sidecar.core.effects import Deadline, Effect, Persist, Step, Wait
-from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted
+from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted, quote_name
 from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import ShapeMismatch
-from moe_sidecar.core.policy.events import gone_text, lifetime_started
+from moe_sidecar.core.policy.events import gone_text, lifetime_started, requirement_text
 from moe_sidecar.core.policy.proof import (
     Verdict,
     closing_proof,
@@ -68,8 +68,8 @@ def _check_layout(state: GroupState, p: Proposal) -> None:
     """A group's EP size is part of its name: another one is refused."""
     if p.ep_size != state.ep_size:
         raise PreconditionFailed(
-            f"group {p.group!r} has ep_size={state.ep_size} but rank {p.ep_rank} proposes "
-            f"ep_size={p.ep_size}; the group name must change with the parallel layout"
+            f"group {quote_name(p.group)} has ep_size={state.ep_size} but rank {p.ep_rank} "
+            f"proposes ep_size={p.ep_size}; the group name must change with the parallel layout"
         )
 
 
@@ -77,8 +77,8 @@ def _check_local_ranks(state: GroupState, p: Proposal) -> None:
     """A running lifetime keeps its number of ranks on this node."""
     if p.local_ranks != state.local_ranks:
         raise PreconditionFailed(
-            f"group {p.group!r} has local_ranks={state.local_ranks} on this node but rank "
-            f"{p.ep_rank} proposes local_ranks={p.local_ranks}"
+            f"group {quote_name(p.group)} has local_ranks={state.local_ranks} on this node but "
+            f"rank {p.ep_rank} proposes local_ranks={p.local_ranks}"
         )
 
 
@@ -132,18 +132,18 @@ def _admit_new_lifetime(
     """
     if p.round != 1:
         raise PreconditionFailed(
-            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} from lifetime "
-            f"{short_id(p.lifetime)}, which this sidecar does not know: a lifetime starts at "
-            "round 1 (did the group restart without this rank, or was the sidecar's state "
-            "dir lost?); restart this rank"
+            f"rank {p.ep_rank} of group {quote_name(p.group)} proposes round {p.round} from "
+            f"lifetime {short_id(p.lifetime)}, which this sidecar does not know: a lifetime "
+            "starts at round 1 (did the group restart without this rank, or was the sidecar's "
+            "state dir lost?); restart this rank"
         )
     if state.lifetime_index == 0:
         return _first_lifetime(state, p, now)
     if p.local_ranks < state.local_ranks:
         raise PreconditionFailed(
-            f"group {p.group!r} runs with local_ranks={state.local_ranks} on this node; a new "
-            f"lifetime of rank {p.ep_rank} with local_ranks={p.local_ranks} is refused (fewer "
-            "local ranks may not end the group's lifetime); use a group name for the new "
+            f"group {quote_name(p.group)} runs with local_ranks={state.local_ranks} on this node; "
+            f"a new lifetime of rank {p.ep_rank} with local_ranks={p.local_ranks} is refused "
+            "(fewer local ranks may not end the group's lifetime); use a group name for the new "
             "layout, or remove the group (an admin call) first"
         )
     if p.local_ranks > state.local_ranks:
@@ -171,8 +171,9 @@ def _admit_known(
     """A proposal from the lifetime the group already knows for this rank."""
     if record.lifetime_index != state.lifetime_index:
         raise RoundAborted(
-            f"rank {p.ep_rank} of group {p.group!r} belongs to lifetime {short_id(p.lifetime)}, "
-            "which ended when other ranks of the group restarted; restart this rank"
+            f"rank {p.ep_rank} of group {quote_name(p.group)} belongs to lifetime "
+            f"{short_id(p.lifetime)}, which ended when other ranks of the group restarted; "
+            "restart this rank"
         )
     if state.proof is not None and p.proof != state.proof:
         why = (
@@ -186,20 +187,21 @@ def _admit_known(
         outcome = state.outcome_of(p.round)
         if outcome is None:
             raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} retries round {p.round}, which "
+                f"rank {p.ep_rank} of group {quote_name(p.group)} retries round {p.round}, which "
                 f"closed long ago (latest closed round: {state.last_closed_round})"
             )
         if isinstance(outcome, Decision) and not outcome.plan.covers(p.requirement.capacities):
             # A retry proposes what it proposed, which its round's decision covers.
             raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
-                f"{p.requirement} after the round was decided with {outcome.plan}, which does "
-                "not serve it; a retry must propose what the rank proposed"
+                f"rank {p.ep_rank} of group {quote_name(p.group)} re-proposed round {p.round} with "
+                f"{requirement_text(p.requirement)} after the round was decided with "
+                f"{outcome.plan}, which does not serve it; a retry must propose what the rank "
+                "proposed"
             )
         return Step(state, reply=outcome)
     if p.round > state.last_closed_round + 1:
         raise PreconditionFailed(
-            f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} but the "
+            f"rank {p.ep_rank} of group {quote_name(p.group)} proposes round {p.round} but the "
             f"group's next round is {state.last_closed_round + 1}"
         )
     return _Admitted(state, record, ())
@@ -234,8 +236,9 @@ def _join_round(
     if earlier is not None:
         if earlier.requirement != p.requirement:
             raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} re-proposed round {p.round} with "
-                f"{p.requirement} after proposing {earlier.requirement}"
+                f"rank {p.ep_rank} of group {quote_name(p.group)} re-proposed round {p.round} with "
+                f"{requirement_text(p.requirement)} after proposing "
+                f"{requirement_text(earlier.requirement)}"
             )
         return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
 
@@ -246,7 +249,7 @@ def _join_round(
     gone = [r for r in state.current_ranks() if r.left]
     if gone:
         message = (
-            f"round {p.round} of group {p.group!r} cannot close: "
+            f"round {p.round} of group {quote_name(p.group)} cannot close: "
             + "; ".join(gone_text(r) for r in gone)
             + "; restart every rank"
         )
@@ -258,6 +261,21 @@ def _join_round(
             raise PreconditionFailed(conflict)
         return refuse_round(state, rnd, p, conflict, now, effects)
 
+    return _add_proposal(state, rnd, p, now, effects, node, ceiling)
+
+
+def _add_proposal(
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    now: float,
+    effects: tuple[Effect, ...],
+    node: str,
+    ceiling: int,
+) -> Step:
+    """Adds ``p``, which may join, to ``rnd``: it waits for the round's other
+    ranks, or closes the round once every local slot holds one proof's
+    proposals."""
     rnd = with_proposal(rnd, p)
     full = (
         len(rnd.proposals) >= state.local_ranks
@@ -322,4 +340,4 @@ def propose(
     try:
         return _join_round(admitted, p, now, round_timeout, node, ceiling)
     except ShapeMismatch as error:  # pragma: no cover - why_cannot_join checks shapes first
-        raise PreconditionFailed(f"group {p.group!r}: {error}") from error
+        raise PreconditionFailed(f"group {quote_name(p.group)}: {error}") from error

@@ -26,10 +26,10 @@ from moe_sidecar.core.effects import (
     Step,
     Wait,
 )
-from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFailed
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
-from moe_sidecar.core.policy.events import group_event, lifetime_started
+from moe_sidecar.core.policy.events import group_event, lifetime_started, requirement_text
 from moe_sidecar.core.policy.proof import (
     Verdict,
     closing_proof,
@@ -83,8 +83,8 @@ def join_restart(
     layout = pending.proposals[0].local_ranks if pending.proposals else p.local_ranks
     if p.local_ranks != layout:
         raise PreconditionFailed(
-            f"rank {p.ep_rank} of group {p.group!r} begins a new lifetime with local_ranks="
-            f"{p.local_ranks}, but the group's restart collects local_ranks={layout}"
+            f"rank {p.ep_rank} of group {quote_name(p.group)} begins a new lifetime with "
+            f"local_ranks={p.local_ranks}, but the group's restart collects local_ranks={layout}"
         )
     index = state.lifetime_index + 1
     effects: tuple[Effect, ...] = ()
@@ -100,20 +100,10 @@ def join_restart(
             state, pending, effects = displace(state, pending, index, verdict.displaced, p, now)
             earlier = None
     if earlier is not None:
-        if earlier.lifetime != p.lifetime:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r}: another lifetime "
-                f"({short_id(earlier.lifetime)}) already joined the group's restart as this "
-                f"rank; lifetime {short_id(p.lifetime)} is refused (two processes claim one rank)"
-            )
-        if earlier.requirement != p.requirement:
-            raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} re-proposed round 1 with "
-                f"{p.requirement} after proposing {earlier.requirement}"
-            )
+        _check_retry(earlier, p)
         return Step(state, reply=Wait(index, 1, pending.deadline))
     takeover = layout != state.local_ranks
-    conflict = why_cannot_join(state, pending, p, inherits=not takeover)
+    conflict = why_cannot_join(state, pending, p, inherits=not takeover, restart=True)
     if conflict is not None:
         if not single_proof(with_proposal(pending, p)):
             # Beside another proof's proposals, a conflict refuses only its maker.
@@ -128,6 +118,28 @@ def join_restart(
             effects=(*effects, Deadline(state.next_deadline())),
         )
     return _restart(state, pending, p, now, node, ceiling, effects)
+
+
+def _check_retry(earlier: Proposal, p: Proposal) -> None:
+    """Checks that ``p``, of a rank whose slot in the restart ``earlier``
+    (of ``p``'s proof) holds, is a retry of it.
+
+    Raises:
+        PreconditionFailed: another lifetime claims the rank, or the retry
+            changed content.
+    """
+    if earlier.lifetime != p.lifetime:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {quote_name(p.group)}: another lifetime "
+            f"({short_id(earlier.lifetime)}) already joined the group's restart as this "
+            f"rank; lifetime {short_id(p.lifetime)} is refused (two processes claim one rank)"
+        )
+    if earlier.requirement != p.requirement:
+        raise PreconditionFailed(
+            f"rank {p.ep_rank} of group {quote_name(p.group)} re-proposed round 1 with "
+            f"{requirement_text(p.requirement)} after proposing "
+            f"{requirement_text(earlier.requirement)}"
+        )
 
 
 def _restart(
@@ -153,8 +165,8 @@ def _restart(
     rnd = state.open_round
     if rnd is not None:
         message = (
-            f"round {rnd.number} of group {p.group!r} abandoned: every local rank of the group "
-            "began a new lifetime (the group restarted)"
+            f"round {rnd.number} of group {quote_name(p.group)} abandoned: every local rank of "
+            "the group began a new lifetime (the group restarted)"
         )
         aborted = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
         effects += [

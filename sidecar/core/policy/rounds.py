@@ -8,6 +8,16 @@ Another ``top_k``/``num_experts`` than the plan, ranks disagreeing in a round,
 or a growth out of range (or above the per-rank workspace ceiling) closes the
 round as refused for everyone. Which proposals a round takes is
 :mod:`.proof`'s rule; a proposal refused by it leaves the round untouched.
+
+The shape rule: a round of a running lifetime is decided only when its
+proposals, the plan and what the lifetime built have one shape. The plan
+and what was built part only when a plan of another shape merges in from
+another node after a reset while the lifetime runs on: then no round of that
+lifetime can be decided, and each is refused (FAILED_PRECONDITION) as soon
+as one of its proposals arrives, and so for every rank in it at once,
+naming both shapes, the ranks and the layer, until the ranks restart. A
+restart's round 1 builds anew, so only the plan it inherits (if any) must
+have its shape, never what the ending lifetime built.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from moe_sidecar.core.effects import (
     Replicate,
     Step,
 )
-from moe_sidecar.core.errors import ErrorCode, InvalidArgument
+from moe_sidecar.core.errors import ErrorCode, InvalidArgument, quote_name
 from moe_sidecar.core.group import (
     Decision,
     GroupState,
@@ -40,8 +50,22 @@ from moe_sidecar.core.group import (
     RankRecord,
     Refusal,
 )
-from moe_sidecar.core.plan import Action, Capacities, decide_action, grow, join_capacities
-from moe_sidecar.core.policy.events import group_event, shape_origin, shape_text, who
+from moe_sidecar.core.plan import (
+    Action,
+    Capacities,
+    Plan,
+    ShapeMismatch,
+    decide_action,
+    grow,
+    join_capacities,
+)
+from moe_sidecar.core.policy.events import (
+    group_event,
+    layer_text,
+    shape_origin,
+    shape_text,
+    who,
+)
 from moe_sidecar.core.policy.proof import proof_text
 
 __all__ = [
@@ -157,13 +181,21 @@ def round_closed(
 
 
 def why_cannot_join(
-    state: GroupState, rnd: OpenRound, p: Proposal, *, inherits: bool = True
+    state: GroupState,
+    rnd: OpenRound,
+    p: Proposal,
+    *,
+    inherits: bool = True,
+    restart: bool = False,
 ) -> str | None:
     """Why ``p`` cannot join ``rnd``, or None.
 
     ``p`` is compared with the proposals of its own proof (another proof's
-    layers are not its ranks'), and, when the round's plan starts from the
-    group's (``inherits``), with that plan's shape.
+    layers are not its ranks'); when the round's plan starts from the
+    group's (``inherits``), with that plan's shape; and unless ``rnd`` is a
+    restart's round 1 (``restart``: the new lifetime builds anew), with the
+    shape of what the running lifetime built. A plan and a built workspace
+    of different shapes refuse every proposal (the module's shape rule).
     """
     need = p.requirement.capacities
     for q in rnd.proposals:
@@ -172,7 +204,7 @@ def why_cannot_join(
         other = q.requirement.capacities
         if other.shape != need.shape:
             return (
-                f"ranks disagree in round {p.round} of group {p.group!r}: {who(q)} has "
+                f"ranks disagree in round {p.round} of group {quote_name(p.group)}: {who(q)} has "
                 f"{shape_text(other)} but {who(p)} has {shape_text(need)}"
             )
         if (
@@ -181,21 +213,51 @@ def why_cannot_join(
             and q.requirement.layer != p.requirement.layer
         ):
             return (
-                f"ranks disagree in round {p.round} of group {p.group!r}: rank {q.ep_rank} is at "
-                f"layer {q.requirement.layer!r} but rank {p.ep_rank} is at layer "
-                f"{p.requirement.layer!r}; every rank must run the same layers in the same order"
+                f"ranks disagree in round {p.round} of group {quote_name(p.group)}: rank "
+                f"{q.ep_rank} is at layer {quote_name(q.requirement.layer)} but rank {p.ep_rank} "
+                f"is at layer {quote_name(p.requirement.layer)}; every rank must run the same "
+                "layers in the same order"
             )
-    base = (state.plan or state.built) if inherits else None
+    plan = state.plan if inherits else None
+    built = None if restart else state.built
+    if plan is not None and built is not None and plan.capacities.shape != built.capacities.shape:
+        return _split_shapes_text(state, rnd, p, plan, built)
+    base = plan or built
     if base is not None and base.capacities.shape != need.shape:
-        stored = state.built is None
+        stored = built is None
         return (
-            f"heterogeneous MoE layers in group {p.group!r}: {who(p)} has "
+            f"heterogeneous MoE layers in group {quote_name(p.group)}: {who(p)} has "
             f"{shape_text(need)} but the plan{' (stored from an earlier lifetime)' if stored else ''} "
             f"has {shape_text(base.capacities)}, fixed by {shape_origin(state)}; FlashInfer's "
             "all-to-all needs one top_k and num_experts for every layer"
             + ("; ResetGroup forgets the stored plan" if stored else "")
         )
     return None
+
+
+def _split_shapes_text(
+    state: GroupState, rnd: OpenRound, p: Proposal, plan: Plan, built: Plan
+) -> str:
+    """Why a round of a lifetime whose ``built`` workspace has another shape
+    than the group's ``plan`` cannot be decided, naming both shapes, the
+    round's ranks and layer, and who fixed the plan's shape."""
+    ranks = sorted({q.ep_rank for q in rnd.proposals if q.proof == p.proof} | {p.ep_rank})
+    proposers = (
+        f"rank {ranks[0]} proposes"
+        if len(ranks) == 1
+        else f"ranks {', '.join(map(str, ranks))} propose"
+    )
+    first = next((g for g in state.history if g.plan.epoch == state.epoch), None)
+    node = f" on node {first.node!r}" if first is not None and first.node else ""
+    return (
+        f"round {p.round} of group {quote_name(p.group)} cannot be decided: {proposers} layer "
+        f"{layer_text(p.requirement.layer)} with {shape_text(p.requirement.capacities)}; the "
+        f"group's plan (epoch {plan.epoch}, merged from another node after a reset) has "
+        f"{shape_text(plan.capacities)}, fixed by {shape_origin(state)}{node}, but this "
+        f"lifetime's ranks still run on what they built (generation {built.generation}), which "
+        f"has {shape_text(built.capacities)}; FlashInfer's all-to-all needs one top_k and "
+        "num_experts for every layer: restart every rank of the group to build from the plan"
+    )
 
 
 def refuse_round(
@@ -255,7 +317,7 @@ def displace(
 
     Returns the group counted, the round without the holder, and the effects."""
     message = (
-        f"group {state.name!r} rank {holder.ep_rank}: the group proof does not match "
+        f"group {quote_name(state.name)} rank {holder.ep_rank}: the group proof does not match "
         f"({proof_text(holder.proof)}): the rank's slot in round {rnd.number} was taken back by "
         f"a proposal with proof {proof_text(taker.proof)}, which the rest of the round's ranks "
         "hold; a process that is not one of the group's ranks cannot propose for it"
@@ -312,6 +374,20 @@ def _decided_state(
     )
 
 
+def _decided_plan(state: GroupState, rnd: OpenRound) -> Plan:
+    """The stored plan grown by ``rnd``'s need joined with what the lifetime built.
+
+    Raises:
+        ShapeMismatch: the need, the plan and the built workspace have no one shape.
+    """
+    need = round_need(rnd)
+    if state.built is not None:
+        # The lifetime's earlier layers still run on what it built: the plan
+        # must keep serving them, whatever a reset or another node did since.
+        need = join_capacities(need, state.built.capacities)
+    return grow(state.plan, need, epoch=state.epoch, last_generation=state.generation)
+
+
 def decide_round(
     state: GroupState,
     rnd: OpenRound,
@@ -322,19 +398,25 @@ def decide_round(
     ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
 ) -> Step:
     """Closes a round every local rank proposed (with one proof) with one
-    decision for all.
+    outcome for all: a decision, or a refusal for every rank in it.
 
     A decided plan above ``ceiling`` workspace bytes per rank is never
     answered, wherever it came from (this round's growth, a stored row, a
     merge, a lowered ceiling): the round is refused, naming the ceiling.
+    A round whose need, plan and built workspace have no one shape (the
+    module's shape rule; :func:`why_cannot_join` refuses its proposals
+    first) is refused, naming the shapes.
     """
-    round_need_ = round_need(rnd)
-    # The lifetime's earlier layers still run on what it built: the plan
-    # must keep serving them, whatever a reset or another node did since.
-    need = (
-        round_need_ if state.built is None else join_capacities(round_need_, state.built.capacities)
-    )
-    plan = grow(state.plan, need, epoch=state.epoch, last_generation=state.generation)
+    try:
+        plan = _decided_plan(state, rnd)
+    except ShapeMismatch as error:
+        # Refused here rather than raised: the round's waiting ranks must
+        # hear the same answer as its last proposer, not its timeout.
+        message = why_cannot_join(state, rnd, p) or (
+            f"round {rnd.number} of group {quote_name(state.name)} cannot be decided: {error}; "
+            "FlashInfer's all-to-all needs one top_k and num_experts for every layer"
+        )
+        return refuse_round(state, rnd, p, message, now, effects)
     grew = plan is not state.plan
     cause = _growth_cause(state, rnd)
     try:
@@ -344,8 +426,8 @@ def decide_round(
     except InvalidArgument as error:
         what = "would grow the plan" if grew else "needs the stored plan, which is"
         message = (
-            f"round {rnd.number} of group {state.name!r}: {who(cause)} {what} out of range "
-            f"({error.message}); nothing was stored"
+            f"round {rnd.number} of group {quote_name(state.name)}: {who(cause)} {what} out of "
+            f"range ({error.message}); nothing was stored"
             + ("" if grew else "; ResetGroup forgets the stored plan")
         )
         return refuse_round(state, rnd, p, message, now, effects)
