@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import fcntl
 import inspect
 import logging
 import os
 import socket
-import stat
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from moe_sidecar.config import (
     DEFAULT_STATE_DIR,
@@ -41,13 +36,21 @@ from moe_sidecar.config import (
 from moe_sidecar.etcd_client import EtcdClient
 from moe_sidecar.etcd_replica import EtcdReplica, replica_settings
 from moe_sidecar.health import HealthServicer
-from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
+from moe_sidecar.listeners import (
+    SOCKET_MODE,
+    StartupError,
+    health_port_options,
+    lock_socket_path,
+    not_serving_health,
+    start_coordinator_server,
+    start_health_server,
+    start_metrics,
+)
+from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics
 from moe_sidecar.replica import Replica, StoreMetrics
-from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_handler
+from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer
 from moe_sidecar.state import Clock, Coordinator
-from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.store import StateStore
-from moe_sidecar.wire.address import ListenAddress
 
 __all__ = [
     "SOCKET_MODE",
@@ -59,49 +62,7 @@ __all__ = [
     "start_server",
 ]
 
-_BIND_HINTS = {
-    "--listen": "give another --listen address, or stop the process that holds it",
-    "--health-port": "give another --health-port (0 disables the health server)",
-    "--metrics-port": "give another --metrics-port (0 disables the metrics endpoint)",
-}
-"""What to change when the address a flag names is taken (a second sidecar on
-the same machine takes every default port of the first)."""
-SOCKET_MODE = 0o660
-"""Owner and group (the inference container's) may connect; nobody else."""
-
 _log = logging.getLogger("moe_sidecar.server")
-
-# SO_REUSEPORT (gRPC's default on Linux) would let a second sidecar bind the
-# same TCP port and silently split the ranks of a group between two state
-# holders; a second sidecar must fail to start instead.
-_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
-
-
-def _listener_options(
-    max_connections: int, idle_timeout: float, max_queued_rpcs: int
-) -> tuple[tuple[str, int], ...]:
-    """gRPC core's bounds of one server's listeners (each verified against a
-    real server: tests/integration/test_attacks_net.py).
-
-    - ``grpc.max_allowed_incoming_connections``: connections each listening
-      port holds at once; one more is closed as it arrives.
-    - ``grpc.max_connection_idle_ms``: a connection with no call in flight is
-      sent GOAWAY and closed (a plaintext connection counts from its accept).
-    - ``grpc.server_handshake_timeout_ms``: a TLS handshake that does not
-      finish in time is closed (120 s by default).
-    - ``grpc.server.max_pending_requests`` and its hard limit: calls received
-      but not yet started. Beyond its defaults (1,000 soft, 3,000 hard) gRPC
-      cancels new calls (CANCELLED), where the sidecar would have answered
-      RESOURCE_EXHAUSTED naming the limit.
-    """
-    idle_ms = max(1, round(idle_timeout * 1000))
-    return (
-        ("grpc.max_allowed_incoming_connections", max_connections),
-        ("grpc.max_connection_idle_ms", idle_ms),
-        ("grpc.server_handshake_timeout_ms", idle_ms),
-        ("grpc.server.max_pending_requests", max_queued_rpcs),
-        ("grpc.server.max_pending_requests_hard_limit", max_queued_rpcs),
-    )
 
 
 def _exported_limits(config: SidecarConfig) -> dict[str, float]:
@@ -117,10 +78,6 @@ def _exported_limits(config: SidecarConfig) -> dict[str, float]:
     return limits
 
 
-class StartupError(Exception):
-    """The server cannot start: an address is taken or unusable."""
-
-
 @dataclass(frozen=True)
 class BoundAddresses:
     """What a started server listens on."""
@@ -130,125 +87,6 @@ class BoundAddresses:
     with the port the OS chose for a port of 0."""
     health_port: int | None
     metrics_port: int | None
-
-
-def _prepare_socket_path(path: Path) -> None:
-    """Creates the socket's directory and removes a stale socket file.
-
-    Raises:
-        StartupError: the path is not a socket, or a live process serves on it.
-    """
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    except OSError as error:
-        raise StartupError(f"cannot use socket path {str(path)!r}: {error}") from None
-    if not stat.S_ISSOCK(mode):
-        raise StartupError(f"{str(path)!r} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(str(path))
-    except OSError as error:
-        if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise StartupError(f"cannot probe socket {str(path)!r}: {error}") from None
-        # Nobody accepts on it: left behind by a sidecar that died.
-        path.unlink(missing_ok=True)
-    else:
-        raise StartupError(f"another process already serves on {str(path)!r}")
-    finally:
-        probe.close()
-
-
-def _server_credentials(config: SidecarConfig) -> grpc.ServerCredentials | None:
-    """TLS for the TCP listeners, when configured (mTLS with a client CA).
-
-    Raises:
-        StartupError: a certificate, key or CA file cannot be read.
-    """
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    try:
-        chain = config.tls_cert.read_bytes()
-        key = config.tls_key.read_bytes()
-        ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
-    except OSError as error:
-        raise StartupError(f"cannot read the TLS files: {error}") from None
-    return grpc.ssl_server_credentials(
-        [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
-    )
-
-
-def _address_in_use(address: ListenAddress) -> bool:
-    """Whether another socket already listens on ``address`` (TCP).
-
-    Probed with a socket of our own, bound as gRPC binds (``SO_REUSEADDR``, no
-    ``SO_REUSEPORT``), before gRPC is given the address: gRPC's own failure
-    says only "Failed to bind" and prints a line of its C core, where the
-    user needs the flag to change and the cause. A port of 0 (any free
-    port) is never taken.
-    """
-    if address.port == 0:
-        return False
-    host = address.host[1:-1] if address.host.startswith("[") else address.host
-    try:
-        candidates = socket.getaddrinfo(
-            host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except OSError:
-        return False  # gRPC reports an unresolvable host itself
-    for family, kind, proto, _, sockaddr in candidates:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as error:
-                if error.errno == errno.EADDRINUSE:
-                    return True
-    return False
-
-
-def _bind(
-    server: grpc.aio.Server,
-    address: ListenAddress,
-    credentials: grpc.ServerCredentials | None = None,
-    *,
-    flag: str = "--listen",
-    value: object = None,
-) -> str:
-    """Binds ``address`` on ``server``; returns the client target it serves.
-
-    Raises:
-        StartupError: the address cannot be bound; the message names ``flag``
-            (with ``value``, the address by default) and the cause.
-    """
-    given = f"{flag} {value if value is not None else address.target}"
-    if address.unix_path is not None:
-        _prepare_socket_path(address.unix_path)
-    elif _address_in_use(address):
-        where = "" if value is None else f" {address.host}:{address.port}:"
-        raise StartupError(
-            f"{given}:{where} address already in use (another process, perhaps another "
-            f"moe-sidecar, listens there); {_BIND_HINTS[flag]}"
-        )
-    try:
-        # Unix sockets are guarded by their file mode; TCP by TLS when configured.
-        if credentials is not None and address.unix_path is None:
-            port = server.add_secure_port(address.target, credentials)
-        else:
-            port = server.add_insecure_port(address.target)
-    except RuntimeError as error:
-        raise StartupError(f"{given}: cannot listen on {address.target!r}: {error}") from None
-    if address.unix_path is not None:
-        return address.target
-    if port == 0:
-        raise StartupError(
-            f"{given}: cannot listen on {address.target!r} (address already in use, or not an "
-            f"address of this machine); {_BIND_HINTS[flag]}"
-        )
-    return f"{address.host}:{port}"
 
 
 @dataclass
@@ -317,188 +155,6 @@ class RunningServer:
             _log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
 
 
-def _health_servicer() -> HealthServicer:
-    """Health for ``""`` and the coordinator service, NOT_SERVING until ready."""
-    servicer = HealthServicer()
-    for service in ("", SERVICE_NAME):
-        servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return servicer
-
-
-def _lock_socket_path(path: Path) -> int:
-    """Holds ``<socket>.lock`` for the server's life, so that no second sidecar
-    probes, replaces or removes this socket while this one starts or serves
-    (two sidecars started at once on one path otherwise both ran, one
-    unreachable). Returns the lock's file descriptor.
-
-    Raises:
-        StartupError: another sidecar holds the lock, or the directory is unusable.
-    """
-    lock = path.with_name(path.name + ".lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, SOCKET_MODE)
-    except OSError as error:
-        raise StartupError(f"cannot use socket path {str(path)!r}: {error}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StartupError(
-            f"another moe-sidecar serves (or is starting) on {str(path)!r} (lock {str(lock)!r} "
-            "held)"
-        ) from None
-    return fd
-
-
-async def _start_coordinator_server(
-    config: SidecarConfig,
-    coordinator: Coordinator,
-    health_servicer: HealthServicer,
-    metrics: SidecarMetrics,
-) -> tuple[grpc.aio.Server, CoordinatorServicer, tuple[str, ...]]:
-    """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
-
-    Raises:
-        StartupError: an address cannot be bound or the TLS files read.
-    """
-    server = grpc.aio.server(
-        options=(
-            *_SERVER_OPTIONS,
-            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
-            *_listener_options(
-                config.max_listener_connections,
-                config.idle_connection_timeout,
-                config.max_queued_rpcs,
-            ),
-        ),
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-    )
-    servicer = CoordinatorServicer(
-        coordinator, ErrorTranslator(metrics), max_page_size=config.max_page_size
-    )
-    server.add_generic_rpc_handlers((coordinator_handler(servicer),))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    credentials = _server_credentials(config)
-    bound = tuple(_bind(server, a, credentials) for a in config.listen_addresses)
-    await server.start()
-    for address in config.listen_addresses:
-        if address.unix_path is not None:
-            os.chmod(address.unix_path, SOCKET_MODE)
-    return server, servicer, bound
-
-
-class _StreamSlots:
-    """The long-lived streams of the health port (Health.Watch, reflection):
-    at most ``limit`` at once, so that a flood of them leaves the rest of the
-    port's RPC limit to kubelet's probes (Health.Check)."""
-
-    def __init__(self, limit: int, metrics: SidecarMetrics) -> None:
-        self.limit = limit
-        self.open = 0
-        self._metrics = metrics
-
-    @contextlib.asynccontextmanager
-    async def slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
-        if self.open >= self.limit:
-            self._metrics.refused("health_streams")
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.open} streams are open on the health port; at most {self.limit} (half "
-                "of --max-health-rpcs, the rest is kept for Health.Check probes)",
-            )
-        self.open += 1
-        try:
-            yield
-        finally:
-            self.open -= 1
-
-
-class _HealthPortHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
-    """The shared health statuses, with Watch streams counted in ``slots``."""
-
-    def __init__(self, shared: HealthServicer, slots: _StreamSlots) -> None:
-        self._shared = shared
-        self._slots = slots
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> health_pb2.HealthCheckResponse:
-        return await self._shared.Check(request, context)
-
-    async def List(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        return await self._shared.List(request, context)
-
-    async def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
-        async with self._slots.slot(context):
-            await self._shared.Watch(request, context)
-
-
-class _HealthPortReflection(reflection.aio.ReflectionServicer):  # type: ignore[misc]
-    """Reflection of the health port, its streams counted in ``slots``."""
-
-    def __init__(self, names: tuple[str, ...], slots: _StreamSlots) -> None:
-        super().__init__(names)
-        self._slots = slots
-
-    async def ServerReflectionInfo(
-        self,
-        request_iterator: AsyncIterator[reflection_pb2.ServerReflectionRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
-        async with self._slots.slot(context):
-            async for response in super().ServerReflectionInfo(request_iterator, context):
-                yield response
-
-
-def _health_port_options(config: SidecarConfig) -> tuple[tuple[str, int], ...]:
-    """The health port's bounds: connections, idle time, and streams per
-    connection (no more than the port's RPC limit, which probes share)."""
-    return (
-        *_SERVER_OPTIONS,
-        ("grpc.max_concurrent_streams", config.max_health_rpcs),
-        *_listener_options(
-            config.max_health_connections, config.idle_connection_timeout, config.max_queued_rpcs
-        ),
-    )
-
-
-async def _start_health_server(
-    host: str,
-    port: int,
-    health_servicer: HealthServicer,
-    max_rpcs: int,
-    metrics: SidecarMetrics,
-    options: tuple[tuple[str, int], ...] = _SERVER_OPTIONS,
-) -> tuple[grpc.aio.Server, int]:
-    """The plain-TCP health port for kubelet probes: Health and reflection only,
-    at most ``max_rpcs`` calls at once, of which at most half long-lived
-    streams (Health.Watch, reflection), so probes are answered under a flood
-    of streams.
-
-    Raises:
-        StartupError: the port cannot be bound.
-    """
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_rpcs)
-    slots = _StreamSlots(max(1, max_rpcs // 2), metrics)
-    health_pb2_grpc.add_HealthServicer_to_server(_HealthPortHealth(health_servicer, slots), server)
-    # grpcurl (and anything else without the .proto) finds Health/Check
-    # through reflection; only the health service is listed here.
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        _HealthPortReflection((health.SERVICE_NAME, reflection.SERVICE_NAME), slots), server
-    )
-    bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    address = ListenAddress(target=f"{bracketed}:{port}", host=bracketed, port=port)
-    bound = int(_bind(server, address, flag="--health-port", value=port).rpartition(":")[2])
-    await server.start()
-    return server, bound
-
-
 def _prepare_state_dir(path: Path) -> None:
     """Creates the state directory, or says which flag to change and why not.
 
@@ -546,112 +202,46 @@ def _open_replica(config: SidecarConfig, metrics: SidecarMetrics) -> Replica | N
     return EtcdReplica(client, target.prefix, StoreMetrics(metrics.registry), settings)
 
 
-async def _start_metrics(
-    config: SidecarConfig, metrics: SidecarMetrics, port: int
-) -> MetricsEndpoint:
-    """The Prometheus endpoint on ``--metrics-host:port``.
-
-    Raises:
-        StartupError: the port cannot be bound.
-    """
-    host = config.metrics_host.strip("[]")  # asyncio binds a bare IPv6 address
-    try:
-        return await start_metrics_endpoint(
-            metrics,
-            port,
-            host,
-            max_connections=config.max_metrics_connections,
-            request_timeout=config.metrics_request_timeout,
-        )
-    except OSError as error:
-        if error.errno == errno.EADDRINUSE:
-            cause = (
-                f"{config.metrics_host}:{port}: address already in use (another process, "
-                "perhaps another moe-sidecar, listens there)"
-            )
-        else:
-            cause = f"cannot serve metrics on {config.metrics_host}:{port}: {error.strerror}"
-        raise StartupError(
-            f"--metrics-port {port}: {cause}; {_BIND_HINTS['--metrics-port']}"
-        ) from None
-
-
 async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> RunningServer:
     """Loads the state, binds every address, and starts serving.
 
     Health answers NOT_SERVING until the state is loaded and every port is
-    bound, then SERVING.
+    bound, then SERVING. A start that fails undoes what it did (servers
+    stopped, socket locks released, the store closed) before raising.
 
     Raises:
         StoreError: the state directory is unusable (locked, corrupt, unknown schema).
         StartupError: an address cannot be bound.
     """
     _prepare_state_dir(config.state_dir)
-    metrics = SidecarMetrics(
-        config.max_group_series,
-        limits=_exported_limits(config),
-    )
+    metrics = SidecarMetrics(config.max_group_series, limits=_exported_limits(config))
     replica = _open_replica(config, metrics)
-    store = StateStore(config.state_dir)
-    socket_locks: list[int] = []
-    started: list[grpc.aio.Server] = []
-    endpoint: MetricsEndpoint | None = None
-    replica_started = False
-    try:
-        coordinator = Coordinator(
-            store,
-            round_timeout=config.round_timeout,
-            admin_enabled=config.enable_admin,
-            metrics=metrics,
-            clock=clock,
-            max_groups=config.max_groups,
-            max_merged_groups=config.max_merged_groups,
-            max_watchers=config.max_watchers,
-            replica=replica,
-            node=node_name(config),
-            max_workspace_bytes=config.max_workspace_bytes,
-        )
+    async with contextlib.AsyncExitStack() as rollback:
+        store = StateStore(config.state_dir)
+        rollback.callback(store.close)
+        coordinator = _new_coordinator(config, store, metrics, replica, clock)
         coordinator.start()
-        for address in config.listen_addresses:
-            if address.unix_path is not None:
-                socket_locks.append(_lock_socket_path(address.unix_path))
+        socket_locks = _lock_socket_paths(config, rollback)
         if replica is not None:
             # Merges what etcd holds before the first round (bounded by the
             # URL's timeout; an unreachable etcd is logged, not fatal).
-            replica_started = True
+            rollback.push_async_callback(replica.close, 0.0)
             await replica.start(coordinator)
-        health_servicer = _health_servicer()
-        server, servicer, bound = await _start_coordinator_server(
+        health_servicer = not_serving_health()
+        server, servicer, bound = await start_coordinator_server(
             config, coordinator, health_servicer, metrics
         )
-        started.append(server)
-        health_server: grpc.aio.Server | None = None
-        health_port: int | None = None
-        if config.health_port is not None:
-            health_server, health_port = await _start_health_server(
-                config.health_host,
-                config.health_port,
-                health_servicer,
-                config.max_health_rpcs,
-                metrics,
-                _health_port_options(config),
-            )
-            started.append(health_server)
+        rollback.push_async_callback(server.stop, None)
+        health_server, health_port = await _start_health_port(config, health_servicer, metrics)
+        if health_server is not None:
+            rollback.push_async_callback(health_server.stop, None)
+        endpoint: MetricsEndpoint | None = None
         if config.metrics_port is not None:
-            endpoint = await _start_metrics(config, metrics, config.metrics_port)
+            endpoint = await start_metrics(config, metrics, config.metrics_port)
+            rollback.push_async_callback(endpoint.stop)
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    except BaseException:
-        for running in started:
-            await running.stop(None)
-        if endpoint is not None:
-            await endpoint.stop()
-        for fd in socket_locks:
-            os.close(fd)
-        if replica is not None and replica_started:
-            await replica.close(0.0)
-        store.close()
-        raise
+        rollback.pop_all()  # started: RunningServer.stop undoes it from here on
     addresses = BoundAddresses(
         listen=bound,
         health_port=health_port,
@@ -681,6 +271,63 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
         _metrics_endpoint=endpoint,
         _socket_locks=socket_locks,
         _replica=replica,
+    )
+
+
+def _lock_socket_paths(config: SidecarConfig, rollback: contextlib.AsyncExitStack) -> list[int]:
+    """Holds the lock of every Unix socket ``--listen`` names, each released on rollback.
+
+    Raises:
+        StartupError: another sidecar holds a lock, or a directory is unusable.
+    """
+    locks: list[int] = []
+    for address in config.listen_addresses:
+        if address.unix_path is not None:
+            locks.append(lock_socket_path(address.unix_path))
+            rollback.callback(os.close, locks[-1])
+    return locks
+
+
+def _new_coordinator(
+    config: SidecarConfig,
+    store: StateStore,
+    metrics: SidecarMetrics,
+    replica: Replica | None,
+    clock: Clock,
+) -> Coordinator:
+    """The state holder with the limits of ``config`` (not started)."""
+    return Coordinator(
+        store,
+        round_timeout=config.round_timeout,
+        admin_enabled=config.enable_admin,
+        metrics=metrics,
+        clock=clock,
+        max_groups=config.max_groups,
+        max_merged_groups=config.max_merged_groups,
+        max_watchers=config.max_watchers,
+        replica=replica,
+        node=node_name(config),
+        max_workspace_bytes=config.max_workspace_bytes,
+    )
+
+
+async def _start_health_port(
+    config: SidecarConfig, health_servicer: HealthServicer, metrics: SidecarMetrics
+) -> tuple[grpc.aio.Server | None, int | None]:
+    """The health server and its port; (None, None) with ``--health-port 0``.
+
+    Raises:
+        StartupError: the port cannot be bound.
+    """
+    if config.health_port is None:
+        return None, None
+    return await start_health_server(
+        config.health_host,
+        config.health_port,
+        health_servicer,
+        config.max_health_rpcs,
+        metrics,
+        health_port_options(config),
     )
 
 
