@@ -107,24 +107,21 @@ class SidecarMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self._max_group_series = max_group_series
-        self.rounds = Counter(
+        self.rounds = self._counter(
             "moe_sidecar_rounds",
             "Closed rounds by group and outcome (build, reuse, rebuild, refused, timed_out, "
             "aborted).",
-            ["group", "action"],
-            registry=self.registry,
+            ("group", "action"),
         )
-        self.rebuilds = Counter(
+        self.rebuilds = self._counter(
             "moe_sidecar_rebuilds",
             "Rounds that told the ranks to rebuild their workspace.",
-            ["group"],
-            registry=self.registry,
+            ("group",),
         )
-        self.workspace_bytes = Gauge(
+        self.workspace_bytes = self._gauge(
             "moe_sidecar_workspace_bytes",
             "Per-rank workspace bytes of the group's stored plan (0: none stored).",
-            ["group"],
-            registry=self.registry,
+            ("group",),
         )
         self.round_latency = Histogram(
             "moe_sidecar_round_latency_seconds",
@@ -132,52 +129,52 @@ class SidecarMetrics:
             buckets=ROUND_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.errors = Counter(
-            "moe_sidecar_errors",
-            "RPCs answered with an error, by gRPC status code.",
-            ["code"],
-            registry=self.registry,
+        self.errors = self._counter(
+            "moe_sidecar_errors", "RPCs answered with an error, by gRPC status code.", ("code",)
         )
-        self.undecodable = Counter(
+        self.undecodable = self._counter(
             "moe_sidecar_undecodable_requests",
             "Requests whose bytes are not the method's message (answered INVALID_ARGUMENT).",
-            ["method"],
-            registry=self.registry,
+            ("method",),
         )
-        self.waiting_ranks = Gauge(
+        self.waiting_ranks = self._gauge(
             "moe_sidecar_waiting_ranks",
             "Local ranks that proposed the group's open round and wait for the rest.",
-            ["group"],
-            registry=self.registry,
+            ("group",),
         )
-        self.groups = Gauge(
-            "moe_sidecar_groups",
-            "Groups this sidecar knows.",
-            registry=self.registry,
-        )
-        self.limit = Gauge(
+        self.groups = self._gauge("moe_sidecar_groups", "Groups this sidecar knows.")
+        self._define_limit_series(limits or {})
+        self._groups: dict[str, GroupSeries] = {}
+        self._other: GroupSeries | None = None
+
+    def _define_limit_series(self, limits: Mapping[str, float]) -> None:
+        """The bounded resources' series: each limit, and what was refused for it."""
+        self.limit = self._gauge(
             "moe_sidecar_limit",
             "The configured limit of each bounded resource (the --max-* flags).",
-            ["resource"],
-            registry=self.registry,
+            ("resource",),
         )
-        self.refusals = Counter(
+        self.refusals = self._counter(
             "moe_sidecar_limit_refusals",
             "Requests refused because a bounded resource was full, by resource.",
-            ["resource"],
-            registry=self.registry,
+            ("resource",),
         )
-        self.proof_refusals = Counter(
+        self.proof_refusals = self._counter(
             "moe_sidecar_proof_refusals",
             "Proposals and commits refused (PERMISSION_DENIED) because their group proof did "
             "not match the group's ranks' (or a rank holding the group's proof took its slot "
             "back).",
-            registry=self.registry,
         )
-        for resource, value in (limits or {}).items():
+        for resource, value in limits.items():
             self.limit.labels(resource=resource).set(value)
-        self._groups: dict[str, GroupSeries] = {}
-        self._other: GroupSeries | None = None
+
+    def _counter(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+        """A counter ``name`` in this sidecar's registry."""
+        return Counter(name, documentation, list(labels), registry=self.registry)
+
+    def _gauge(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+        """A gauge ``name`` in this sidecar's registry."""
+        return Gauge(name, documentation, list(labels), registry=self.registry)
 
     def group(self, name: str) -> GroupSeries:
         """The series of group ``name`` (the summed ``_other`` series beyond the limit)."""
