@@ -9,6 +9,9 @@ Two documents, both versioned and both read with the same field checks:
   ``"kind": "moe-sidecar/cluster-plan"``, ``"version": 1``): written by other
   nodes, so it is untrusted input, checked like a request.
 
+The cluster plan's codec is :mod:`moe_sidecar.cluster_plan_codec`, re-exported
+here; the field readers and encoders both share are :mod:`moe_sidecar.row_fields`.
+
 Rows are versioned documents. Every field is read,
 type-checked and range-checked (:mod:`moe_sidecar.core.limits`) explicitly: a
 hand-edited, truncated or absurd row fails to load with the reason, never
@@ -33,10 +36,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moe_sidecar.cluster_plan_codec import (
+    CLUSTER_PLAN_KIND,
+    CLUSTER_PLAN_VERSION,
+    MAX_DOCUMENT_BYTES,
+    decode_cluster_plan,
+    encode_cluster_plan,
+)
 from moe_sidecar.core import limits
-from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
-from moe_sidecar.core.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
-from moe_sidecar.core.errors import ErrorCode, InvalidArgument
+from moe_sidecar.core.errors import ErrorCode
 from moe_sidecar.core.group import (
     Decision,
     GroupState,
@@ -50,6 +58,22 @@ from moe_sidecar.core.group import (
 )
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.core.sizing import align, aux_data_size
+from moe_sidecar.row_fields import (
+    RowError,
+    build_seconds_field,
+    checked,
+    encode_capacities,
+    encode_history,
+    encode_plan,
+    field_of,
+    int_field,
+    list_field,
+    proof_field,
+    rank_numbers_field,
+    str_field,
+    time_field,
+    typed_capacities,
+)
 
 __all__ = [
     "CLUSTER_PLAN_KIND",
@@ -65,28 +89,9 @@ __all__ = [
 
 ROW_VERSION = 3
 """Version of the rows this release writes; it reads this and every earlier one."""
-CLUSTER_PLAN_KIND = "moe-sidecar/cluster-plan"
-CLUSTER_PLAN_VERSION = 1
-"""Version of the cluster plans this release writes and reads."""
-MAX_DOCUMENT_BYTES = 4 << 20
-"""A cluster plan holds at most 256 growths (well under 1 MiB); more is refused unread."""
-
-
-class RowError(ValueError):
-    """A stored row cannot be loaded; the message says which field and why."""
 
 
 # --- encoding -----------------------------------------------------------------------
-
-
-def _capacities(c: Capacities) -> dict[str, Any]:
-    return {field.name: getattr(c, field.name) for field in CAPACITY_FIELDS}
-
-
-def _plan(p: Plan | None) -> dict[str, Any] | None:
-    if p is None:
-        return None
-    return {"capacities": _capacities(p.capacities), "epoch": p.epoch, "generation": p.generation}
 
 
 def _outcome(o: Outcome) -> dict[str, Any]:
@@ -95,7 +100,7 @@ def _outcome(o: Outcome) -> dict[str, Any]:
             "kind": "decision",
             "round": o.round,
             "action": o.action.value,
-            "plan": _plan(o.plan),
+            "plan": encode_plan(o.plan),
             "grew": o.grew,
             "layer": o.layer,
         }
@@ -117,7 +122,7 @@ def _proposal(p: Proposal) -> dict[str, Any]:
         "lifetime": p.lifetime,
         "round": p.round,
         "requirement": {
-            "capacities": _capacities(p.requirement.capacities),
+            "capacities": encode_capacities(p.requirement.capacities),
             "layer": p.requirement.layer,
         },
         # Written only when set, so a row without proofs reads as it always did.
@@ -133,7 +138,7 @@ def _round(rnd: OpenRound | None) -> dict[str, Any] | None:
         "opened_at": rnd.opened_at,
         "deadline": rnd.deadline,
         "proposals": [_proposal(p) for p in rnd.proposals],
-        "need": None if rnd.need is None else _capacities(rnd.need),
+        "need": None if rnd.need is None else encode_capacities(rnd.need),
         **({"first_proof": rnd.first_proof} if rnd.first_proof else {}),
     }
 
@@ -146,10 +151,10 @@ def encode_group(state: GroupState) -> str:
         "ep_size": state.ep_size,
         "local_ranks": state.local_ranks,
         "epoch": state.epoch,
-        "plan": _plan(state.plan),
+        "plan": encode_plan(state.plan),
         "generation": state.generation,
         "lifetime_index": state.lifetime_index,
-        "built": _plan(state.built),
+        "built": encode_plan(state.built),
         "last_closed_round": state.last_closed_round,
         "closed": [_outcome(o) for o in state.closed],
         "open_round": _round(state.open_round),
@@ -168,157 +173,34 @@ def encode_group(state: GroupState) -> str:
             }
             for r in state.ranks
         ],
-        "history": _history(state.history),
+        "history": encode_history(state.history),
         **({"proof": state.proof} if state.proof is not None else {}),
         **({"refused_proposals": state.refused_proposals} if state.refused_proposals else {}),
     }
     return json.dumps(document, separators=(",", ":"))
 
 
-def _history(history: tuple[Growth, ...]) -> list[dict[str, Any]]:
-    return [
-        {
-            "plan": _plan(g.plan),
-            "layer": g.layer,
-            "ep_rank": g.ep_rank,
-            "round": g.round,
-            "at": g.at,
-            "node": g.node,
-        }
-        for g in history
-    ]
-
-
-def encode_cluster_plan(doc: ClusterPlan) -> bytes:
-    """The bytes a cluster store holds for ``doc`` (UTF-8 JSON)."""
-    document = {
-        "kind": CLUSTER_PLAN_KIND,
-        "version": CLUSTER_PLAN_VERSION,
-        "name": doc.name,
-        "ep_size": doc.ep_size,
-        "epoch": doc.epoch,
-        "plan": _plan(doc.plan),
-        "generation": doc.generation,
-        "history": _history(doc.history),
-    }
-    return json.dumps(document, separators=(",", ":")).encode()
-
-
 # --- decoding -----------------------------------------------------------------------
 
 
-def _get(d: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise RowError(f"missing field {key!r}")
-    value = d[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    # bool is an int subclass; a stored bool where a number belongs is corruption.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise RowError(f"field {key!r} holds {value!r}")
-    return value
-
-
-def _int(d: Any, key: str, low: int = 0, high: int = limits.MAX_GENERATION) -> int:
-    value = int(_get(d, key, int))
-    if not low <= value <= high:
-        raise RowError(f"field {key!r} holds {value}, outside [{low}, {high}]")
-    return value
-
-
-def _float(d: Any, key: str, low: float, high: float) -> float:
-    raw = _get(d, key, (int, float))
-    try:
-        value = float(raw)
-    except OverflowError:  # an integer beyond any double
-        raise RowError(f"field {key!r} holds an integer of {len(str(raw))} digits") from None
-    if not low <= value <= high:  # also refuses NaN
-        raise RowError(f"field {key!r} holds {value}, outside [{low:g}, {high:g}]")
-    return value
-
-
-def _time(d: Any, key: str) -> float:
-    return _float(d, key, limits.MIN_TIME, limits.MAX_TIME)
-
-
-def _build_seconds(d: Any, key: str) -> float:
-    value = _float(d, key, 0.0, limits.MAX_BUILD_SECONDS)
-    _checked(limits.check_seconds, key, value)
-    return value
-
-
-def _str(d: Any, key: str) -> str:
-    value = str(_get(d, key, str))
-    if len(value) > 4 * limits.MAX_NAME_LENGTH + 4096:
-        raise RowError(f"field {key!r} holds {len(value)} characters")
-    try:
-        value.encode()
-    except UnicodeEncodeError:  # JSON's "\ud800": no answer could carry it
-        raise RowError(f"field {key!r} holds a lone surrogate, which is not UTF-8") from None
-    return value
-
-
-def _optional_str(d: Any, key: str) -> str:
-    """A string field that rows written before it existed lack ("" then)."""
-    return _str(d, key) if isinstance(d, dict) and key in d else ""
-
-
-def _proof(d: Any, key: str) -> str:
-    """A proof's id: empty, or the 64 hex digits of a SHA-256."""
-    value = _optional_str(d, key)
-    if value and (len(value) != 64 or any(c not in "0123456789abcdef" for c in value)):
-        raise RowError(f"field {key!r} holds {value[:16]!r}..., not a proof's id")
-    return value
-
-
-def _list(d: Any, key: str) -> list[Any]:
-    return list(_get(d, key, list))
-
-
-def _rank_numbers(d: Any, key: str, ep_size: int) -> list[int]:
-    ranks = _list(d, key)
-    for rank in ranks:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep_size:
-            raise RowError(f"field {key!r} holds {rank!r}, not a rank below ep_size={ep_size}")
-    return ranks
-
-
-def _checked(check: Any, *args: Any) -> None:
-    try:
-        check(*args)
-    except InvalidArgument as error:
-        raise RowError(error.message) from None
-
-
-def _typed_capacities(d: Any) -> Capacities:
-    """Every field of the capacity table, typed (ranges unchecked); a field
-    that documents written before it existed lack reads as its declared value."""
-    values = {}
-    for field in CAPACITY_FIELDS:
-        if field.missing_reads_as is not None and field.name not in d:
-            values[field.name] = field.missing_reads_as
-        else:
-            values[field.name] = _int(d, field.name)
-    return Capacities(**values)
-
-
 def _decode_capacities(d: Any, ep_size: int, where: str) -> Capacities:
-    capacities = _typed_capacities(d)
-    _checked(limits.check_capacities, where, capacities, ep_size)
+    capacities = typed_capacities(d)
+    checked(limits.check_capacities, where, capacities, ep_size)
     return capacities
 
 
 def _decode_plan(d: Any, key: str, ep_size: int) -> Plan | None:
-    value = _get(d, key, (dict, type(None)))
+    value = field_of(d, key, (dict, type(None)))
     if value is None:
         return None
     plan = Plan(
         capacities=_decode_capacities(
-            _get(value, "capacities", dict), ep_size, f"{key}.capacities"
+            field_of(value, "capacities", dict), ep_size, f"{key}.capacities"
         ),
-        epoch=_int(value, "epoch"),
-        generation=_int(value, "generation"),
+        epoch=int_field(value, "epoch"),
+        generation=int_field(value, "generation"),
     )
-    _checked(limits.check_plan, key, plan, ep_size)
+    checked(limits.check_plan, key, plan, ep_size)
     return plan
 
 
@@ -330,104 +212,106 @@ def _required_plan(d: Any, key: str, ep_size: int) -> Plan:
 
 
 def _decode_outcome(d: Any, ep_size: int) -> Outcome:
-    kind = _str(d, "kind")
+    kind = str_field(d, "kind")
     if kind == "decision":
         return Decision(
-            round=_int(d, "round", 1, limits.MAX_ROUND),
-            action=Action(_str(d, "action")),
+            round=int_field(d, "round", 1, limits.MAX_ROUND),
+            action=Action(str_field(d, "action")),
             plan=_required_plan(d, "plan", ep_size),
-            grew=bool(_get(d, "grew", bool)),
-            layer=_str(d, "layer"),
+            grew=bool(field_of(d, "grew", bool)),
+            layer=str_field(d, "layer"),
         )
     if kind == "refusal":
         return Refusal(
-            round=_int(d, "round", 1, limits.MAX_ROUND),
-            code=ErrorCode(_str(d, "code")),
-            message=_str(d, "message"),
-            missing_ranks=tuple(_rank_numbers(d, "missing_ranks", ep_size)),
+            round=int_field(d, "round", 1, limits.MAX_ROUND),
+            code=ErrorCode(str_field(d, "code")),
+            message=str_field(d, "message"),
+            missing_ranks=tuple(rank_numbers_field(d, "missing_ranks", ep_size)),
         )
     raise RowError(f"unknown outcome kind {kind!r}")
 
 
 def _decode_proposal(d: Any, ep_size: int) -> Proposal:
-    r = _get(d, "requirement", dict)
+    r = field_of(d, "requirement", dict)
     return Proposal(
-        group=_str(d, "group"),
-        ep_size=_int(d, "ep_size", 1, limits.MAX_EP_SIZE),
-        ep_rank=_int(d, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-        local_ranks=_int(d, "local_ranks", 1, limits.MAX_EP_SIZE),
-        lifetime=_str(d, "lifetime"),
-        round=_int(d, "round", 1, limits.MAX_ROUND),
+        group=str_field(d, "group"),
+        ep_size=int_field(d, "ep_size", 1, limits.MAX_EP_SIZE),
+        ep_rank=int_field(d, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        local_ranks=int_field(d, "local_ranks", 1, limits.MAX_EP_SIZE),
+        lifetime=str_field(d, "lifetime"),
+        round=int_field(d, "round", 1, limits.MAX_ROUND),
         requirement=Requirement(
-            capacities=_decode_capacities(_get(r, "capacities", dict), ep_size, "requirement"),
-            layer=_str(r, "layer"),
+            capacities=_decode_capacities(field_of(r, "capacities", dict), ep_size, "requirement"),
+            layer=str_field(r, "layer"),
         ),
-        proof=_proof(d, "proof"),
+        proof=proof_field(d, "proof"),
     )
 
 
 def _decode_rank(r: Any) -> RankRecord:
     return RankRecord(
-        ep_rank=_int(r, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-        lifetime=_str(r, "lifetime"),
-        lifetime_index=_int(r, "lifetime_index"),
-        last_round=_int(r, "last_round", 0, limits.MAX_ROUND),
-        last_layer=_str(r, "last_layer"),
-        last_seen=_time(r, "last_seen"),
-        committed_generation=_int(r, "committed_generation"),
-        build_seconds=_build_seconds(r, "build_seconds"),
+        ep_rank=int_field(r, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        lifetime=str_field(r, "lifetime"),
+        lifetime_index=int_field(r, "lifetime_index"),
+        last_round=int_field(r, "last_round", 0, limits.MAX_ROUND),
+        last_layer=str_field(r, "last_layer"),
+        last_seen=time_field(r, "last_seen"),
+        committed_generation=int_field(r, "committed_generation"),
+        build_seconds=build_seconds_field(r, "build_seconds"),
         # Rows written before sessions have no "left".
-        left=_str(r, "left") if isinstance(r, dict) and "left" in r else "",
+        left=str_field(r, "left") if isinstance(r, dict) and "left" in r else "",
     )
 
 
 def _decode_round(d: Any, key: str, ep_size: int) -> OpenRound | None:
-    rnd = _get(d, key, (dict, type(None)))
+    rnd = field_of(d, key, (dict, type(None)))
     if rnd is None:
         return None
-    need = _get(rnd, "need", (dict, type(None)))
+    need = field_of(rnd, "need", (dict, type(None)))
     return OpenRound(
-        number=_int(rnd, "number", 1, limits.MAX_ROUND),
-        opened_at=_time(rnd, "opened_at"),
-        deadline=_time(rnd, "deadline"),
-        proposals=tuple(_decode_proposal(p, ep_size) for p in _list(rnd, "proposals")),
+        number=int_field(rnd, "number", 1, limits.MAX_ROUND),
+        opened_at=time_field(rnd, "opened_at"),
+        deadline=time_field(rnd, "deadline"),
+        proposals=tuple(_decode_proposal(p, ep_size) for p in list_field(rnd, "proposals")),
         need=None if need is None else _decode_capacities(need, ep_size, f"{key}.need"),
-        first_proof=_proof(rnd, "first_proof"),
+        first_proof=proof_field(rnd, "first_proof"),
     )
 
 
 def _decode_growth(g: Any, ep_size: int, *, with_node: bool) -> Growth:
     return Growth(
         plan=_required_plan(g, "plan", ep_size),
-        layer=_str(g, "layer"),
-        ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-        round=_int(g, "round", 0, limits.MAX_ROUND),
-        at=_time(g, "at"),
-        node=_str(g, "node") if with_node else "",
+        layer=str_field(g, "layer"),
+        ep_rank=int_field(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        round=int_field(g, "round", 0, limits.MAX_ROUND),
+        at=time_field(g, "at"),
+        node=str_field(g, "node") if with_node else "",
     )
 
 
 def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
-    ep_size = _int(d, "ep_size", 1, limits.MAX_EP_SIZE)
+    ep_size = int_field(d, "ep_size", 1, limits.MAX_EP_SIZE)
     return GroupState(
-        name=_str(d, "name"),
+        name=str_field(d, "name"),
         ep_size=ep_size,
-        local_ranks=_int(d, "local_ranks", 1, ep_size),
-        epoch=_int(d, "epoch"),
+        local_ranks=int_field(d, "local_ranks", 1, ep_size),
+        epoch=int_field(d, "epoch"),
         plan=_decode_plan(d, "plan", ep_size),
-        generation=_int(d, "generation"),
-        lifetime_index=_int(d, "lifetime_index"),
+        generation=int_field(d, "generation"),
+        lifetime_index=int_field(d, "lifetime_index"),
         built=_decode_plan(d, "built", ep_size),
-        last_closed_round=_int(d, "last_closed_round", 0, limits.MAX_ROUND),
-        closed=tuple(_decode_outcome(o, ep_size) for o in _list(d, "closed")),
+        last_closed_round=int_field(d, "last_closed_round", 0, limits.MAX_ROUND),
+        closed=tuple(_decode_outcome(o, ep_size) for o in list_field(d, "closed")),
         open_round=_decode_round(d, "open_round", ep_size),
         # Rows written before restarts were collected apart have no "pending".
         pending=_decode_round(d, "pending", ep_size) if "pending" in d else None,
-        ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
-        history=tuple(_decode_growth(g, ep_size, with_node=with_node) for g in _list(d, "history")),
+        ranks=tuple(_decode_rank(r) for r in list_field(d, "ranks")),
+        history=tuple(
+            _decode_growth(g, ep_size, with_node=with_node) for g in list_field(d, "history")
+        ),
         # Rows written before group proofs: the lifetime's proof is not fixed yet.
-        proof=_proof(d, "proof") if d.get("proof") is not None else None,
-        refused_proposals=_int(d, "refused_proposals") if "refused_proposals" in d else 0,
+        proof=proof_field(d, "proof") if d.get("proof") is not None else None,
+        refused_proposals=int_field(d, "refused_proposals") if "refused_proposals" in d else 0,
     )
 
 
@@ -455,63 +339,63 @@ def _v1_capacities(
 
 
 def _decode_v1_plan(d: Any, key: str, ep_size: int, epoch: int) -> Plan | None:
-    value = _get(d, key, (dict, type(None)))
+    value = field_of(d, key, (dict, type(None)))
     if value is None:
         return None
-    tokens = _int(value, "max_num_tokens", 1, limits.MAX_TOKENS)
+    tokens = int_field(value, "max_num_tokens", 1, limits.MAX_TOKENS)
     plan = Plan(
         capacities=_v1_capacities(
             ep_size,
-            _int(value, "workspace_bytes", 1, limits.MAX_WORKSPACE_BYTES),
+            int_field(value, "workspace_bytes", 1, limits.MAX_WORKSPACE_BYTES),
             tokens,
-            _int(value, "top_k"),
-            _int(value, "num_experts"),
+            int_field(value, "top_k"),
+            int_field(value, "num_experts"),
         ),
         epoch=epoch,
-        generation=_int(value, "generation"),
+        generation=int_field(value, "generation"),
     )
-    _checked(limits.check_plan, key, plan, ep_size)
+    checked(limits.check_plan, key, plan, ep_size)
     return plan
 
 
 def _decode_v1(d: Any) -> GroupState:
-    ep_size = _int(d, "ep_size", 1, limits.MAX_EP_SIZE)
+    ep_size = int_field(d, "ep_size", 1, limits.MAX_EP_SIZE)
     plan = _decode_v1_plan(d, "plan", ep_size, 0)
     shape = plan.capacities if plan is not None else None
     history = []
-    for g in _list(d, "history"):
+    for g in list_field(d, "history"):
         if shape is None:
             break  # a history without a stored plan has no shape to give it
         grown = Plan(
             capacities=_v1_capacities(
                 ep_size,
-                _int(g, "workspace_bytes", 1, limits.MAX_WORKSPACE_BYTES),
-                _int(g, "max_num_tokens", 1, limits.MAX_TOKENS),
+                int_field(g, "workspace_bytes", 1, limits.MAX_WORKSPACE_BYTES),
+                int_field(g, "max_num_tokens", 1, limits.MAX_TOKENS),
                 shape.top_k,
                 shape.num_experts,
             ),
             epoch=0,
-            generation=_int(g, "generation"),
+            generation=int_field(g, "generation"),
         )
         history.append(
             Growth(
                 plan=grown,
-                layer=_str(g, "layer"),
-                ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-                round=_int(g, "round", 0, limits.MAX_ROUND),
-                at=_time(g, "at"),
+                layer=str_field(g, "layer"),
+                ep_rank=int_field(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+                round=int_field(g, "round", 0, limits.MAX_ROUND),
+                at=time_field(g, "at"),
             )
         )
     return GroupState(
-        name=_str(d, "name"),
+        name=str_field(d, "name"),
         ep_size=ep_size,
-        local_ranks=_int(d, "local_ranks", 1, ep_size),
+        local_ranks=int_field(d, "local_ranks", 1, ep_size),
         plan=plan,
-        generation=_int(d, "generation"),
-        lifetime_index=_int(d, "lifetime_index"),
+        generation=int_field(d, "generation"),
+        lifetime_index=int_field(d, "lifetime_index"),
         built=_decode_v1_plan(d, "built", ep_size, 0),
-        last_closed_round=_int(d, "last_closed_round", 0, limits.MAX_ROUND),
-        ranks=tuple(_decode_rank(r) for r in _list(d, "ranks")),
+        last_closed_round=int_field(d, "last_closed_round", 0, limits.MAX_ROUND),
+        ranks=tuple(_decode_rank(r) for r in list_field(d, "ranks")),
         history=tuple(history),
     )
 
@@ -546,77 +430,3 @@ def decode_group(text: str) -> GroupState:
         if isinstance(error, RowError):
             raise
         raise RowError(str(error)) from None
-
-
-def _typed_plan(d: Any, key: str) -> Plan | None:
-    """A plan's fields, typed; their ranges are left to check_cluster_plan (once)."""
-    value = _get(d, key, (dict, type(None)))
-    if value is None:
-        return None
-    return Plan(
-        capacities=_typed_capacities(_get(value, "capacities", dict)),
-        epoch=_int(value, "epoch"),
-        generation=_int(value, "generation"),
-    )
-
-
-def _typed_growth(g: Any) -> Growth:
-    plan = _typed_plan(g, "plan")
-    if plan is None:
-        raise RowError("field 'plan' holds null")
-    return Growth(
-        plan=plan,
-        layer=_str(g, "layer"),
-        ep_rank=_int(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-        round=_int(g, "round", 0, limits.MAX_ROUND),
-        at=_time(g, "at"),
-        node=_str(g, "node"),
-    )
-
-
-def decode_cluster_plan(data: bytes) -> ClusterPlan:
-    """The cluster plan a store holds as ``data``, every field checked.
-
-    Raises:
-        RowError: not a complete, well-typed, in-range cluster plan of a
-            version this release reads (the message names the field); a
-            newer version says so.
-    """
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise RowError(f"{len(data)} bytes; a cluster plan has at most {MAX_DOCUMENT_BYTES}")
-    try:
-        document = json.loads(data)
-    except RecursionError:
-        raise RowError("nested too deeply to be a cluster plan") from None
-    except ValueError as error:
-        raise RowError(f"not JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise RowError(f"not a JSON object but {type(document).__name__}")
-    if document.get("kind") != CLUSTER_PLAN_KIND:
-        raise RowError(f"kind {document.get('kind')!r}; expected {CLUSTER_PLAN_KIND!r}")
-    version = document.get("version")
-    if version != CLUSTER_PLAN_VERSION:
-        raise RowError(
-            f"cluster plan version {version!r}; this release reads version "
-            f"{CLUSTER_PLAN_VERSION} (a newer sidecar wrote it?)"
-        )
-    try:
-        history = _list(document, "history")
-        if len(history) > MAX_HISTORY:
-            raise RowError(f"field 'history' holds {len(history)} entries; at most {MAX_HISTORY}")
-        doc = ClusterPlan(
-            name=_str(document, "name"),
-            ep_size=_int(document, "ep_size", 1, limits.MAX_EP_SIZE),
-            epoch=_int(document, "epoch"),
-            plan=_typed_plan(document, "plan"),
-            generation=_int(document, "generation"),
-            history=tuple(_typed_growth(g) for g in history),
-        )
-    except (KeyError, TypeError) as error:
-        raise RowError(f"malformed: {error!r}") from None
-    except ValueError as error:
-        if isinstance(error, RowError):
-            raise
-        raise RowError(str(error)) from None
-    _checked(check_cluster_plan, doc)
-    return doc
