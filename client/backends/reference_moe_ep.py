@@ -3,7 +3,7 @@
 :class:`ReferenceCommunication` is a copy of FlashInfer's
 ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` (the object vLLM 0.33 dispatches
 and combines through), over a
-:class:`~moe_sidecar.client.backends.reference.ReferenceAlltoAll`, with
+:class:`~moe_sidecar.client.backends.reference_alltoall.ReferenceAlltoAll`, with
 ``params`` and ``config`` holding the fields of FlashInfer's
 ``MoEEpCommParams`` and ``NVLinkOneSidedConfig``.
 :mod:`moe_sidecar.client.backends.reference` re-exports these names.
@@ -12,16 +12,13 @@ and combines through), over a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from moe_sidecar.client.backends.reference_alltoall import ReferenceAlltoAll
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES, dispatch_format_name
-
-if TYPE_CHECKING:
-    # Only named in annotations: the reference module imports this one.
-    from moe_sidecar.client.backends.reference import ReferenceAlltoAll
 
 __all__ = [
     "ReferenceCommParams",
