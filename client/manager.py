@@ -249,7 +249,6 @@ class WorkspaceManager:
         self._round = 0
         """Round of the current lifetime (the n-th initialize() since it began)."""
         self._initializes = 0
-        self._built: Plan | None = None
         self._builds = 0
         self._rebuilds = 0
         self._reuses = 0
@@ -269,13 +268,8 @@ class WorkspaceManager:
         """The latest ``initialize()`` call understood: its vLLM generation,
         capacities and dispatch row."""
 
-        self.initialized = False
-        self._alltoall: AlltoAll | None = None
-        self.workspace_size = 0
-        self.max_num_tokens = 0
-        self.top_k = 0
-        self.num_experts = 0
         self.generation = 0
+        self._set_built(None, None)
 
     # --- construction helpers --------------------------------------------
 
@@ -357,8 +351,10 @@ class WorkspaceManager:
         return self._alltoall
 
     def _set_built(self, handle: AlltoAll | None, plan: Plan | None) -> None:
-        self._alltoall = handle
-        self._built = plan
+        """Holds ``handle``, built at ``plan`` (None, None: nothing), and the
+        attributes vLLM's callers read of it."""
+        self._alltoall: AlltoAll | None = handle
+        self._built: Plan | None = plan
         self.initialized = handle is not None
         self.workspace_size = (
             self.backend.workspace_bytes(plan.capacities, self.ep_size) if plan else 0
@@ -688,12 +684,7 @@ class WorkspaceManager:
             self._round += 1
             decision = self._propose(Requirement(capacities=call.capacities, layer=layer))
             if covered and decision.action is Action.REUSE:
-                # Embedded: the rank's own core agrees; the next agreement
-                # checks that every rank passed the same rounds.
-                self._unagreed += 1
-                self._covered += 1
-                self._reuses += 1
-                self._remember(call)
+                self._pass_embedded_covered(call)
                 return
         except Exception as error:
             if not self.agrees_across_ranks:
@@ -703,6 +694,25 @@ class WorkspaceManager:
             failure = error
         action, plan = self._decide(layer, decision, failure, this_round)
         assert call is not None  # a failure raised in _decide
+        self._execute(call, action, plan, layer)
+
+    def _pass_embedded_covered(self, call: LayerCall) -> None:
+        """Embedded: the rank's own core agrees on a covered round; the next
+        agreement checks that every rank passed the same rounds."""
+        self._unagreed += 1
+        self._covered += 1
+        self._reuses += 1
+        self._remember(call)
+
+    def _execute(self, call: LayerCall, action: Action, plan: Plan, layer: str) -> None:
+        """Does what the round decided: keeps what is built, or builds ``plan``
+        and commits it.
+
+        Raises:
+            BackendError: the backend could not build.
+            RankLost: a peer died in the post-build barrier.
+            CoordinatorError: the commit was refused or could not be sent.
+        """
         self._remember(call)
         if action is Action.REUSE:
             self._reuses += 1
