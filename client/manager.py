@@ -70,10 +70,7 @@ local in embedded mode and agrees on nothing.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,33 +78,16 @@ import torch.distributed as dist
 
 from moe_sidecar.client import naming
 from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
-from moe_sidecar.client.backends import (
-    AlltoAll,
-    AlltoAllBackend,
-    BuildSpec,
-    CommunicationSpec,
-    backend_for,
-)
+from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
-from moe_sidecar.client.errors import (
-    BackendError,
-    CoordinatorError,
-    InternalError,
-    InvalidArgument,
-    RankLost,
-)
+from moe_sidecar.client.construction import backend_named, local_ranks_of
+from moe_sidecar.client.counters import ManagerCounters
+from moe_sidecar.client.dispatch_layouts import DispatchLayouts
+from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
+from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport, transport_for
-from moe_sidecar.client.vllm_sizing import (
-    DISPATCH_FORMAT_BYTES,
-    UNSET,
-    LayerCall,
-    Layout,
-    classify_call,
-    describe_activation,
-    routing_bytes_per_token,
-)
-from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
-from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
+from moe_sidecar.client.vllm_sizing import UNSET, LayerCall, classify_call
+from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy import validate_group_name
@@ -120,43 +100,7 @@ layers, so a rank never waits on the slowest peer mid-model; small enough
 that the answers (about 100 bytes each) fit the session stream's HTTP/2
 flow-control window (64 KiB), past which the sidecar could not send them."""
 
-_GONE_WAIT_S = 2.0
-"""How long a rank whose collective failed asks the sidecar who left (its
-session's end reaches the sidecar within milliseconds of the process's death)."""
-
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ManagerCounters:
-    """What one manager has done so far; tests assert on differences."""
-
-    rounds: int
-    """``initialize()`` calls (rounds proposed)."""
-    builds: int
-    """Rounds that built the first all-to-all of the lifetime (BUILD)."""
-    rebuilds: int
-    """Rounds that built a larger one and released the old (REBUILD)."""
-    reuses: int
-    """Rounds that kept what was built (REUSE), covered rounds included when
-    they return (one whose answer later asked for a build also counts there)."""
-    releases: int
-    """Workspaces handed back to the backend (rebuilds and cleanup)."""
-    rpcs: int
-    """Calls sent to the sidecar, retries included (0 in embedded mode)."""
-    covered: int
-    """Rounds passed as covered: proposed without waiting for the answer."""
-    collectives: int
-    """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
-    the hostname exchange at construction); the backend's own build
-    collectives are not counted here."""
-    first_build_seconds: float | None = None
-    """Seconds the first build of this process took (None: nothing built yet).
-    With FlashInfer it includes loading (or JIT-compiling) its module: a cold
-    start shows here as minutes, a prewarmed one as seconds."""
-    jit_compiled: bool | None = None
-    """Whether the backend had to JIT-compile its module (None: not known,
-    e.g. nothing built yet or a backend without a JIT)."""
 
 
 class WorkspaceManager:
@@ -241,7 +185,7 @@ class WorkspaceManager:
         )
         validate_group_name(self.group)
         self.local_ranks = 1 if self._transport.embedded else self._local_ranks(local_ranks)
-        self.backend: AlltoAllBackend = self._backend(backend)
+        self.backend: AlltoAllBackend = backend_named(backend, cpu_group)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
         self._group_proof: str | None = None
@@ -261,9 +205,8 @@ class WorkspaceManager:
 
         self._communication: Any = None
         """The moe_ep object over ``moe_alltoall``, made on first use."""
-        self._layouts: dict[int, Layout] = {}
-        """Per hidden size, the widest dispatch row a layer asked for (what
-        ``get_communication().params`` describes)."""
+        self._layouts = DispatchLayouts()
+        """What ``get_communication().params`` describes."""
         self.last_call: LayerCall | None = None
         """The latest ``initialize()`` call understood: its vLLM generation,
         capacities and dispatch row."""
@@ -273,35 +216,10 @@ class WorkspaceManager:
 
     # --- construction helpers --------------------------------------------
 
-    def _backend(self, backend: str | AlltoAllBackend | None) -> AlltoAllBackend:
-        if backend is None:
-            name = os.environ.get(ENV_BACKEND, "").strip() or "flashinfer"
-            try:
-                return backend_for(name, self.cpu_group)
-            except ValueError as error:
-                raise InvalidArgument.of(ENV_BACKEND, name, str(error)) from error
-        if isinstance(backend, str):
-            return backend_for(backend, self.cpu_group)
-        return backend
-
     def _local_ranks(self, explicit: int | None) -> int:
-        if explicit is None:
-            env = os.environ.get(ENV_LOCAL_RANKS, "").strip()
-            if env:
-                try:
-                    explicit = int(env)
-                except ValueError as error:
-                    raise InvalidArgument.of(ENV_LOCAL_RANKS, env, "must be an integer") from error
-        if explicit is None:
-            hosts: list[object] = [None] * self.ep_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=self.cpu_group)
-            self._collectives += 1
-            explicit = hosts.count(hosts[self.ep_rank])
-        if not 1 <= explicit <= self.ep_size:
-            raise InvalidArgument.of(
-                "local_ranks", explicit, f"must be in [1, ep_size={self.ep_size}]"
-            )
-        return explicit
+        local, exchanges = local_ranks_of(explicit, self.cpu_group, self.ep_size, self.ep_rank)
+        self._collectives += exchanges
+        return local
 
     # --- what is built -----------------------------------------------------
 
@@ -506,34 +424,7 @@ class WorkspaceManager:
         self._remember(call)
 
     def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
-        """The typed error for a collective that failed because a peer died,
-        naming the rank the sidecar saw leave (it may take a moment to see it)."""
-        gone: list[RankSummary] = []
-        deadline = time.monotonic() + _GONE_WAIT_S
-        while not self.embedded:
-            try:
-                gone = self._transport.gone_ranks(self.group)
-            except CoordinatorError:
-                break
-            if gone or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if gone:
-            who = "; ".join(
-                f"rank {r.ep_rank} (last layer {r.last_layer or '(unnamed)'!r}) is gone: {r.left}"
-                for r in gone
-            )
-        else:
-            who = (
-                "a rank left (in embedded mode no sidecar sees which)"
-                if self.embedded
-                else "a rank left (the sidecar saw no session end)"
-            )
-        return RankLost(
-            f"EP group {self.group!r}: {who}; {where} failed on rank {self.ep_rank} (gloo: "
-            f"{error}); restart every rank",
-            tuple(r.ep_rank for r in gone),
-        )
+        return rank_lost(self._transport, self.group, self.ep_rank, where, error)
 
     def _agree(self, outcome: LocalOutcome) -> Plan:
         return self._agree_round(outcome)[1]
@@ -721,6 +612,11 @@ class WorkspaceManager:
         build_seconds = self._build(plan, action, layer, self._round)
         self._commit(self._round, plan, build_seconds)
 
+    def _remember(self, call: LayerCall) -> None:
+        """Keeps the call and its dispatch row (for the moe_ep object's description)."""
+        self.last_call = call
+        self._layouts.remember(call.layout)
+
     def _commit(self, round_number: int, plan: Plan, build_seconds: float) -> None:
         self._transport.commit(
             self.group,
@@ -733,14 +629,6 @@ class WorkspaceManager:
                 proof=self._group_proof or "",
             ),
         )
-
-    def _remember(self, call: LayerCall) -> None:
-        """Keeps the widest dispatch row per hidden size (for the moe_ep
-        object's description) and the call itself."""
-        self.last_call = call
-        known = self._layouts.get(call.layout.hidden_size)
-        if known is None or call.layout.activation_bytes > known.activation_bytes:
-            self._layouts[call.layout.hidden_size] = call.layout
 
     def _build(self, plan: Plan, action: Action, layer: str, round_number: int) -> float:
         """Builds ``plan`` (decided in round ``round_number``), passes the EP
@@ -800,43 +688,6 @@ class WorkspaceManager:
         """Returns the manager itself, as vLLM's manager does."""
         return self
 
-    def _communication_spec(self, plan: Plan) -> CommunicationSpec:
-        """How the moe_ep object describes ``plan``: the largest hidden size
-        and the widest dispatch row asked for at it, plus the extra bytes that
-        make up the plan's dispatch bytes (vLLM 0.33's own description of the
-        same union)."""
-        capacities = plan.capacities
-        hidden = capacities.combine_bytes_per_token // 2
-        activation = capacities.dispatch_bytes_per_token - routing_bytes_per_token(capacities.top_k)
-        layout = self._layouts.get(hidden)
-        if layout is not None and layout.format_bytes <= activation:
-            described: object = layout.dispatch_format
-            name = layout.format_name
-            format_bytes = layout.format_bytes
-        else:
-            # A plan wider than any layer of this process (restored from the
-            # sidecar): the format that best describes its bytes.
-            name, _ = describe_activation(hidden, activation)
-            described = name
-            format_bytes = 2 * hidden if name is None else DISPATCH_FORMAT_BYTES[name](hidden)
-        flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
-        try:
-            low_precision = bool(int(flag))
-        except ValueError as error:
-            raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
-        return CommunicationSpec(
-            ep_size=self.ep_size,
-            ep_rank=self.ep_rank,
-            num_experts=capacities.num_experts,
-            top_k=capacities.top_k,
-            max_tokens_per_rank=capacities.max_tokens,
-            hidden_size=hidden,
-            dispatch_format=described,
-            dispatch_format_name=name,
-            extra_payload_bytes_per_token=max(activation - format_bytes, 0),
-            use_low_precision_combine=low_precision,
-        )
-
     def get_communication(self) -> Any:
         """FlashInfer's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` over the
         current workspace (the reference copy of it with
@@ -864,7 +715,9 @@ class WorkspaceManager:
         if handle is None or plan is None:
             raise BackendError("get_communication() before initialize(): nothing is built")
         if self._communication is None:
-            self._communication = self.backend.communication(handle, self._communication_spec(plan))
+            self._communication = self.backend.communication(
+                handle, self._layouts.communication_spec(plan, self.ep_size, self.ep_rank)
+            )
         return self._communication
 
     @property
