@@ -28,43 +28,9 @@ Each ``initialize()`` of an MoE layer:
    number of times), release the superseded workspace (and destroy the
    ``moe_ep`` object made over it), and commit the plan now held.
 
-A round whose layer the built plan already covers (a *covered round*) of a
-node-local group in sidecar mode does not wait: every rank of a round must
-state the same layer, so its decision can only be REUSE. The rank sends its
-proposal on its session (so the sidecar still keeps the history, sees the
-rank alive and checks that the ranks agree) and returns; the answers are
-read in the order sent, later (:meth:`WorkspaceManager._settle`):
-
-* before a round that waits (one that needs more than was built, or round 1
-  of a lifetime), before ``get_communication()``, ``moe_alltoall``,
-  ``combine_into()``, the checkpoints and ``cleanup()``, every earlier answer
-  is read; and at most ``max_unanswered`` are ever outstanding (a covered
-  round past it reads the oldest first), so the answers never outgrow the
-  stream's flow-control window;
-* a refusal (another layer name or shape on another rank) is raised there,
-  on every rank, with the sidecar's message naming the round, layers and ranks;
-* an answer that is not REUSE (the sidecar's plan is above what was built:
-  merged from another node, or another rank of that round needed more)
-  is executed there: every rank of that round got the same decision, the
-  ranks that waited in it build at once, the ranks that passed it as
-  covered join that build when they read the answer, so the build's
-  collectives and the barrier meet and no rank builds alone. Such a rank
-  then reads every answer still outstanding and commits what it holds
-  against the latest round answered (the sidecar's latest closed round, so
-  still retained, and decided at the plan just built).
-
-So a covered round costs a rank one message put on its stream, no wait and
-no collective.
-
-Embedded mode passes covered rounds too, as far as its agreement allows: a
-covered round asks the rank's own core (which keeps its history) and, when
-that answers REUSE, skips the all-gather. The ranks' next agreement (the
-next round that waits, or ``get_communication()`` / ``moe_alltoall`` /
-``combine_into()`` / the checkpoints, which agree once on what is held)
-carries each rank's round: ranks that passed different rounds as covered
-are out of step (they stated different layers or sizes in a round), and
-every rank raises, naming each rank's round and layer. ``cleanup()`` stays
-local in embedded mode and agrees on nothing.
+A round whose layer the built plan already covers (a *covered round*) does
+not wait where it needs no answer to go on: :mod:`moe_sidecar.client.covered`
+says how, and when the answers are read.
 """
 
 from __future__ import annotations
@@ -82,6 +48,7 @@ from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.construction import backend_named, local_ranks_of
 from moe_sidecar.client.counters import ManagerCounters
+from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
 from moe_sidecar.client.dispatch_layouts import DispatchLayouts
 from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
 from moe_sidecar.client.lost_rank import rank_lost
@@ -322,28 +289,15 @@ class WorkspaceManager:
         return self._transport.propose(self._proposal(requirement))
 
     def _passes_as_covered(self, call: LayerCall) -> bool:
-        """Whether this round needs no answer to go on: the plan built covers
-        the layer and one decider sees the whole group (its decision can then
-        only be REUSE, or a build every rank of the round joins later)."""
-        return (
-            (self.embedded or not self.agrees_across_ranks)
-            and self._built is not None
-            and self._built.covers(call.capacities)
+        return passes_as_covered(
+            call.capacities, self._built, self.embedded or not self.agrees_across_ranks
         )
 
     def _settle(self, keep: int = 0) -> None:
-        """Reads the answers still outstanding, oldest first, until at most
-        ``keep`` remain, and does what they ask.
-
-        A REUSE needs nothing. A refusal is raised. A BUILD/REBUILD (the
-        sidecar's plan rose above what was built while this rank passed the
-        round as covered) is built here: every rank of that round got the
-        same decision and builds it, at once or when it reads it, so the
-        build's collectives meet. Then every answer still outstanding is
-        read (more builds if they ask for them), and the plan held is
-        committed against the latest round answered: every message sent
-        before the commit has been answered, so that round is the sidecar's
-        latest closed one (still retained), decided at the plan held.
+        """Reads the answers still outstanding until at most ``keep`` remain,
+        builds what they ask, and commits the plan held after a build
+        (:func:`~moe_sidecar.client.covered.read_answers`). Embedded: agrees
+        once on what is held after rounds passed as covered.
 
         Raises:
             CoordinatorError: an answer is a refusal (naming the round's
@@ -351,29 +305,21 @@ class WorkspaceManager:
                 could not be reached.
             InternalError: a REUSE of a plan this rank does not hold.
             BackendError: a build an answer asked for failed.
+            AgreementError: embedded, the ranks passed different rounds as covered.
         """
         if self.embedded:
             if self._unagreed:
                 self._agree_on_held()
             return
-        built: tuple[int, float] | None = None  # (round answered, build seconds)
-        while self._transport.unanswered > (0 if built else keep):
-            decision = self._transport.next_answer()
-            if decision.action is Action.REUSE:
-                self._check_reuse(decision, decision.layer)
-                if built is not None:
-                    built = (decision.round, built[1])
-                continue
-            _log.info(
-                "group %s round %d (%s): %s asked for after this rank passed the round as "
-                "covered (the sidecar's plan is above what was built)",
-                self.group,
-                decision.round,
-                decision.layer,
-                decision.action.value,
-            )
-            seconds = self._build(decision.plan, decision.action, decision.layer, decision.round)
-            built = (decision.round, seconds)
+        built = read_answers(
+            self._transport,
+            keep,
+            lambda decision: self._check_reuse(decision, decision.layer),
+            lambda decision: self._build(
+                decision.plan, decision.action, decision.layer, decision.round
+            ),
+            self.group,
+        )
         if built is not None and self._built is not None:
             self._commit(built[0], self._built, built[1])
 
@@ -404,12 +350,7 @@ class WorkspaceManager:
             )
 
     def _check_reuse(self, decision: Decision, layer: str) -> None:
-        if self._built is None or not self._built.covers(decision.plan.capacities):
-            raise InternalError(
-                f"group {self.group!r} round {decision.round} (layer {layer!r}): the sidecar "
-                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
-                "sidecar's state replaced while this process ran? Restart the ranks"
-            )
+        check_reuse(self.group, decision, layer, self._built)
 
     def _propose_covered(self, call: LayerCall, layer: str) -> None:
         """A covered round: sends the proposal and goes on (at most
