@@ -43,14 +43,15 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
+from moe_sidecar.client.agreement import LocalOutcome
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
-from moe_sidecar.client.construction import backend_named, local_ranks_of
+from moe_sidecar.client.construction import backend_named
 from moe_sidecar.client.counters import ManagerCounters
 from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
 from moe_sidecar.client.dispatch_layouts import DispatchLayouts
 from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
+from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.client.vllm_sizing import UNSET, LayerCall, classify_call
@@ -143,7 +144,6 @@ class WorkspaceManager:
         self.rank = self.ep_rank
         self.world_size = self.ep_size
         self._transport: Transport = transport_for(target, propose_timeout=propose_timeout)
-        self._collectives = 0
         self.group = naming.resolve(
             group,
             cpu_group,
@@ -151,6 +151,7 @@ class WorkspaceManager:
             embedded=self._transport.embedded,
         )
         validate_group_name(self.group)
+        self._on_group = GroupCollectives(cpu_group, self.group, self._rank_lost)
         self.local_ranks = 1 if self._transport.embedded else self._local_ranks(local_ranks)
         self.backend: AlltoAllBackend = backend_named(backend, cpu_group)
         self.lifetime = new_lifetime_secret()
@@ -184,9 +185,7 @@ class WorkspaceManager:
     # --- construction helpers --------------------------------------------
 
     def _local_ranks(self, explicit: int | None) -> int:
-        local, exchanges = local_ranks_of(explicit, self.cpu_group, self.ep_size, self.ep_rank)
-        self._collectives += exchanges
-        return local
+        return self._on_group.local_ranks(explicit, self.ep_size, self.ep_rank)
 
     # --- what is built -----------------------------------------------------
 
@@ -216,7 +215,7 @@ class WorkspaceManager:
             releases=self._releases,
             rpcs=self._transport.rpc_count,
             covered=self._covered,
-            collectives=self._collectives,
+            collectives=self._on_group.count,
             first_build_seconds=self._first_build_seconds,
             jit_compiled=getattr(self.backend, "jit_compiled", None),
         )
@@ -267,11 +266,7 @@ class WorkspaceManager:
         if self.ep_size == 1:
             self._group_proof = new_group_secret()
             return
-        self._collectives += 1
-        try:
-            self._group_proof = share_group_secret(self.cpu_group)
-        except RuntimeError as error:
-            raise self._rank_lost("sharing the group's proof", error) from error
+        self._group_proof = self._on_group.share_secret()
 
     def _proposal(self, requirement: Requirement) -> Proposal:
         return Proposal(
@@ -334,7 +329,7 @@ class WorkspaceManager:
         """
         held = self._built
         self._unagreed = 0
-        agreed = self._agree(
+        _, agreed = self._on_group.agree(
             LocalOutcome(
                 ep_rank=self.ep_rank,
                 layer=self._last_layer,
@@ -367,21 +362,6 @@ class WorkspaceManager:
     def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
         return rank_lost(self._transport, self.group, self.ep_rank, where, error)
 
-    def _agree(self, outcome: LocalOutcome) -> Plan:
-        return self._agree_round(outcome)[1]
-
-    def _agree_round(self, outcome: LocalOutcome) -> tuple[Action, Plan]:
-        self._collectives += 1
-        try:
-            return agree_round(self.cpu_group, outcome, group_name=self.group)
-        except RuntimeError as error:
-            if isinstance(error, BackendError):
-                raise
-            raise self._rank_lost("the agreement", error) from error
-        except BaseException:
-            self._collectives += 1  # the all_gather_object naming who failed
-            raise
-
     def _decide(
         self,
         layer: str,
@@ -398,7 +378,7 @@ class WorkspaceManager:
         """
         if self.agrees_across_ranks:
             self._unagreed = 0
-            action, plan = self._agree_round(
+            action, plan = self._on_group.agree(
                 LocalOutcome(
                     ep_rank=self.ep_rank,
                     layer=layer,
@@ -592,14 +572,7 @@ class WorkspaceManager:
         build_seconds = time.perf_counter() - started
         if self._first_build_seconds is None:
             self._first_build_seconds = build_seconds
-        # Every rank must hold the new workspace before any frees the old one:
-        # peers may still read it. The EP group only; never the world.
-        self._collectives += 1
-        try:
-            dist.barrier(group=self.cpu_group)
-        except RuntimeError as error:
-            self.backend.release(handle)
-            raise self._rank_lost("the post-build barrier", error) from error
+        self._on_group.barrier_after_build(self.backend, handle)
         superseded = self._alltoall
         self._drop_communication()
         self._set_built(handle, plan)
