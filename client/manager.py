@@ -28,86 +28,34 @@ Each ``initialize()`` of an MoE layer:
    number of times), release the superseded workspace (and destroy the
    ``moe_ep`` object made over it), and commit the plan now held.
 
-A round whose layer the built plan already covers (a *covered round*) of a
-node-local group in sidecar mode does not wait: every rank of a round must
-state the same layer, so its decision can only be REUSE. The rank sends its
-proposal on its session (so the sidecar still keeps the history, sees the
-rank alive and checks that the ranks agree) and returns; the answers are
-read in the order sent, later (:meth:`WorkspaceManager._settle`):
-
-* before a round that waits (one that needs more than was built, or round 1
-  of a lifetime), before ``get_communication()``, ``moe_alltoall``,
-  ``combine_into()``, the checkpoints and ``cleanup()``, every earlier answer
-  is read; and at most ``max_unanswered`` are ever outstanding (a covered
-  round past it reads the oldest first), so the answers never outgrow the
-  stream's flow-control window;
-* a refusal (another layer name or shape on another rank) is raised there,
-  on every rank, with the sidecar's message naming the round, layers and ranks;
-* an answer that is not REUSE (the sidecar's plan is above what was built:
-  merged from another node, or another rank of that round needed more)
-  is executed there: every rank of that round got the same decision, the
-  ranks that waited in it build at once, the ranks that passed it as
-  covered join that build when they read the answer, so the build's
-  collectives and the barrier meet and no rank builds alone. Such a rank
-  then reads every answer still outstanding and commits what it holds
-  against the latest round answered (the sidecar's latest closed round, so
-  still retained, and decided at the plan just built).
-
-So a covered round costs a rank one message put on its stream, no wait and
-no collective.
-
-Embedded mode passes covered rounds too, as far as its agreement allows: a
-covered round asks the rank's own core (which keeps its history) and, when
-that answers REUSE, skips the all-gather. The ranks' next agreement (the
-next round that waits, or ``get_communication()`` / ``moe_alltoall`` /
-``combine_into()`` / the checkpoints, which agree once on what is held)
-carries each rank's round: ranks that passed different rounds as covered
-are out of step (they stated different layers or sizes in a round), and
-every rank raises, naming each rank's round and layer. ``cleanup()`` stays
-local in embedded mode and agrees on nothing.
+A round whose layer the built plan already covers (a *covered round*) does
+not wait where it needs no answer to go on: :mod:`moe_sidecar.client.covered`
+says how, and when the answers are read.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
-from moe_sidecar.client.backends import (
-    AlltoAll,
-    AlltoAllBackend,
-    BuildSpec,
-    CommunicationSpec,
-    backend_for,
-)
+from moe_sidecar.client.agreement import LocalOutcome
+from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
-from moe_sidecar.client.errors import (
-    BackendError,
-    CoordinatorError,
-    InternalError,
-    InvalidArgument,
-    RankLost,
-)
+from moe_sidecar.client.construction import backend_named
+from moe_sidecar.client.counters import ManagerCounters
+from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
+from moe_sidecar.client.dispatch_layouts import DispatchLayouts
+from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
+from moe_sidecar.client.group_collectives import GroupCollectives
+from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport, transport_for
-from moe_sidecar.client.vllm_sizing import (
-    DISPATCH_FORMAT_BYTES,
-    UNSET,
-    LayerCall,
-    Layout,
-    classify_call,
-    describe_activation,
-    routing_bytes_per_token,
-)
-from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS, VLLM_LOW_PRECISION_COMBINE
-from moe_sidecar.core.group import CommitRecord, Decision, Proposal, RankSummary, Requirement
+from moe_sidecar.client.vllm_sizing import UNSET, LayerCall, classify_call
+from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy import validate_group_name
@@ -120,43 +68,7 @@ layers, so a rank never waits on the slowest peer mid-model; small enough
 that the answers (about 100 bytes each) fit the session stream's HTTP/2
 flow-control window (64 KiB), past which the sidecar could not send them."""
 
-_GONE_WAIT_S = 2.0
-"""How long a rank whose collective failed asks the sidecar who left (its
-session's end reaches the sidecar within milliseconds of the process's death)."""
-
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ManagerCounters:
-    """What one manager has done so far; tests assert on differences."""
-
-    rounds: int
-    """``initialize()`` calls (rounds proposed)."""
-    builds: int
-    """Rounds that built the first all-to-all of the lifetime (BUILD)."""
-    rebuilds: int
-    """Rounds that built a larger one and released the old (REBUILD)."""
-    reuses: int
-    """Rounds that kept what was built (REUSE), covered rounds included when
-    they return (one whose answer later asked for a build also counts there)."""
-    releases: int
-    """Workspaces handed back to the backend (rebuilds and cleanup)."""
-    rpcs: int
-    """Calls sent to the sidecar, retries included (0 in embedded mode)."""
-    covered: int
-    """Rounds passed as covered: proposed without waiting for the answer."""
-    collectives: int
-    """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
-    the hostname exchange at construction); the backend's own build
-    collectives are not counted here."""
-    first_build_seconds: float | None = None
-    """Seconds the first build of this process took (None: nothing built yet).
-    With FlashInfer it includes loading (or JIT-compiling) its module: a cold
-    start shows here as minutes, a prewarmed one as seconds."""
-    jit_compiled: bool | None = None
-    """Whether the backend had to JIT-compile its module (None: not known,
-    e.g. nothing built yet or a backend without a JIT)."""
 
 
 class WorkspaceManager:
@@ -232,7 +144,6 @@ class WorkspaceManager:
         self.rank = self.ep_rank
         self.world_size = self.ep_size
         self._transport: Transport = transport_for(target, propose_timeout=propose_timeout)
-        self._collectives = 0
         self.group = naming.resolve(
             group,
             cpu_group,
@@ -240,8 +151,9 @@ class WorkspaceManager:
             embedded=self._transport.embedded,
         )
         validate_group_name(self.group)
+        self._on_group = GroupCollectives(cpu_group, self.group, self._rank_lost)
         self.local_ranks = 1 if self._transport.embedded else self._local_ranks(local_ranks)
-        self.backend: AlltoAllBackend = self._backend(backend)
+        self.backend: AlltoAllBackend = backend_named(backend, cpu_group)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
         self._group_proof: str | None = None
@@ -249,7 +161,6 @@ class WorkspaceManager:
         self._round = 0
         """Round of the current lifetime (the n-th initialize() since it began)."""
         self._initializes = 0
-        self._built: Plan | None = None
         self._builds = 0
         self._rebuilds = 0
         self._reuses = 0
@@ -262,52 +173,19 @@ class WorkspaceManager:
 
         self._communication: Any = None
         """The moe_ep object over ``moe_alltoall``, made on first use."""
-        self._layouts: dict[int, Layout] = {}
-        """Per hidden size, the widest dispatch row a layer asked for (what
-        ``get_communication().params`` describes)."""
+        self._layouts = DispatchLayouts()
+        """What ``get_communication().params`` describes."""
         self.last_call: LayerCall | None = None
         """The latest ``initialize()`` call understood: its vLLM generation,
         capacities and dispatch row."""
 
-        self.initialized = False
-        self._alltoall: AlltoAll | None = None
-        self.workspace_size = 0
-        self.max_num_tokens = 0
-        self.top_k = 0
-        self.num_experts = 0
         self.generation = 0
+        self._set_built(None, None)
 
     # --- construction helpers --------------------------------------------
 
-    def _backend(self, backend: str | AlltoAllBackend | None) -> AlltoAllBackend:
-        if backend is None:
-            name = os.environ.get(ENV_BACKEND, "").strip() or "flashinfer"
-            try:
-                return backend_for(name, self.cpu_group)
-            except ValueError as error:
-                raise InvalidArgument.of(ENV_BACKEND, name, str(error)) from error
-        if isinstance(backend, str):
-            return backend_for(backend, self.cpu_group)
-        return backend
-
     def _local_ranks(self, explicit: int | None) -> int:
-        if explicit is None:
-            env = os.environ.get(ENV_LOCAL_RANKS, "").strip()
-            if env:
-                try:
-                    explicit = int(env)
-                except ValueError as error:
-                    raise InvalidArgument.of(ENV_LOCAL_RANKS, env, "must be an integer") from error
-        if explicit is None:
-            hosts: list[object] = [None] * self.ep_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=self.cpu_group)
-            self._collectives += 1
-            explicit = hosts.count(hosts[self.ep_rank])
-        if not 1 <= explicit <= self.ep_size:
-            raise InvalidArgument.of(
-                "local_ranks", explicit, f"must be in [1, ep_size={self.ep_size}]"
-            )
-        return explicit
+        return self._on_group.local_ranks(explicit, self.ep_size, self.ep_rank)
 
     # --- what is built -----------------------------------------------------
 
@@ -337,7 +215,7 @@ class WorkspaceManager:
             releases=self._releases,
             rpcs=self._transport.rpc_count,
             covered=self._covered,
-            collectives=self._collectives,
+            collectives=self._on_group.count,
             first_build_seconds=self._first_build_seconds,
             jit_compiled=getattr(self.backend, "jit_compiled", None),
         )
@@ -357,8 +235,10 @@ class WorkspaceManager:
         return self._alltoall
 
     def _set_built(self, handle: AlltoAll | None, plan: Plan | None) -> None:
-        self._alltoall = handle
-        self._built = plan
+        """Holds ``handle``, built at ``plan`` (None, None: nothing), and the
+        attributes vLLM's callers read of it."""
+        self._alltoall: AlltoAll | None = handle
+        self._built: Plan | None = plan
         self.initialized = handle is not None
         self.workspace_size = (
             self.backend.workspace_bytes(plan.capacities, self.ep_size) if plan else 0
@@ -386,11 +266,7 @@ class WorkspaceManager:
         if self.ep_size == 1:
             self._group_proof = new_group_secret()
             return
-        self._collectives += 1
-        try:
-            self._group_proof = share_group_secret(self.cpu_group)
-        except RuntimeError as error:
-            raise self._rank_lost("sharing the group's proof", error) from error
+        self._group_proof = self._on_group.share_secret()
 
     def _proposal(self, requirement: Requirement) -> Proposal:
         return Proposal(
@@ -408,28 +284,15 @@ class WorkspaceManager:
         return self._transport.propose(self._proposal(requirement))
 
     def _passes_as_covered(self, call: LayerCall) -> bool:
-        """Whether this round needs no answer to go on: the plan built covers
-        the layer and one decider sees the whole group (its decision can then
-        only be REUSE, or a build every rank of the round joins later)."""
-        return (
-            (self.embedded or not self.agrees_across_ranks)
-            and self._built is not None
-            and self._built.covers(call.capacities)
+        return passes_as_covered(
+            call.capacities, self._built, self.embedded or not self.agrees_across_ranks
         )
 
     def _settle(self, keep: int = 0) -> None:
-        """Reads the answers still outstanding, oldest first, until at most
-        ``keep`` remain, and does what they ask.
-
-        A REUSE needs nothing. A refusal is raised. A BUILD/REBUILD (the
-        sidecar's plan rose above what was built while this rank passed the
-        round as covered) is built here: every rank of that round got the
-        same decision and builds it, at once or when it reads it, so the
-        build's collectives meet. Then every answer still outstanding is
-        read (more builds if they ask for them), and the plan held is
-        committed against the latest round answered: every message sent
-        before the commit has been answered, so that round is the sidecar's
-        latest closed one (still retained), decided at the plan held.
+        """Reads the answers still outstanding until at most ``keep`` remain,
+        builds what they ask, and commits the plan held after a build
+        (:func:`~moe_sidecar.client.covered.read_answers`). Embedded: agrees
+        once on what is held after rounds passed as covered.
 
         Raises:
             CoordinatorError: an answer is a refusal (naming the round's
@@ -437,29 +300,21 @@ class WorkspaceManager:
                 could not be reached.
             InternalError: a REUSE of a plan this rank does not hold.
             BackendError: a build an answer asked for failed.
+            AgreementError: embedded, the ranks passed different rounds as covered.
         """
         if self.embedded:
             if self._unagreed:
                 self._agree_on_held()
             return
-        built: tuple[int, float] | None = None  # (round answered, build seconds)
-        while self._transport.unanswered > (0 if built else keep):
-            decision = self._transport.next_answer()
-            if decision.action is Action.REUSE:
-                self._check_reuse(decision, decision.layer)
-                if built is not None:
-                    built = (decision.round, built[1])
-                continue
-            _log.info(
-                "group %s round %d (%s): %s asked for after this rank passed the round as "
-                "covered (the sidecar's plan is above what was built)",
-                self.group,
-                decision.round,
-                decision.layer,
-                decision.action.value,
-            )
-            seconds = self._build(decision.plan, decision.action, decision.layer, decision.round)
-            built = (decision.round, seconds)
+        built = read_answers(
+            self._transport,
+            keep,
+            lambda decision: self._check_reuse(decision, decision.layer),
+            lambda decision: self._build(
+                decision.plan, decision.action, decision.layer, decision.round
+            ),
+            self.group,
+        )
         if built is not None and self._built is not None:
             self._commit(built[0], self._built, built[1])
 
@@ -474,7 +329,7 @@ class WorkspaceManager:
         """
         held = self._built
         self._unagreed = 0
-        agreed = self._agree(
+        _, agreed = self._on_group.agree(
             LocalOutcome(
                 ep_rank=self.ep_rank,
                 layer=self._last_layer,
@@ -490,12 +345,7 @@ class WorkspaceManager:
             )
 
     def _check_reuse(self, decision: Decision, layer: str) -> None:
-        if self._built is None or not self._built.covers(decision.plan.capacities):
-            raise InternalError(
-                f"group {self.group!r} round {decision.round} (layer {layer!r}): the sidecar "
-                f"answered REUSE of {decision.plan} but this rank holds {self._built}; was the "
-                "sidecar's state replaced while this process ran? Restart the ranks"
-            )
+        check_reuse(self.group, decision, layer, self._built)
 
     def _propose_covered(self, call: LayerCall, layer: str) -> None:
         """A covered round: sends the proposal and goes on (at most
@@ -510,49 +360,7 @@ class WorkspaceManager:
         self._remember(call)
 
     def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
-        """The typed error for a collective that failed because a peer died,
-        naming the rank the sidecar saw leave (it may take a moment to see it)."""
-        gone: list[RankSummary] = []
-        deadline = time.monotonic() + _GONE_WAIT_S
-        while not self.embedded:
-            try:
-                gone = self._transport.gone_ranks(self.group)
-            except CoordinatorError:
-                break
-            if gone or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if gone:
-            who = "; ".join(
-                f"rank {r.ep_rank} (last layer {r.last_layer or '(unnamed)'!r}) is gone: {r.left}"
-                for r in gone
-            )
-        else:
-            who = (
-                "a rank left (in embedded mode no sidecar sees which)"
-                if self.embedded
-                else "a rank left (the sidecar saw no session end)"
-            )
-        return RankLost(
-            f"EP group {self.group!r}: {who}; {where} failed on rank {self.ep_rank} (gloo: "
-            f"{error}); restart every rank",
-            tuple(r.ep_rank for r in gone),
-        )
-
-    def _agree(self, outcome: LocalOutcome) -> Plan:
-        return self._agree_round(outcome)[1]
-
-    def _agree_round(self, outcome: LocalOutcome) -> tuple[Action, Plan]:
-        self._collectives += 1
-        try:
-            return agree_round(self.cpu_group, outcome, group_name=self.group)
-        except RuntimeError as error:
-            if isinstance(error, BackendError):
-                raise
-            raise self._rank_lost("the agreement", error) from error
-        except BaseException:
-            self._collectives += 1  # the all_gather_object naming who failed
-            raise
+        return rank_lost(self._transport, self.group, self.ep_rank, where, error)
 
     def _decide(
         self,
@@ -570,7 +378,7 @@ class WorkspaceManager:
         """
         if self.agrees_across_ranks:
             self._unagreed = 0
-            action, plan = self._agree_round(
+            action, plan = self._on_group.agree(
                 LocalOutcome(
                     ep_rank=self.ep_rank,
                     layer=layer,
@@ -688,12 +496,7 @@ class WorkspaceManager:
             self._round += 1
             decision = self._propose(Requirement(capacities=call.capacities, layer=layer))
             if covered and decision.action is Action.REUSE:
-                # Embedded: the rank's own core agrees; the next agreement
-                # checks that every rank passed the same rounds.
-                self._unagreed += 1
-                self._covered += 1
-                self._reuses += 1
-                self._remember(call)
+                self._pass_embedded_covered(call)
                 return
         except Exception as error:
             if not self.agrees_across_ranks:
@@ -703,6 +506,25 @@ class WorkspaceManager:
             failure = error
         action, plan = self._decide(layer, decision, failure, this_round)
         assert call is not None  # a failure raised in _decide
+        self._execute(call, action, plan, layer)
+
+    def _pass_embedded_covered(self, call: LayerCall) -> None:
+        """Embedded: the rank's own core agrees on a covered round; the next
+        agreement checks that every rank passed the same rounds."""
+        self._unagreed += 1
+        self._covered += 1
+        self._reuses += 1
+        self._remember(call)
+
+    def _execute(self, call: LayerCall, action: Action, plan: Plan, layer: str) -> None:
+        """Does what the round decided: keeps what is built, or builds ``plan``
+        and commits it.
+
+        Raises:
+            BackendError: the backend could not build.
+            RankLost: a peer died in the post-build barrier.
+            CoordinatorError: the commit was refused or could not be sent.
+        """
         self._remember(call)
         if action is Action.REUSE:
             self._reuses += 1
@@ -710,6 +532,11 @@ class WorkspaceManager:
             return
         build_seconds = self._build(plan, action, layer, self._round)
         self._commit(self._round, plan, build_seconds)
+
+    def _remember(self, call: LayerCall) -> None:
+        """Keeps the call and its dispatch row (for the moe_ep object's description)."""
+        self.last_call = call
+        self._layouts.remember(call.layout)
 
     def _commit(self, round_number: int, plan: Plan, build_seconds: float) -> None:
         self._transport.commit(
@@ -723,14 +550,6 @@ class WorkspaceManager:
                 proof=self._group_proof or "",
             ),
         )
-
-    def _remember(self, call: LayerCall) -> None:
-        """Keeps the widest dispatch row per hidden size (for the moe_ep
-        object's description) and the call itself."""
-        self.last_call = call
-        known = self._layouts.get(call.layout.hidden_size)
-        if known is None or call.layout.activation_bytes > known.activation_bytes:
-            self._layouts[call.layout.hidden_size] = call.layout
 
     def _build(self, plan: Plan, action: Action, layer: str, round_number: int) -> float:
         """Builds ``plan`` (decided in round ``round_number``), passes the EP
@@ -753,14 +572,7 @@ class WorkspaceManager:
         build_seconds = time.perf_counter() - started
         if self._first_build_seconds is None:
             self._first_build_seconds = build_seconds
-        # Every rank must hold the new workspace before any frees the old one:
-        # peers may still read it. The EP group only; never the world.
-        self._collectives += 1
-        try:
-            dist.barrier(group=self.cpu_group)
-        except RuntimeError as error:
-            self.backend.release(handle)
-            raise self._rank_lost("the post-build barrier", error) from error
+        self._on_group.barrier_after_build(self.backend, handle)
         superseded = self._alltoall
         self._drop_communication()
         self._set_built(handle, plan)
@@ -790,43 +602,6 @@ class WorkspaceManager:
         """Returns the manager itself, as vLLM's manager does."""
         return self
 
-    def _communication_spec(self, plan: Plan) -> CommunicationSpec:
-        """How the moe_ep object describes ``plan``: the largest hidden size
-        and the widest dispatch row asked for at it, plus the extra bytes that
-        make up the plan's dispatch bytes (vLLM 0.33's own description of the
-        same union)."""
-        capacities = plan.capacities
-        hidden = capacities.combine_bytes_per_token // 2
-        activation = capacities.dispatch_bytes_per_token - routing_bytes_per_token(capacities.top_k)
-        layout = self._layouts.get(hidden)
-        if layout is not None and layout.format_bytes <= activation:
-            described: object = layout.dispatch_format
-            name = layout.format_name
-            format_bytes = layout.format_bytes
-        else:
-            # A plan wider than any layer of this process (restored from the
-            # sidecar): the format that best describes its bytes.
-            name, _ = describe_activation(hidden, activation)
-            described = name
-            format_bytes = 2 * hidden if name is None else DISPATCH_FORMAT_BYTES[name](hidden)
-        flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
-        try:
-            low_precision = bool(int(flag))
-        except ValueError as error:
-            raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
-        return CommunicationSpec(
-            ep_size=self.ep_size,
-            ep_rank=self.ep_rank,
-            num_experts=capacities.num_experts,
-            top_k=capacities.top_k,
-            max_tokens_per_rank=capacities.max_tokens,
-            hidden_size=hidden,
-            dispatch_format=described,
-            dispatch_format_name=name,
-            extra_payload_bytes_per_token=max(activation - format_bytes, 0),
-            use_low_precision_combine=low_precision,
-        )
-
     def get_communication(self) -> Any:
         """FlashInfer's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` over the
         current workspace (the reference copy of it with
@@ -854,7 +629,9 @@ class WorkspaceManager:
         if handle is None or plan is None:
             raise BackendError("get_communication() before initialize(): nothing is built")
         if self._communication is None:
-            self._communication = self.backend.communication(handle, self._communication_spec(plan))
+            self._communication = self.backend.communication(
+                handle, self._layouts.communication_spec(plan, self.ep_size, self.ep_rank)
+            )
         return self._communication
 
     @property

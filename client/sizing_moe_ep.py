@@ -153,33 +153,9 @@ def workspace_layout(
     Raises:
         LayoutError: a value FlashInfer's checks refuse, naming it.
     """
-    for name, value in (
-        ("ep_size", ep_size),
-        ("max_num_tokens", max_num_tokens),
-        ("top_k", top_k),
-        ("dispatch_bytes", dispatch_bytes),
-        ("combine_input_bytes", combine_input_bytes),
-        ("eplb_stats_num_experts", eplb_stats_num_experts),
-    ):
-        _check_int(name, value)
-    if not 0 < ep_size <= MAX_RANKS:
-        raise LayoutError(
-            f"ep_size={ep_size}: FlashInfer {FLASHINFER_VERSION} takes 1 to {MAX_RANKS}"
-        )
-    if not 0 < max_num_tokens <= _INT32_MAX:
-        raise LayoutError(f"max_num_tokens={max_num_tokens}: must be in 1..{_INT32_MAX}")
-    if not 0 < top_k <= MAX_TOP_K:
-        raise LayoutError(f"top_k={top_k}: FlashInfer {FLASHINFER_VERSION} takes 1 to {MAX_TOP_K}")
-    if not 0 <= eplb_stats_num_experts <= _INT32_MAX:
-        raise LayoutError(
-            f"eplb_stats_num_experts={eplb_stats_num_experts}: must be in 0..{_INT32_MAX}"
-        )
-    for name, value in (
-        ("dispatch_bytes", dispatch_bytes),
-        ("combine_input_bytes", combine_input_bytes),
-    ):
-        if not 0 <= value <= _INT64_MAX - WORKSPACE_ALIGNMENT:
-            raise LayoutError(f"{name}={value}: not a workspace payload capacity")
+    _check_layout_inputs(
+        ep_size, max_num_tokens, top_k, dispatch_bytes, combine_input_bytes, eplb_stats_num_experts
+    )
     dispatch_size = _align(dispatch_bytes, WORKSPACE_ALIGNMENT)
     combine_size = _align(combine_input_bytes, WORKSPACE_ALIGNMENT)
 
@@ -223,6 +199,48 @@ def workspace_layout(
         combine_input_size=combine_size,
         workspace_size=offset,
     )
+
+
+def _check_layout_inputs(
+    ep_size: int,
+    max_num_tokens: int,
+    top_k: int,
+    dispatch_bytes: int,
+    combine_input_bytes: int,
+    eplb_stats_num_experts: int,
+) -> None:
+    """FlashInfer 0.7.4's checks of :func:`workspace_layout`'s arguments.
+
+    Raises:
+        LayoutError: a value out of FlashInfer's range, or not an int, naming it.
+    """
+    for name, value in (
+        ("ep_size", ep_size),
+        ("max_num_tokens", max_num_tokens),
+        ("top_k", top_k),
+        ("dispatch_bytes", dispatch_bytes),
+        ("combine_input_bytes", combine_input_bytes),
+        ("eplb_stats_num_experts", eplb_stats_num_experts),
+    ):
+        _check_int(name, value)
+    if not 0 < ep_size <= MAX_RANKS:
+        raise LayoutError(
+            f"ep_size={ep_size}: FlashInfer {FLASHINFER_VERSION} takes 1 to {MAX_RANKS}"
+        )
+    if not 0 < max_num_tokens <= _INT32_MAX:
+        raise LayoutError(f"max_num_tokens={max_num_tokens}: must be in 1..{_INT32_MAX}")
+    if not 0 < top_k <= MAX_TOP_K:
+        raise LayoutError(f"top_k={top_k}: FlashInfer {FLASHINFER_VERSION} takes 1 to {MAX_TOP_K}")
+    if not 0 <= eplb_stats_num_experts <= _INT32_MAX:
+        raise LayoutError(
+            f"eplb_stats_num_experts={eplb_stats_num_experts}: must be in 0..{_INT32_MAX}"
+        )
+    for name, value in (
+        ("dispatch_bytes", dispatch_bytes),
+        ("combine_input_bytes", combine_input_bytes),
+    ):
+        if not 0 <= value <= _INT64_MAX - WORKSPACE_ALIGNMENT:
+            raise LayoutError(f"{name}={value}: not a workspace payload capacity")
 
 
 def _format_bytes(dispatch_format: str, hidden_size: int) -> int:

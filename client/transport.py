@@ -27,12 +27,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_sidecar.client.embedded_transport import EmbeddedTransport
 from moe_sidecar.client.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -42,18 +42,13 @@ from moe_sidecar.client.errors import (
     error_from_rpc,
 )
 from moe_sidecar.client.session import SessionStream
-from moe_sidecar.core import policy
 from moe_sidecar.core.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
-from moe_sidecar.core.effects import Wait
 from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
-    GroupState,
     Proposal,
     RankSummary,
-    Refusal,
 )
-from moe_sidecar.core.identity import lifetime_id, proof_id
 from moe_sidecar.wire.address import AddressError, parse_listen_address
 from moe_sidecar.wire.codec import (
     commit_to_proto,
@@ -526,133 +521,6 @@ def _unimplemented(failure: grpc.RpcError | SessionStatus) -> bool:
         else getattr(failure, "code", lambda: None)()
     )
     return bool(code is grpc.StatusCode.UNIMPLEMENTED)
-
-
-# --- embedded --------------------------------------------------------------
-
-
-class EmbeddedTransport:
-    """The decision core in this process, one group state per group name.
-
-    Each rank decides alone (its proposals say ``local_ranks=1``), exactly as
-    a sidecar would for a group with one rank on the node; the manager's
-    agreement step then makes the EP group's ranks agree.
-
-    Args:
-        round_timeout: passed to the core; a round with one local rank closes
-            at once, so it never expires.
-        clock: seconds on a monotonic clock (the core takes time as an argument).
-    """
-
-    def __init__(
-        self, *, round_timeout: float = 60.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.round_timeout = round_timeout
-        self._clock = clock
-        self._groups: dict[str, GroupState] = {}
-        self._answers: deque[Decision | CoordinatorError] = deque()
-
-    @property
-    def rpc_count(self) -> int:
-        return 0
-
-    @property
-    def unanswered(self) -> int:
-        return len(self._answers)
-
-    def propose_later(self, proposal: Proposal) -> None:
-        """Decides at once (in-process nothing waits); the decision comes from
-        :meth:`next_answer`."""
-        try:
-            self._answers.append(self.propose(proposal))
-        except CoordinatorError as error:
-            self._answers.append(error)
-
-    def next_answer(self) -> Decision:
-        """See :meth:`Transport.next_answer`.
-
-        Raises:
-            CoordinatorError: the oldest message's typed error.
-            InternalError: nothing is unanswered.
-        """
-        if not self._answers:
-            raise InternalError("next_answer() with nothing unanswered")
-        answer = self._answers.popleft()
-        if isinstance(answer, CoordinatorError):
-            raise answer
-        return answer
-
-    @property
-    def embedded(self) -> bool:
-        return True
-
-    def group_state(self, group: str) -> GroupState | None:
-        """What the in-process core knows of ``group`` (for inspection)."""
-        return self._groups.get(group)
-
-    def propose(self, proposal: Proposal) -> Decision:
-        """See :meth:`Transport.propose`.
-
-        Raises:
-            InvalidArgument: a malformed proposal.
-            PreconditionFailed: another top_k/num_experts than the plan, a
-                round out of sequence.
-            InternalError: the core left the round open although this rank is
-                its only local rank (``local_ranks`` must be 1 here).
-        """
-        proposal = _past_boundary(proposal)
-        step = policy.propose(
-            self._groups.get(proposal.group), proposal, self._clock(), self.round_timeout
-        )
-        # In-process there is nobody to answer, persist to or notify: the
-        # step's state and reply are all that matter.
-        self._groups[proposal.group] = step.state
-        reply = step.reply
-        if isinstance(reply, Wait) or reply is None:
-            raise InternalError(
-                f"embedded round {proposal.round} of group {proposal.group!r} waits for other "
-                f"local ranks (local_ranks={proposal.local_ranks}); embedded mode decides "
-                "each rank alone and needs local_ranks=1"
-            )
-        if isinstance(reply, Refusal):
-            raise reply.error()
-        return reply
-
-    def commit(self, group: str, record: CommitRecord) -> None:
-        """See :meth:`Transport.commit`.
-
-        Raises:
-            PreconditionFailed: the rank or round is unknown to the core.
-            PermissionDenied: the commit's group proof is not the lifetime's.
-            InvalidArgument: a malformed field.
-            InternalError: ``group`` never proposed here.
-        """
-        state = self._groups.get(group)
-        if state is None:
-            raise InternalError(f"embedded commit for group {group!r}, which never proposed")
-        record = replace(
-            record, lifetime=lifetime_id(record.lifetime), proof=proof_id(record.proof)
-        )
-        step = policy.commit(state, record, self._clock())
-        self._groups[group] = step.state
-        if isinstance(step.reply, Refusal):
-            raise step.reply.error()
-
-    def gone_ranks(self, group: str) -> list[RankSummary]:
-        """Always empty: in-process, no rank's departure is seen."""
-        return []
-
-    def close(self) -> None:
-        """Forgets the answers not yet read."""
-        self._answers.clear()
-
-
-def _past_boundary(proposal: Proposal) -> Proposal:
-    """The in-process boundary: the core sees the lifetime's and the group
-    proof's ids, never their tokens."""
-    return replace(
-        proposal, lifetime=lifetime_id(proposal.lifetime), proof=proof_id(proposal.proof)
-    )
 
 
 def transport_for(

@@ -13,18 +13,22 @@ PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
 """``archs.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
 
 
+_DESCRIPTION = (
+    "Compile FlashInfer's all-to-all module (the one the client's flashinfer backend "
+    "loads: mnnvl_moe_alltoall with flashinfer-python 0.7.2.post1, "
+    "nvlink_one_sided_alltoall with 0.7.4) into FlashInfer's JIT cache ahead of time, "
+    "with nvcc and no GPU, so an inference process finds it instead of compiling it for "
+    "minutes. A module already in the cache is not built again. Needs the client and a "
+    "flashinfer extra (from a checkout: pip install '.[client,flashinfer]' or "
+    "'.[client,flashinfer074]'), nvcc, ninja and "
+    "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
+    "flag or a missing prerequisite, 130 interrupted."
+)
+"""What ``moe-sidecar prewarm --help`` says the command does."""
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Compile FlashInfer's all-to-all module (the one the client's flashinfer backend "
-        "loads: mnnvl_moe_alltoall with flashinfer-python 0.7.2.post1, "
-        "nvlink_one_sided_alltoall with 0.7.4) into FlashInfer's JIT cache ahead of time, "
-        "with nvcc and no GPU, so an inference process finds it instead of compiling it for "
-        "minutes. A module already in the cache is not built again. Needs the client and a "
-        "flashinfer extra (from a checkout: pip install '.[client,flashinfer]' or "
-        "'.[client,flashinfer074]'), nvcc, ninja and "
-        "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
-        "flag or a missing prerequisite, 130 interrupted."
-    )
+    parser.description = _DESCRIPTION
     parser.add_argument(
         "--arch",
         action="append",

@@ -136,32 +136,9 @@ def plan_sizes(
             unknown release, EP size above its ``kMaxRanks``, top_k above 22,
             a non-positive size, no ``--dispatch``.
     """
-    if release not in RELEASES:
-        raise SizeError(f"--flashinfer={release!r}: must be one of {', '.join(RELEASES)}")
-    for flag, value in (
-        ("--ep", ep_size),
-        ("--tokens", tokens),
-        ("--hidden", hidden),
-        ("--top-k", top_k),
-        ("--experts", experts),
-    ):
-        _positive(flag, value)
-    if ep_size > _MAX_RANKS[release]:
-        raise SizeError(
-            f"--ep={ep_size}: FlashInfer {release} takes at most {_MAX_RANKS[release]} ranks"
-        )
-    if top_k > KMAX_TOP_K:
-        raise SizeError(f"--top-k={top_k}: FlashInfer takes at most {KMAX_TOP_K}")
-    if top_k > experts:
-        raise SizeError(f"--top-k={top_k}: exceeds --experts={experts}")
-    if eplb_experts < 0:
-        raise SizeError(f"--eplb-experts={eplb_experts}: must be non-negative")
-    if extra_bytes < 0:
-        raise SizeError(f"--extra-bytes={extra_bytes}: must be non-negative")
-    if tokens > 2**31 - 1:
-        raise SizeError(f"--tokens={tokens}: FlashInfer holds it in an int32")
-    if not dispatch:
-        raise SizeError("--dispatch: give at least one layer kind")
+    _check_flags(
+        release, ep_size, tokens, hidden, top_k, experts, dispatch, eplb_experts, extra_bytes
+    )
 
     layers: list[LayerSize] = []
     needs: list[Capacities] = []
@@ -195,15 +172,83 @@ def plan_sizes(
         workspace = _workspace(release, union, ep_size)
     except sizing_moe_ep.LayoutError as error:
         raise SizeError(str(error)) from error
+    refusals.extend(_plan_refusals(release, union, ep_size, top_k, experts, eplb_experts))
+    return SizeAnswer(
+        flashinfer=release,
+        ep_size=ep_size,
+        capacities=union,
+        workspace_bytes_per_rank=workspace,
+        layers=tuple(layers),
+        kept_superseded_bytes_per_rank=_kept_bytes(release, needs, ep_size),
+        refusals=tuple(refusals),
+        described_as=sizing_moe_ep.describe(union) if release == "0.7.4" else None,
+    )
 
-    # A manager that never frees: every growth in the given order stays mapped.
+
+def _check_flags(
+    release: str,
+    ep_size: int,
+    tokens: int,
+    hidden: int,
+    top_k: int,
+    experts: int,
+    dispatch: tuple[str, ...],
+    eplb_experts: int,
+    extra_bytes: int,
+) -> None:
+    """Refuses the flags no release or not ``release`` can take.
+
+    Raises:
+        SizeError: an unknown release, a non-positive size, EP size above the
+            release's ``kMaxRanks``, top_k above 22 or above the experts, a
+            negative ``--eplb-experts`` or ``--extra-bytes``, tokens beyond an
+            int32, no ``--dispatch``.
+    """
+    if release not in RELEASES:
+        raise SizeError(f"--flashinfer={release!r}: must be one of {', '.join(RELEASES)}")
+    for flag, value in (
+        ("--ep", ep_size),
+        ("--tokens", tokens),
+        ("--hidden", hidden),
+        ("--top-k", top_k),
+        ("--experts", experts),
+    ):
+        _positive(flag, value)
+    if ep_size > _MAX_RANKS[release]:
+        raise SizeError(
+            f"--ep={ep_size}: FlashInfer {release} takes at most {_MAX_RANKS[release]} ranks"
+        )
+    if top_k > KMAX_TOP_K:
+        raise SizeError(f"--top-k={top_k}: FlashInfer takes at most {KMAX_TOP_K}")
+    if top_k > experts:
+        raise SizeError(f"--top-k={top_k}: exceeds --experts={experts}")
+    if eplb_experts < 0:
+        raise SizeError(f"--eplb-experts={eplb_experts}: must be non-negative")
+    if extra_bytes < 0:
+        raise SizeError(f"--extra-bytes={extra_bytes}: must be non-negative")
+    if tokens > 2**31 - 1:
+        raise SizeError(f"--tokens={tokens}: FlashInfer holds it in an int32")
+    if not dispatch:
+        raise SizeError("--dispatch: give at least one layer kind")
+
+
+def _kept_bytes(release: str, needs: list[Capacities], ep_size: int) -> int:
+    """Bytes per rank a manager that never frees keeps mapped: every growth in
+    the given order stays."""
     kept, built = 0, None
     for need in needs:
         grown = need if built is None else join_capacities(built, need)
         if built is None or grown != built:
             kept += _workspace(release, grown, ep_size)
             built = grown
+    return kept
 
+
+def _plan_refusals(
+    release: str, union: Capacities, ep_size: int, top_k: int, experts: int, eplb_experts: int
+) -> list[str]:
+    """What the sidecar and FlashInfer ``release`` would refuse of the plan."""
+    refusals: list[str] = []
     if ep_size > MAX_EP_SIZE:
         refusals.append(f"sidecar: ep_size={ep_size}: {EP_SIZE_REASON}")
     try:
@@ -219,13 +264,4 @@ def plan_sizes(
             else ()
         )
     refusals.extend(f"FlashInfer {release}: {reason}" for reason in reasons)
-    return SizeAnswer(
-        flashinfer=release,
-        ep_size=ep_size,
-        capacities=union,
-        workspace_bytes_per_rank=workspace,
-        layers=tuple(layers),
-        kept_superseded_bytes_per_rank=kept,
-        refusals=tuple(refusals),
-        described_as=sizing_moe_ep.describe(union) if release == "0.7.4" else None,
-    )
+    return refusals

@@ -1,0 +1,99 @@
+"""Every collective a manager issues on its EP group's CPU group, counted, with
+a peer's death in one turned into :class:`~moe_sidecar.client.errors.RankLost`.
+
+The backend's own build collectives are not here (nor counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
+from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend
+from moe_sidecar.client.construction import local_ranks_of
+from moe_sidecar.client.errors import BackendError, RankLost
+from moe_sidecar.core.plan import Action, Plan
+
+__all__ = ["GroupCollectives"]
+
+
+class GroupCollectives:
+    """The manager's collectives on ``cpu_group``; ``count`` says how many it issued.
+
+    Args:
+        cpu_group: the EP group's CPU (gloo) process group.
+        group: the EP group's name (in the agreement's errors).
+        lost: the typed error for a collective that failed because a peer
+            died, given where it failed and the backend's error (it asks the
+            manager's transport who left).
+    """
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        group: str,
+        lost: Callable[[str, RuntimeError], RankLost],
+    ) -> None:
+        self._cpu_group = cpu_group
+        self._group = group
+        self._lost = lost
+        self.count = 0
+
+    def local_ranks(self, explicit: int | None, ep_size: int, ep_rank: int) -> int:
+        """See :func:`~moe_sidecar.client.construction.local_ranks_of`.
+
+        Raises:
+            InvalidArgument: a bad ``MOE_SIDECAR_LOCAL_RANKS`` or count.
+        """
+        local, exchanges = local_ranks_of(explicit, self._cpu_group, ep_size, ep_rank)
+        self.count += exchanges
+        return local
+
+    def share_secret(self) -> str:
+        """The group's proof for a lifetime, drawn by rank 0 and shared.
+
+        Raises:
+            RankLost: a peer died in the exchange.
+        """
+        self.count += 1
+        try:
+            return share_group_secret(self._cpu_group)
+        except RuntimeError as error:
+            raise self._lost("sharing the group's proof", error) from error
+
+    def agree(self, outcome: LocalOutcome) -> tuple[Action, Plan]:
+        """The round's agreed action and plan
+        (:func:`~moe_sidecar.client.agreement.agree_round`).
+
+        Raises:
+            RankLost: a peer died in the all-gather.
+            AgreementError: the ranks are out of step or one failed.
+            BackendError: raised as it came.
+        """
+        self.count += 1
+        try:
+            return agree_round(self._cpu_group, outcome, group_name=self._group)
+        except RuntimeError as error:
+            if isinstance(error, BackendError):
+                raise
+            raise self._lost("the agreement", error) from error
+        except BaseException:
+            self.count += 1  # the all_gather_object naming who failed
+            raise
+
+    def barrier_after_build(self, backend: AlltoAllBackend, handle: AlltoAll) -> None:
+        """Waits until every rank holds its new workspace ``handle`` (built by
+        ``backend``); a rank frees the old one only after, as peers may still
+        read it. The EP group only; never the world.
+
+        Raises:
+            RankLost: a peer died in the barrier (``handle`` is released first).
+        """
+        self.count += 1
+        try:
+            dist.barrier(group=self._cpu_group)
+        except RuntimeError as error:
+            backend.release(handle)
+            raise self._lost("the post-build barrier", error) from error
