@@ -216,7 +216,7 @@ class Coordinator:
         self._groups[name] = step.state
         if before is None:
             self.metrics.groups.set(len(self._groups))
-        self._observer.update_gauges(step.state)
+        self._observer.update_gauges(step.state, before)
         for effect in step.effects:
             if isinstance(effect, Answer):
                 self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)

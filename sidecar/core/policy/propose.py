@@ -44,13 +44,13 @@ from moe_sidecar.core.policy.rounds import (
     decide_round,
     displace,
     new_group,
+    ranks_with,
     refuse_proof,
     refuse_round,
     why_cannot_join,
     with_proposal,
-    with_rank,
 )
-from moe_sidecar.core.policy.validation import validate_proposal
+from moe_sidecar.core.policy.validation import validate_known_proposal, validate_proposal
 
 __all__ = ["propose"]
 
@@ -242,12 +242,22 @@ def _join_round(
             )
         return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
 
-    record = replace(
-        admitted.record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now, left=""
+    known = admitted.record
+    record = RankRecord(
+        ep_rank=known.ep_rank,
+        lifetime=known.lifetime,
+        lifetime_index=known.lifetime_index,
+        last_round=p.round,
+        last_layer=p.requirement.layer,
+        last_seen=now,
+        committed_generation=known.committed_generation,
+        build_seconds=known.build_seconds,
     )
-    state = with_rank(state, record)
-    gone = [r for r in state.current_ranks() if r.left]
+    # The group is copied once below, with the rank's record and the round.
+    ranks = ranks_with(state.ranks, record)
+    gone = [r for r in ranks if r.left and r.lifetime_index == state.lifetime_index]
     if gone:
+        state = replace(state, ranks=ranks)
         message = (
             f"round {p.round} of group {quote_name(p.group)} cannot close: "
             + "; ".join(gone_text(r) for r in gone)
@@ -259,7 +269,7 @@ def _join_round(
         if not single_proof(with_proposal(rnd, p)):
             # Beside another proof's proposals, a conflict refuses only its maker.
             raise PreconditionFailed(conflict)
-        return refuse_round(state, rnd, p, conflict, now, effects)
+        return refuse_round(replace(state, ranks=ranks), rnd, p, conflict, now, effects)
 
     return _add_proposal(state, rnd, p, now, effects, node, ceiling)
 
@@ -284,13 +294,13 @@ def _add_proposal(
     )
     if not full:
         opens = state.open_round is None
-        state = replace(state, open_round=rnd)
+        state = replace(state, ranks=ranks, open_round=rnd)
         return Step(
             state,
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
-    return decide_round(state, rnd, p, now, effects, node, ceiling)
+    return decide_round(replace(state, ranks=ranks), rnd, p, now, effects, node, ceiling)
 
 
 def propose(
@@ -326,11 +336,22 @@ def propose(
             state unchanged.
         RoundAborted: the rank belongs to a lifetime the group has left.
     """
-    validate_proposal(p, ceiling)
+    record = state.rank(p.ep_rank) if state is not None else None
+    if (
+        state is not None
+        and record is not None
+        and record.lifetime == p.lifetime
+        and p.group == state.name
+        and p.ep_size == state.ep_size
+        and p.local_ranks == state.local_ranks
+    ):
+        # A lifetime the group knows: only its round and requirement can be new.
+        validate_known_proposal(p, ceiling, proof_known=p.proof == state.proof)
+    else:
+        validate_proposal(p, ceiling)
     if state is None:
         state = new_group(p.group, p.ep_size, p.local_ranks)
     _check_layout(state, p)
-    record = state.rank(p.ep_rank)
     if record is None or record.lifetime != p.lifetime:
         admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node, ceiling)
     else:
