@@ -22,7 +22,6 @@ have its shape, never what the ending lifetime built.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 from moe_sidecar.core import limits
@@ -117,8 +116,10 @@ def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
         ShapeMismatch: ``p`` has another shape than the round (callers check first).
     """
     capacities = p.requirement.capacities
-    if rnd.need is None:
-        need = capacities
+    if rnd.need is None or rnd.need == capacities:
+        # (The join of equal capacities is either: the common case, every
+        # rank at the same layer, makes no copy.)
+        need = capacities if rnd.need is None else rnd.need
     elif rnd.need.shape == capacities.shape:
         need = join_capacities(rnd.need, capacities)
     else:
@@ -154,7 +155,11 @@ def round_need(rnd: OpenRound) -> Capacities:
     Raises:
         ShapeMismatch: proposals of different shapes (callers check first).
     """
-    return functools.reduce(join_capacities, (q.requirement.capacities for q in rnd.proposals))
+    need = rnd.proposals[0].requirement.capacities
+    for q in rnd.proposals[1:]:
+        if q.requirement.capacities != need:  # the join of equal capacities is either
+            need = join_capacities(need, q.requirement.capacities)
+    return need
 
 
 def record_outcome(state: GroupState, outcome: Outcome) -> GroupState:
