@@ -474,6 +474,7 @@ class Coordinator:
                 f"cannot remove group {quote_name(name)}: {error}"
             ) from error
         del self._groups[name]
+        self._recovered.discard(name)
         self._removed.add(name)
         self._dirty.discard(name)
         self._timers.set(name, None)
