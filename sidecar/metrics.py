@@ -93,6 +93,11 @@ class GroupSeries:
             self.workspace_bytes.set(workspace_bytes)
             self.waiting_ranks.set(waiting_ranks)
 
+    def set_waiting(self, waiting_ranks: int) -> None:
+        """The group's waiting ranks alone (not for ``_other``)."""
+        if self.waiting_ranks is not None:
+            self.waiting_ranks.set(waiting_ranks)
+
 
 class SidecarMetrics:
     """Every series the sidecar exports; the state holder and the servers update it.

@@ -2,7 +2,8 @@
 
 The state holder hands it every event a step publishes and every group
 state it keeps; it turns them into the group's metrics series and one log
-line per event, chosen by the event's kind from one table.
+line per event, chosen by the event's kind from one table (a round decided
+REUSE is logged at DEBUG, every other event at INFO or above).
 """
 
 from __future__ import annotations
@@ -73,11 +74,22 @@ class EventObserver:
         if handler is not None:
             handler(event, fields, series)
 
-    def update_gauges(self, state: GroupState) -> None:
-        """Sets the group's workspace bytes and waiting-ranks gauges from ``state``."""
+    def update_gauges(self, state: GroupState, before: GroupState | None = None) -> None:
+        """Sets the group's workspace bytes and waiting-ranks gauges from ``state``.
+
+        With ``before`` (the group's state before the step), only what moved:
+        the waiting-ranks count, and the workspace bytes when the plan or the
+        EP size changed.
+        """
+        waiting = len(state.open_round.proposals) if state.open_round is not None else 0
+        if before is not None and before.plan is state.plan and before.ep_size == state.ep_size:
+            before_waiting = len(before.open_round.proposals) if before.open_round else 0
+            if waiting != before_waiting:
+                self._metrics.group(state.name).set_waiting(waiting)
+            return
         self._metrics.group(state.name).set_sizes(
             state.plan.capacities.workspace_bytes(state.ep_size) if state.plan is not None else 0,
-            len(state.open_round.proposals) if state.open_round is not None else 0,
+            waiting,
         )
 
     def _workspace_bytes(self, event: GroupEvent) -> int:
@@ -91,8 +103,15 @@ class EventObserver:
         series.round_closed(event.action.value)
         if event.action is Action.REBUILD:
             series.rebuilds.inc()
+        # A REUSE round (every covered layer) is the common case and tells an
+        # operator nothing new: DEBUG, and not even formatted unless enabled.
+        # Growths, rebuilds and every refusal stay at INFO or above.
+        level = logging.DEBUG if event.action is Action.REUSE else logging.INFO
+        if not _log.isEnabledFor(level):
+            return
         capacities = event.plan.capacities
-        _log.info(
+        _log.log(
+            level,
             "round decided",
             extra={
                 **fields,

@@ -37,7 +37,7 @@ from moe_sidecar.wire.codec import (
     page_token_to_proto,
     proposal_from_proto,
     session_committed_to_proto,
-    session_decision_to_proto,
+    session_decision_wire,
     session_error_to_proto,
     summary_to_proto,
 )
@@ -188,29 +188,31 @@ class CoordinatorServicer:
         self._errors = errors
         self._max_page_size = max_page_size
         self._pending = _PendingResponses(max_pending_response_bytes, coordinator.metrics)
-        self._encoded: tuple[Decision, int, pb.ProposeResponse] | None = None
+        self._encoded: tuple[Decision, int, bytes] | None = None
         self._sessions = _OpenSessions()
 
-    def _decision_proto(self, decision: Decision, ep_size: int) -> pb.ProposeResponse:
-        """The wire form of ``decision``, encoded once per round: every rank
-        of a round is answered with the same Decision object. Read-only: the
-        callers copy it into their answer or hand it to gRPC to serialize."""
+    def _decision_bytes(self, decision: Decision, ep_size: int) -> bytes:
+        """The serialized wire form of ``decision``, encoded once per round:
+        every rank of a round is answered with the same Decision object, and
+        these bytes go out as they are (the handlers' serializers pass bytes
+        through)."""
         encoded = self._encoded
         if encoded is None or encoded[0] is not decision or encoded[1] != ep_size:
-            encoded = self._encoded = (decision, ep_size, decision_to_proto(decision, ep_size))
+            wire = decision_to_proto(decision, ep_size).SerializeToString()
+            encoded = self._encoded = (decision, ep_size, wire)
         return encoded[2]
 
-    async def Propose(self, data: bytes, context: _Context) -> pb.ProposeResponse:
+    async def Propose(self, data: bytes, context: _Context) -> bytes:
         return await self._errors.unary(context, "Propose", self._propose(data))
 
-    async def _propose(self, data: bytes) -> pb.ProposeResponse:
+    async def _propose(self, data: bytes) -> bytes:
         request = decode_request(pb.ProposeRequest, data)
         decision = await self._coordinator.propose(proposal_from_proto(request))
-        return self._decision_proto(decision, request.ep_size)
+        return self._decision_bytes(decision, request.ep_size)
 
     async def Session(
         self, requests: AsyncIterator[bytes], context: _Context
-    ) -> AsyncIterator[pb.SessionResponse]:
+    ) -> AsyncIterator[pb.SessionResponse | bytes]:
         """One rank's session: each message answered in turn; the stream's end
         is the rank's departure.
 
@@ -246,7 +248,10 @@ class CoordinatorServicer:
                 if binding is None:
                     in_flight = identity
                 response = await self._session_answer(request, context)
-                if binding is None and not response.HasField("error"):
+                # A decision comes serialized (bytes): never an error.
+                if binding is None and (
+                    isinstance(response, bytes) or not response.HasField("error")
+                ):
                     binding = identity
                 in_flight = None
                 yield response
@@ -267,7 +272,7 @@ class CoordinatorServicer:
 
     async def _session_answer(
         self, request: pb.SessionRequest, context: _Context
-    ) -> pb.SessionResponse:
+    ) -> pb.SessionResponse | bytes:
         """The answer to one session message (an error answer, not an error
         status, when the coordinator refuses it)."""
         if request.WhichOneof("message") == "propose":
@@ -280,10 +285,10 @@ class CoordinatorServicer:
             return session_error_to_proto(request.id, committed[0].name, committed[1])
         return session_committed_to_proto(request.id)
 
-    async def _propose_message(self, request: pb.SessionRequest) -> pb.SessionResponse:
+    async def _propose_message(self, request: pb.SessionRequest) -> bytes:
         decision = await self._coordinator.propose(proposal_from_proto(request.propose))
-        return session_decision_to_proto(
-            request.id, self._decision_proto(decision, request.propose.ep_size)
+        return session_decision_wire(
+            request.id, self._decision_bytes(decision, request.propose.ep_size)
         )
 
     async def Commit(self, data: bytes, context: _Context) -> pb.CommitResponse:
@@ -378,6 +383,17 @@ def _identity(request: pb.SessionRequest) -> _Identity:
     return inner.group, inner.ep_rank, lifetime_id(inner.lifetime)
 
 
+def _serializer(message: type[Message]) -> Callable[[Message | bytes], bytes]:
+    """``message``'s serializer, passing bytes already serialized (a round's
+    decision, encoded once for all its ranks) through as they are."""
+    to_bytes = message.SerializeToString
+
+    def serialize(response: Message | bytes) -> bytes:
+        return response if isinstance(response, bytes) else to_bytes(response)
+
+    return serialize
+
+
 def coordinator_handler(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:
     """The service's method handlers, made from its descriptor: every method of
     the ``.proto`` is served, each taking its request's raw bytes.
@@ -388,7 +404,7 @@ def coordinator_handler(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in SERVICE.methods:
         behaviour: Callable[..., Any] = getattr(servicer, method.name)
-        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        serialize = _serializer(message_factory.GetMessageClass(method.output_type))
         if method.client_streaming and method.server_streaming:
             make = grpc.stream_stream_rpc_method_handler
         elif method.client_streaming:

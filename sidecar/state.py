@@ -22,11 +22,16 @@ wakes the replica, which pushes it without holding anyone up; plans decided
 on other nodes come back through :meth:`Coordinator.merge`, one more step of
 the core.
 
-A step that answers anyone (a closed round, an aborted round, a commit, a
-reset, a timeout) persists. A proposal that only joins a round answers
-nobody, so its state is marked dirty and rides along with the next write of
-its group (or the flush at close); losing it to a crash loses nothing a rank
-was told, and the rank's retry rebuilds it.
+A step that changes what a restart needs (a round that builds, grows or is
+refused, an aborted round, a commit, a reset, a timeout, a merge) persists.
+A proposal that only joins a round answers nobody, and a round decided
+REUSE changes only the retained outcomes and the ranks' last rounds: their
+state is marked dirty and rides along with the next write of its group (or
+the flush at close). Losing it to a crash loses nothing a restart cannot
+re-derive: a joining rank's retry rebuilds its proposal, and ranks past
+rounds that closed REUSE unwritten catch the group up
+(:mod:`moe_sidecar.core.policy.recovery`: every group read from the store
+is handed to the core as ``recovered`` until a round of it is decided).
 """
 
 from __future__ import annotations
@@ -136,6 +141,10 @@ class Coordinator:
         self._removed: set[str] = store.removed()
         """Groups an admin removed here: the cluster store's copy stays out."""
         self._dirty: set[str] = set()
+        self._recovered: set[str] = set(self._groups)
+        """Groups read from their rows with no round decided since: a row
+        may lag the rounds that closed REUSE unwritten (see
+        :mod:`moe_sidecar.core.policy.recovery`)."""
         self._waiters = RoundWaiters()
         self._timers = RoundTimers(clock, self._on_timer)
         self._watchers = Watchers(watch_queue_limit, max_watchers)
@@ -216,7 +225,7 @@ class Coordinator:
         self._groups[name] = step.state
         if before is None:
             self.metrics.groups.set(len(self._groups))
-        self._observer.update_gauges(step.state)
+        self._observer.update_gauges(step.state, before)
         for effect in step.effects:
             if isinstance(effect, Answer):
                 self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
@@ -293,11 +302,17 @@ class Coordinator:
             self._round_timeout,
             node=self.node,
             ceiling=self._ceiling,
+            recovered=proposal.group in self._recovered,
         )
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
         self._execute(step, before)
         reply = step.reply
+        if isinstance(reply, Decision) and (
+            before is None or reply.round > before.last_closed_round
+        ):
+            # Every local rank proposed this round: none is behind the state any more.
+            self._recovered.discard(proposal.group)
         if isinstance(reply, Wait):
             assert self._loop is not None, "Coordinator.start() was not called"
             key = (reply.lifetime_index, reply.round)
@@ -459,6 +474,7 @@ class Coordinator:
                 f"cannot remove group {quote_name(name)}: {error}"
             ) from error
         del self._groups[name]
+        self._recovered.discard(name)
         self._removed.add(name)
         self._dirty.discard(name)
         self._timers.set(name, None)

@@ -16,8 +16,10 @@ executes them and never compares states to find out what happened:
   alone). The executor records it as pending with the step's :class:`Persist`,
   so what a store missed is pushed when it returns.
 
-A step without :class:`Persist` answers nobody; its state rides along with
-the group's next write.
+A step without :class:`Persist` answers nobody, or answers a round decided
+REUSE (which changes nothing a restart cannot re-derive:
+:mod:`moe_sidecar.core.policy.recovery`); its state rides along with the
+group's next write.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ __all__ = [
     "session_commit_to_proto",
     "session_committed_to_proto",
     "session_decision_to_proto",
+    "session_decision_wire",
     "session_error_to_proto",
     "session_propose_to_proto",
     "summary_from_proto",
@@ -445,6 +446,33 @@ def session_commit_to_proto(message_id: int, group: str, record: CommitRecord) -
 def session_decision_to_proto(message_id: int, decision: pb.ProposeResponse) -> pb.SessionResponse:
     """The answer to a session's proposal: its decision (see :func:`decision_to_proto`)."""
     return pb.SessionResponse(id=message_id, decision=decision)
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(message: type[Message], field: str, wire_type: int) -> bytes:
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
+
+
+_SESSION_ID_TAG = _tag(pb.SessionResponse, "id", 0)
+_SESSION_DECISION_TAG = _tag(pb.SessionResponse, "decision", 2)
+
+
+def session_decision_wire(message_id: int, decision: bytes) -> bytes:
+    """The serialized answer to a session's proposal, from its decision's
+    serialized ``ProposeResponse``: the same bytes as serializing
+    :func:`session_decision_to_proto`, without copying or encoding the
+    decision again (every rank of a round gets the same one)."""
+    head = _SESSION_ID_TAG + _varint(message_id) if message_id else b""
+    return head + _SESSION_DECISION_TAG + _varint(len(decision)) + decision
 
 
 def session_committed_to_proto(message_id: int) -> pb.SessionResponse:

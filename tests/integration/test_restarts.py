@@ -10,6 +10,9 @@ socket.
   ``--round-timeout``: the rank's retry and its peer complete the round;
   nobody gets DEADLINE_EXCEEDED, no present rank is named missing.
 * The same after ``kill -9``, when a Commit had saved the open round.
+* ``kill -9`` after rounds decided REUSE (which are not written): the ranks'
+  next round catches the stored group up, decided REUSE for both, and the
+  plan and the commits stay as recorded.
 * The client's retry window: a sidecar stopped for 25 s is reached within
   about a second of its return, inside the documented 30 s.
 * One zero-window Health/Watch stream (a real HTTP/2 peer that never opens
@@ -228,6 +231,35 @@ def test_kill_9_after_a_commit_saved_the_open_round_fails_nobody(
         for rank in ranks:
             rank.close()
     assert [(d.round, d.action) for d in decisions] == [(2, Action.REUSE)] * 2
+    _assert_nobody_timed_out(sidecar)
+
+
+def test_kill_9_after_unwritten_reuse_rounds_the_next_round_catches_up(
+    tmp_path: Path, sidecars: list[SidecarProcess]
+) -> None:
+    sidecar = SidecarProcess(tmp_path, "--round-timeout", str(ROUND_TIMEOUT))
+    sidecars.append(sidecar.start())
+    group = "restart-reuse:fp4/tp1-ep2/pp0"
+    ranks = [Rank(sidecar.target, group, r, 2) for r in range(2)]
+    try:
+        first = _decided([rank.propose(1) for rank in ranks], timeout=30)
+        for rank, decision in zip(ranks, first, strict=True):
+            rank.commit(decision)
+        for rnd in (2, 3, 4):
+            reused = _decided([rank.propose(rnd) for rank in ranks], timeout=30)
+            assert [(d.round, d.action) for d in reused] == [(rnd, Action.REUSE)] * 2
+        stored = sidecar.group(group)
+        sidecar.stop(signal.SIGKILL)  # rounds 2-4 were never written
+        sidecar.start()
+        decisions = _decided([rank.propose(5) for rank in ranks], timeout=30)
+        after = sidecar.group(group)
+    finally:
+        for rank in ranks:
+            rank.close()
+    assert [(d.round, d.action) for d in decisions] == [(5, Action.REUSE)] * 2
+    assert after.plan == stored.plan and list(after.history) == list(stored.history)
+    assert after.last_closed_round == 5
+    assert [r.committed_generation for r in after.ranks] == [first[0].plan.generation] * 2
     _assert_nobody_timed_out(sidecar)
 
 

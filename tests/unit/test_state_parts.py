@@ -101,3 +101,24 @@ def test_the_observer_counts_and_logs_each_kind(caplog: pytest.LogCaptureFixture
     assert sample("moe_sidecar_rebuilds_total", {"group": "g"}) == 1
     assert sample("moe_sidecar_rounds_total", {"group": "g", "action": "rebuild"}) == 1
     assert sample("moe_sidecar_rounds_total", {"group": "g", "action": "timed_out"}) == 1
+
+
+def test_a_reuse_round_is_logged_at_debug_a_build_at_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics = SidecarMetrics()
+    observer = EventObserver(metrics, lambda group: 2)
+    caplog.set_level(logging.INFO, logger="moe_sidecar.state")
+    for number, action in ((1, Action.BUILD), (2, Action.REUSE)):
+        observer.observe(
+            GroupEvent("g", EventKind.ROUND_DECIDED, 1.0, round=number, action=action, plan=PLAN)
+        )
+    assert [(r.levelname, r.__dict__["action"]) for r in caplog.records] == [("INFO", "build")]
+    caplog.clear()
+    caplog.set_level(logging.DEBUG, logger="moe_sidecar.state")
+    observer.observe(
+        GroupEvent("g", EventKind.ROUND_DECIDED, 1.0, round=3, action=Action.REUSE, plan=PLAN)
+    )
+    assert [(r.levelname, r.__dict__["round"]) for r in caplog.records] == [("DEBUG", 3)]
+    sample = metrics.registry.get_sample_value
+    assert sample("moe_sidecar_rounds_total", {"group": "g", "action": "reuse"}) == 2

@@ -17,6 +17,8 @@ One module per event a group meets:
 * :mod:`.depart`: a rank's session ended;
 * :mod:`.deadlines`: a round or a restart timed out; a restarted sidecar
   takes its groups up again;
+* :mod:`.recovery`: a restarted sidecar's row may lag the rounds that
+  closed REUSE unwritten; a later proposal catches the group up;
 * :mod:`.merge`: a plan decided on another node arrives through the cluster store;
 * :mod:`.admin`: a reset forgets the stored plan; a group is checked removable.
 

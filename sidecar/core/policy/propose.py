@@ -29,7 +29,7 @@ from moe_sidecar.core.effects import Deadline, Effect, Persist, Step, Wait
 from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted, quote_name
 from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
-from moe_sidecar.core.plan import ShapeMismatch
+from moe_sidecar.core.plan import Action, ShapeMismatch
 from moe_sidecar.core.policy.events import gone_text, lifetime_started, requirement_text
 from moe_sidecar.core.policy.proof import (
     Verdict,
@@ -39,18 +39,19 @@ from moe_sidecar.core.policy.proof import (
     proof_text,
     single_proof,
 )
+from moe_sidecar.core.policy.recovery import catch_up, may_catch_up
 from moe_sidecar.core.policy.restart import join_restart
 from moe_sidecar.core.policy.rounds import (
     decide_round,
     displace,
     new_group,
+    ranks_with,
     refuse_proof,
     refuse_round,
     why_cannot_join,
     with_proposal,
-    with_rank,
 )
-from moe_sidecar.core.policy.validation import validate_proposal
+from moe_sidecar.core.policy.validation import validate_known_proposal, validate_proposal
 
 __all__ = ["propose"]
 
@@ -166,7 +167,7 @@ def _admit_new_lifetime(
 
 
 def _admit_known(
-    state: GroupState, p: Proposal, record: RankRecord, now: float
+    state: GroupState, p: Proposal, record: RankRecord, now: float, recovered: bool
 ) -> _Admitted | Step:
     """A proposal from the lifetime the group already knows for this rank."""
     if record.lifetime_index != state.lifetime_index:
@@ -199,6 +200,10 @@ def _admit_known(
                 "proposed"
             )
         return Step(state, reply=outcome)
+    if p.round > state.last_closed_round + 1 and may_catch_up(state, recovered):
+        # The stored row lags: the rounds between closed REUSE unwritten.
+        state, effects = catch_up(state, p)
+        return _Admitted(state, record, effects)
     if p.round > state.last_closed_round + 1:
         raise PreconditionFailed(
             f"rank {p.ep_rank} of group {quote_name(p.group)} proposes round {p.round} but the "
@@ -242,12 +247,11 @@ def _join_round(
             )
         return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
 
-    record = replace(
-        admitted.record, last_round=p.round, last_layer=p.requirement.layer, last_seen=now, left=""
-    )
-    state = with_rank(state, record)
-    gone = [r for r in state.current_ranks() if r.left]
+    # The group is copied once below, with the rank's record and the round.
+    ranks = ranks_with(state.ranks, _seen(admitted.record, p, now))
+    gone = [r for r in ranks if r.left and r.lifetime_index == state.lifetime_index]
     if gone:
+        state = replace(state, ranks=ranks)
         message = (
             f"round {p.round} of group {quote_name(p.group)} cannot close: "
             + "; ".join(gone_text(r) for r in gone)
@@ -259,13 +263,29 @@ def _join_round(
         if not single_proof(with_proposal(rnd, p)):
             # Beside another proof's proposals, a conflict refuses only its maker.
             raise PreconditionFailed(conflict)
-        return refuse_round(state, rnd, p, conflict, now, effects)
+        return refuse_round(replace(state, ranks=ranks), rnd, p, conflict, now, effects)
 
-    return _add_proposal(state, rnd, p, now, effects, node, ceiling)
+    return _add_proposal(state, ranks, rnd, p, now, effects, node, ceiling)
+
+
+def _seen(known: RankRecord, p: Proposal, now: float) -> RankRecord:
+    """The rank's record once ``p`` joined its round (built field by field:
+    every field of :class:`RankRecord`, cheaper than a generic copy)."""
+    return RankRecord(
+        ep_rank=known.ep_rank,
+        lifetime=known.lifetime,
+        lifetime_index=known.lifetime_index,
+        last_round=p.round,
+        last_layer=p.requirement.layer,
+        last_seen=now,
+        committed_generation=known.committed_generation,
+        build_seconds=known.build_seconds,
+    )
 
 
 def _add_proposal(
     state: GroupState,
+    ranks: tuple[RankRecord, ...],
     rnd: OpenRound,
     p: Proposal,
     now: float,
@@ -273,9 +293,9 @@ def _add_proposal(
     node: str,
     ceiling: int,
 ) -> Step:
-    """Adds ``p``, which may join, to ``rnd``: it waits for the round's other
-    ranks, or closes the round once every local slot holds one proof's
-    proposals."""
+    """Adds ``p``, which may join, to ``rnd`` (``ranks``: the group's ranks
+    with ``p``'s record): it waits for the round's other ranks, or closes
+    the round once every local slot holds one proof's proposals."""
     rnd = with_proposal(rnd, p)
     full = (
         len(rnd.proposals) >= state.local_ranks
@@ -284,13 +304,32 @@ def _add_proposal(
     )
     if not full:
         opens = state.open_round is None
-        state = replace(state, open_round=rnd)
+        state = replace(state, ranks=ranks, open_round=rnd)
         return Step(
             state,
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
-    return decide_round(state, rnd, p, now, effects, node, ceiling)
+    step = decide_round(replace(state, ranks=ranks), rnd, p, now, effects, node, ceiling)
+    if _unwritten(state, step, effects):
+        return replace(step, effects=tuple(e for e in step.effects if not isinstance(e, Persist)))
+    return step
+
+
+def _unwritten(before: GroupState, step: Step, admitted: tuple[Effect, ...]) -> bool:
+    """Whether a decided round needs no write: a REUSE that grew nothing in a
+    lifetime whose proof was already fixed changes only what a restart
+    re-derives (:mod:`.recovery`) or the ranks' retries re-send (the retained
+    outcomes, the ranks' last round, layer and time). Admitting the proposal
+    asked for no write of its own."""
+    decision = step.reply
+    return (
+        isinstance(decision, Decision)
+        and decision.action is Action.REUSE
+        and not decision.grew
+        and before.proof is not None
+        and not any(isinstance(e, Persist) for e in admitted)
+    )
 
 
 def propose(
@@ -301,8 +340,14 @@ def propose(
     *,
     node: str = "",
     ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+    recovered: bool = False,
 ) -> Step:
     """Applies one proposal to a group.
+
+    ``recovered``: ``state`` was read from its stored row by a restarted
+    sidecar and no round has been decided since, so the row may lag rounds
+    that closed REUSE unwritten (:mod:`.recovery`): a known lifetime's
+    proposal for a later round catches the group up instead of being refused.
 
     ``node`` names this node in the growth history (``--node-name``);
     ``ceiling`` is the per-rank workspace ceiling in bytes
@@ -326,15 +371,26 @@ def propose(
             state unchanged.
         RoundAborted: the rank belongs to a lifetime the group has left.
     """
-    validate_proposal(p, ceiling)
+    record = state.rank(p.ep_rank) if state is not None else None
+    if (
+        state is not None
+        and record is not None
+        and record.lifetime == p.lifetime
+        and p.group == state.name
+        and p.ep_size == state.ep_size
+        and p.local_ranks == state.local_ranks
+    ):
+        # A lifetime the group knows: only its round and requirement can be new.
+        validate_known_proposal(p, ceiling, proof_known=p.proof == state.proof)
+    else:
+        validate_proposal(p, ceiling)
     if state is None:
         state = new_group(p.group, p.ep_size, p.local_ranks)
     _check_layout(state, p)
-    record = state.rank(p.ep_rank)
     if record is None or record.lifetime != p.lifetime:
         admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node, ceiling)
     else:
-        admitted = _admit_known(state, p, record, now)
+        admitted = _admit_known(state, p, record, now, recovered)
     if isinstance(admitted, Step):
         return admitted
     try:

@@ -22,7 +22,6 @@ have its shape, never what the ending lifetime built.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 from moe_sidecar.core import limits
@@ -73,6 +72,7 @@ __all__ = [
     "decide_round",
     "displace",
     "new_group",
+    "ranks_with",
     "record_outcome",
     "refuse_proof",
     "refuse_round",
@@ -95,8 +95,18 @@ def new_group(name: str, ep_size: int, local_ranks: int) -> GroupState:
 
 def with_rank(state: GroupState, record: RankRecord) -> GroupState:
     """``state`` with ``record`` in place of the rank's earlier record."""
-    others = tuple(r for r in state.ranks if r.ep_rank != record.ep_rank)
-    return replace(state, ranks=tuple(sorted((*others, record), key=lambda r: r.ep_rank)))
+    return replace(state, ranks=ranks_with(state.ranks, record))
+
+
+def ranks_with(ranks: tuple[RankRecord, ...], record: RankRecord) -> tuple[RankRecord, ...]:
+    """``ranks`` (in rank order) with ``record`` in place of its rank's earlier
+    record: the rank's slot is replaced where it is, not the tuple re-sorted."""
+    for index, r in enumerate(ranks):
+        if r.ep_rank == record.ep_rank:
+            return (*ranks[:index], record, *ranks[index + 1 :])
+        if r.ep_rank > record.ep_rank:
+            return (*ranks[:index], record, *ranks[index:])
+    return (*ranks, record)
 
 
 def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
@@ -106,19 +116,25 @@ def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
         ShapeMismatch: ``p`` has another shape than the round (callers check first).
     """
     capacities = p.requirement.capacities
-    if rnd.need is None:
-        need = capacities
+    if rnd.need is None or rnd.need == capacities:
+        # (The join of equal capacities is either: the common case, every
+        # rank at the same layer, makes no copy.)
+        need = capacities if rnd.need is None else rnd.need
     elif rnd.need.shape == capacities.shape:
         need = join_capacities(rnd.need, capacities)
     else:
         # Another proof's proposal of another shape: it never joins this
         # round's decision (round_need), so it does not join the need either.
         need = rnd.need
-    return replace(
-        rnd,
-        proposals=tuple(sorted((*rnd.proposals, p), key=lambda q: q.ep_rank)),
+    proposals = rnd.proposals
+    at = next((i for i, q in enumerate(proposals) if q.ep_rank > p.ep_rank), len(proposals))
+    return OpenRound(
+        number=rnd.number,
+        opened_at=rnd.opened_at,
+        deadline=rnd.deadline,
+        proposals=(*proposals[:at], p, *proposals[at:]),
         need=need,
-        first_proof=rnd.first_proof if rnd.proposals else p.proof,
+        first_proof=rnd.first_proof if proposals else p.proof,
     )
 
 
@@ -139,7 +155,11 @@ def round_need(rnd: OpenRound) -> Capacities:
     Raises:
         ShapeMismatch: proposals of different shapes (callers check first).
     """
-    return functools.reduce(join_capacities, (q.requirement.capacities for q in rnd.proposals))
+    need = rnd.proposals[0].requirement.capacities
+    for q in rnd.proposals[1:]:
+        if q.requirement.capacities != need:  # the join of equal capacities is either
+            need = join_capacities(need, q.requirement.capacities)
+    return need
 
 
 def record_outcome(state: GroupState, outcome: Outcome) -> GroupState:
@@ -362,8 +382,13 @@ def _decided_state(
     if decision.grew:
         growth = Growth(plan, cause.requirement.layer, cause.ep_rank, rnd.number, now, node)
         history = (*history, growth)[-MAX_HISTORY:]
+    # One copy of the group: the open round closed (as record_outcome does)
+    # together with the decision's fields.
     return replace(
-        record_outcome(state, decision),
+        state,
+        open_round=None,
+        last_closed_round=decision.round,
+        closed=(*state.closed, decision)[-RETAINED_ROUNDS:],
         # The lifetime's first decided round fixes its proof (one for every slot).
         proof=rnd.proposals[0].proof if state.proof is None else state.proof,
         plan=plan,

@@ -5,7 +5,12 @@ from __future__ import annotations
 from moe_sidecar.core import limits
 from moe_sidecar.core.group import CommitRecord, GroupState, Proposal
 
-__all__ = ["validate_commit", "validate_group_name", "validate_proposal"]
+__all__ = [
+    "validate_commit",
+    "validate_group_name",
+    "validate_known_proposal",
+    "validate_proposal",
+]
 
 
 def validate_group_name(group: str) -> None:
@@ -33,6 +38,31 @@ def validate_proposal(p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_B
     limits.check_capacities("requirement.capacities", p.requirement.capacities, p.ep_size)
     limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
     limits.check_name("group_proof", p.proof, allow_empty=True)
+    limits.check_workspace_ceiling(
+        "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling
+    )
+
+
+def validate_known_proposal(
+    p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES, *, proof_known: bool = False
+) -> None:
+    """Checks what a proposal of a lifetime the group knows can change: its
+    round and its requirement (and its proof unless ``proof_known``), with
+    the workspace against the per-rank ``ceiling``.
+
+    The caller has found the group's record of this rank with this lifetime,
+    its ``ep_size`` and its ``local_ranks`` equal to the proposal's: those
+    fields (and the group name) are the values :func:`validate_proposal`
+    checked at the lifetime's first proposal, so they are not checked again.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value (or the ceiling).
+    """
+    limits.check_count("round", p.round, 1, limits.MAX_ROUND, "rounds count from 1")
+    limits.check_capacities("requirement.capacities", p.requirement.capacities, p.ep_size)
+    limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
+    if not proof_known:
+        limits.check_name("group_proof", p.proof, allow_empty=True)
     limits.check_workspace_ceiling(
         "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling
     )

@@ -1,0 +1,70 @@
+"""A group taken up from a row that lags its REUSE rounds. Pure.
+
+A round decided REUSE changes nothing a restart needs (no plan, epoch,
+generation, history or built plan; only the retained outcomes and the ranks'
+last round, layer and time), so it is not written (:func:`~.rounds.round_closed`
+is told so by :mod:`.propose`); every other closed round, commit, reset,
+merge and departure is. After a ``kill -9`` the stored row may therefore end
+at round ``k`` while the ranks went on to round ``n > k + 1``: every round
+between closed REUSE with the stored plan, since any other outcome would
+have been written. A restarted sidecar (the caller says so: ``recovered``)
+takes a proposal of a known lifetime for such a round as that proof, and
+:func:`catch_up` records the missing rounds as the REUSE decisions they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moe_sidecar.core.effects import Answer, Deadline, Effect, Persist
+from moe_sidecar.core.errors import PreconditionFailed
+from moe_sidecar.core.group import Decision, GroupState, Proposal
+from moe_sidecar.core.plan import Action
+from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS
+
+__all__ = ["catch_up", "may_catch_up"]
+
+
+def may_catch_up(state: GroupState, recovered: bool) -> bool:
+    """Whether rounds after ``state``'s last closed round may have closed
+    REUSE without a write: the state came from a row (``recovered``) and its
+    lifetime has a built and a stored plan to reuse."""
+    return recovered and state.built is not None and state.plan is not None
+
+
+def catch_up(state: GroupState, p: Proposal) -> tuple[GroupState, tuple[Effect, ...]]:
+    """``state`` with every round before ``p.round`` closed as the REUSE
+    decision it was: an open round (stored before the restart, which ``p``'s
+    rank has passed) is answered so; the rest are retained for retries.
+
+    Raises:
+        PreconditionFailed: the stored plan does not cover a proposal of the
+            open round, so that round cannot have been REUSE.
+    """
+    plan = state.plan
+    assert plan is not None
+    waiting = state.open_round.proposals if state.open_round is not None else ()
+    for q in waiting:
+        if not plan.covers(q.requirement.capacities):
+            raise PreconditionFailed(
+                f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} but the "
+                f"group's next round is {state.last_closed_round + 1}, and rank {q.ep_rank}'s "
+                f"{q.requirement} is not covered by the stored plan {plan}, so the rounds "
+                "between cannot have been reused"
+            )
+    answers: tuple[Effect, ...] = ()
+    first = max(state.last_closed_round + 1, p.round - RETAINED_ROUNDS)
+    lost = [Decision(r, Action.REUSE, plan, False, "") for r in range(first, p.round)]
+    if state.open_round is not None:
+        number = state.open_round.number
+        layer = waiting[0].requirement.layer if waiting else ""
+        decision = Decision(number, Action.REUSE, plan, False, layer)
+        answers = (Answer(state.lifetime_index, number, decision),)
+        lost = [decision if d.round == number else d for d in lost]
+    state = replace(
+        state,
+        open_round=None,
+        last_closed_round=p.round - 1,
+        closed=(*state.closed, *lost)[-RETAINED_ROUNDS:],
+    )
+    return state, (Persist(), *answers, Deadline(state.next_deadline()))
