@@ -353,7 +353,13 @@ def test_sigterm_with_connected_session_ranks_exits_well_inside_the_grace_period
                 )
 
                 async def waiting_in_round() -> bool:
-                    group = await stub.GetGroup(pb.GetGroupRequest(group="waiting/ep2"))
+                    try:
+                        group = await stub.GetGroup(pb.GetGroupRequest(group="waiting/ep2"))
+                    except grpc.aio.AioRpcError as error:
+                        # The session's first message may not have reached the sidecar yet.
+                        if error.code() is grpc.StatusCode.NOT_FOUND:
+                            return False
+                        raise
                     return bool(group.waiting_ranks)
 
                 deadline = time.monotonic() + 10
