@@ -16,7 +16,8 @@ the common case. In one run it measures:
   interleaved in blocks, so a change of the machine's load hits each alike.
   A round lasts from the first rank's send to the last rank's answer
   (CLOCK_MONOTONIC, which every process shares). Targets: session/floor
-  <= 1.2x, session p99 <= 1.5 ms on a 2-core machine.
+  <= 1.3x p50 and <= 1.5x p99; the state holder <= 100 us per proposal at 8
+  ranks.
 * Rounds of Propose calls from simulated ranks in this process (grpc.aio, one
   channel per rank) at 1, 8 and 64 local ranks, next to the same rounds
   through :func:`moe_sidecar.core.policy.propose` (the core) and to empty health
@@ -62,8 +63,9 @@ from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {
-    "session_over_floor": 1.2,
-    "session_p99_ms_at_8": 1.5,
+    "session_over_floor_p50": 1.3,
+    "session_over_floor_p99": 1.5,
+    "holder_us_per_proposal_at_8": 100.0,
     "proposals_per_s": 2000.0,
     "rss_mb_1000_groups": 80.0,
 }
@@ -591,8 +593,9 @@ async def run(quick: bool) -> int:
             p99_ratio = session.pct(99) / floor_streams.pct(99)
             print(
                 f"session / floor: p50 {p50_ratio:.2f}x, p99 {p99_ratio:.2f}x "
-                f"(target <= {TARGETS['session_over_floor']:g}x); session p99 "
-                f"{session.pct(99) * 1e3:.3f} ms (target <= {TARGETS['session_p99_ms_at_8']:g} ms)"
+                f"(targets <= {TARGETS['session_over_floor_p50']:g}x, "
+                f"<= {TARGETS['session_over_floor_p99']:g}x); session p99 "
+                f"{session.pct(99) * 1e3:.3f} ms"
             )
 
             print()
@@ -610,6 +613,7 @@ async def run(quick: bool) -> int:
             )
             cpu_lines = []
             holder_lines = []
+            holder_us: dict[int, float] = {}
             for ranks, (rounds, warmup) in plan.items():
                 cpu0 = _cpu_seconds(sidecar)
                 over_grpc = await sidecar_rounds(target, f"lat/ep{ranks}", ranks, rounds, warmup)
@@ -617,6 +621,7 @@ async def run(quick: bool) -> int:
                 core = core_rounds(ranks, rounds, warmup)
                 floor = await empty_rpc_rounds(target, ranks, rounds, warmup)
                 holder = await coordinator_rounds(Path(tmp), ranks, rounds, warmup)
+                holder_us[ranks] = holder.wall / holder.proposals * 1e6
                 holder_lines.append(
                     f"{ranks:>5} | {_ms(holder.pct(50)):>8} {_ms(holder.pct(99)):>8} "
                     f"{holder.rate:>8.0f} | {holder.wall / holder.proposals * 1e6:>14.1f} | "
@@ -684,7 +689,6 @@ async def run(quick: bool) -> int:
             process.terminate()
             process.wait(timeout=30)
 
-    session_p99 = session.pct(99) * 1e3
     best_rate = max(saturated, *(s.rate for s, _ in results.values()))
     rss_mb = full_rss / 2**20
     print()
@@ -693,20 +697,20 @@ async def run(quick: bool) -> int:
         (
             "session / floor p50 at 8 ranks (x)",
             p50_ratio,
-            TARGETS["session_over_floor"],
-            p50_ratio <= TARGETS["session_over_floor"],
+            TARGETS["session_over_floor_p50"],
+            p50_ratio <= TARGETS["session_over_floor_p50"],
         ),
         (
             "session / floor p99 at 8 ranks (x)",
             p99_ratio,
-            TARGETS["session_over_floor"],
-            p99_ratio <= TARGETS["session_over_floor"],
+            TARGETS["session_over_floor_p99"],
+            p99_ratio <= TARGETS["session_over_floor_p99"],
         ),
         (
-            "session p99 at 8 ranks (ms)",
-            session_p99,
-            TARGETS["session_p99_ms_at_8"],
-            session_p99 <= TARGETS["session_p99_ms_at_8"],
+            "state holder at 8 ranks (us/proposal)",
+            holder_us[8],
+            TARGETS["holder_us_per_proposal_at_8"],
+            holder_us[8] <= TARGETS["holder_us_per_proposal_at_8"],
         ),
         (
             "proposals/s (best sustained)",
