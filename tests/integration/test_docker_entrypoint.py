@@ -211,7 +211,6 @@ def test_sidecar_depends_on_and_imports_neither_torch_nor_flashinfer() -> None:
         f"moe_sidecar.client.{tool}{suffix}" for tool in commands for suffix in ("", ".command")
     }
     assert set(result["modules"]) <= light, "importing the sidecar pulled these in"
-    assert not [m for m in result["modules"] if m.split(".")[0] in ("torch", "flashinfer")]
     core = [r for r in result["requires"] if "extra ==" not in r]
     extras = [r for r in result["requires"] if "extra ==" in r]
     assert core and not [r for r in core if FORBIDDEN.search(r)], core
