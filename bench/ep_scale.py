@@ -3,7 +3,8 @@
 DeepSeek-V3's shapes (hidden 7168, top_k 8, 256 experts): ``--layers`` MoE
 layers (default 62: 61 NVFP4 layers, then the bf16 MTP layer), every rank
 dispatching up to ``--tokens`` tokens (default 8192), at EP ``--ep`` (default:
-every visible GPU), in vLLM 0.33's call style (``initialize(...,
+every visible GPU; with more ranks than GPUs, rank r runs on GPU r % count,
+a functional run whose section 2 is refused), in vLLM 0.33's call style (``initialize(...,
 dispatch_format=QuantFormat.NVFP4 | BF16)``, then ``get_communication()``).
 One real sidecar process (``python -m moe_sidecar`` on a Unix socket) serves
 the whole run; rank processes are spawned per step (``spawn``, gloo on
@@ -210,7 +211,10 @@ class RankConfig:
 
 
 def _device(cfg: RankConfig, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if cfg.backend == "flashinfer" else torch.device("cpu")
+    # Rank r on GPU r % count: with fewer GPUs than ranks, ranks share them.
+    if cfg.backend != "flashinfer":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def _synchronize(cfg: RankConfig) -> None:
@@ -232,7 +236,7 @@ def _start_rank(rank: int, cfg: RankConfig) -> tuple[dict[str, float], dict[str,
     if cfg.backend != "flashinfer":
         t["cuda_ready"] = t["flashinfer_imported"] = t["module_ready"] = time.time()
         return t, None
-    workers.warm_up_cuda(rank)  # torch.cuda.set_device(rank) first
+    workers.warm_up_cuda(rank)  # its GPU (rank % count) set first
     t["cuda_ready"] = time.time()
     if cfg.jit_cache_only:
         workers.use_jit_cache_only()
@@ -1535,8 +1539,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.ep = torch.cuda.device_count() if args.backend == "flashinfer" else 2
     if args.ep < 1 or NUM_EXPERTS % args.ep:
         parser.error(f"--ep {args.ep}: must divide {NUM_EXPERTS} (FlashInfer's moe_ep needs it)")
-    if args.backend == "flashinfer" and args.ep > torch.cuda.device_count():
-        parser.error(f"--ep {args.ep}: only {torch.cuda.device_count()} GPU(s) visible")
     if args.layers < 2:
         parser.error("--layers must be >= 2 (NVFP4 layers, then the MTP layer)")
     if args.tokens < 1:
@@ -1555,6 +1557,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--sections {args.sections!r}: numbers 1-4, comma-separated")
     if 3 in sections:
         sections.add(1)
+    # MoeAlltoAll runs with ranks sharing a GPU (rank r on GPU r % count), so
+    # sections 1, 3 and 4 run at any EP; section 2 reads device memory per GPU
+    # as one rank's, which ranks sharing a GPU would mix.
+    if args.backend == "flashinfer" and args.ep > torch.cuda.device_count() and 2 in sections:
+        parser.error(
+            f"--ep {args.ep} with {torch.cuda.device_count()} GPU(s) visible: ranks would "
+            "share GPUs, and section 2 reads memory per GPU as one rank's; "
+            "leave it out (--sections 1,3,4)"
+        )
     args.sections = {str(x) for x in sections}
     return args
 

@@ -164,9 +164,10 @@ def aligned(n: int, unit: int) -> int:
 
 def warm_up_cuda(rank: int) -> None:
     """Selects this rank's GPU and loads what PyTorch loads on first use, so
-    later memory marks see only what the all-to-all takes."""
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    later memory marks see only what the all-to-all takes. Rank r is on GPU
+    r % count: with fewer GPUs than ranks, ranks share them."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
     a = torch.randn(TOKENS, HIDDEN, device=device).to(torch.bfloat16)
     (a.float() * 2).to(torch.bfloat16).sum().item()
     torch.arange(4, device=device).to(torch.uint8).view(torch.int32)
