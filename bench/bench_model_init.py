@@ -30,11 +30,16 @@ rank's covered layers of every repeat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +115,96 @@ def rank_worker(rank: int, world: int, target: str, layers: int, repeats: int) -
     return {"rank": rank, "runs": runs}
 
 
+@contextlib.contextmanager
+def sampling_sidecar(pid: int | None, out: Path | None) -> Iterator[None]:
+    """py-spy samples ``pid`` (the sidecar) while the block runs, when ``out`` is set.
+
+    Two recorders, one per output format (py-spy writes one format per run):
+    the flame graph to look at and the folded stacks that
+    :func:`summarize_samples` reads. Idle samples are left out, so the
+    shares are of the sidecar's busy time.
+
+    Raises:
+        RuntimeError: py-spy is not installed or could not attach.
+    """
+    if out is None or pid is None:
+        yield
+        return
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        raise RuntimeError("--py-spy needs py-spy (pip install py-spy)")
+    out.mkdir(parents=True, exist_ok=True)
+    recorders = [
+        subprocess.Popen(
+            [
+                py_spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "1000",
+                "--format",
+                fmt,
+                "-o",
+                str(out / name),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for fmt, name in (("flamegraph", "sidecar-flame.svg"), ("raw", "sidecar-folded.txt"))
+    ]
+    try:
+        yield
+    finally:
+        for recorder in recorders:
+            recorder.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        for recorder in recorders:
+            _, err = recorder.communicate(timeout=60)
+            if recorder.returncode not in (0, -signal.SIGINT):
+                raise RuntimeError(f"py-spy failed: {err.decode(errors='replace')}")
+
+
+# Where a sidecar's busy time goes, by a sample's innermost frame of a known
+# kind. grpc.aio's work is Cython that the event loop runs as callbacks: py-spy
+# sees no frame of it, so a sample whose innermost frame is the loop's
+# ``Handle._run`` is time in gRPC's compiled code (receiving, framing, sending).
+_SAMPLE_KINDS = (
+    ("gRPC's compiled code (grpc.aio callbacks)", ("Handle._run (asyncio/events.py",)),
+    ("event loop polling (epoll)", ("EpollSelector.select",)),
+    ("store (SQLite, row codec)", ("store.py", "row_codec.py", "sqlite3")),
+    ("decision core (sidecar/core)", ("/core/",)),
+    ("state holder (state.py, waiters, observer)", ("state.py", "waiters.py", "observer.py")),
+    ("wire codec and servicer", ("servicer.py", "/wire/", "_pb2")),
+    ("logging", ("logging/", "logs.py", "json/")),
+    ("other threads (native)", ("Thread.run (threading.py",)),
+)
+
+
+def summarize_samples(folded: Path) -> str:
+    """Shares of the sampled busy time by kind of frame, from py-spy's folded stacks."""
+    counts: dict[str, int] = {kind: 0 for kind, _ in _SAMPLE_KINDS}
+    counts["other"] = 0
+    total = 0
+    for line in folded.read_text().splitlines():
+        stack, _, number = line.rpartition(" ")
+        if not number.isdigit():
+            continue
+        n = int(number)
+        total += n
+        for frame in reversed(stack.split(";")):  # from the leaf outwards
+            kind = next((k for k, keys in _SAMPLE_KINDS if any(key in frame for key in keys)), None)
+            if kind is not None:
+                counts[kind] += n
+                break
+        else:
+            counts["other"] += n
+    lines = [f"sidecar busy samples (py-spy, 1 kHz): {total}; by the innermost frame's kind:"]
+    for kind, n in sorted(counts.items(), key=lambda item: -item[1]):
+        lines.append(f"  {kind:<45} {n:7d}  {n / max(1, total):6.1%}")
+    return "\n".join(lines)
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -120,6 +215,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--layers", type=int, default=62)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="sample the sidecar process with py-spy during the run: DIR/sidecar-flame.svg, "
+        "DIR/sidecar-folded.txt and a summary of where its time goes",
+    )
     args = parser.parse_args()
     print(
         f"# bench_model_init: {args.ranks} ranks x {args.layers} MoE layers "
@@ -127,7 +230,11 @@ def main() -> None:
         f"{args.repeats} repeats, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     )
-    with tempfile.TemporaryDirectory() as tmp, running_sidecar(Path(tmp) / "sidecar") as sidecar:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_sidecar(Path(tmp) / "sidecar") as sidecar,
+        sampling_sidecar(sidecar.pid, args.py_spy),
+    ):
         results = run_ranks(
             rank_worker,
             args.ranks,
@@ -135,6 +242,8 @@ def main() -> None:
             tmp_path=Path(tmp) / "ranks",
             args=(sidecar.target, args.layers, args.repeats),
         )
+    if args.py_spy is not None:
+        print(summarize_samples(args.py_spy / "sidecar-folded.txt"))
     covered = {mode: [] for mode in MODES}  # type: dict[str, list[float]]
     totals = {mode: [] for mode in MODES}  # type: dict[str, list[float]]
     covered_sums = {mode: [] for mode in MODES}  # type: dict[str, list[float]]
