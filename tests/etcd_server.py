@@ -43,6 +43,7 @@ __all__ = [
     "EtcdTestClient",
     "TlsFiles",
     "etcd_binary",
+    "etcd_binary_or_skip",
     "etcd_factory",
     "etcd_server",
     "free_port",
@@ -53,6 +54,8 @@ ETCD_PACKAGE = "etcd-server"
 """The Debian package that has the ``etcd`` binary."""
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
+PORT_ATTEMPTS = 3
+"""First starts tried on fresh ports when another process took a chosen one."""
 
 
 def etcd_binary() -> str | None:
@@ -160,6 +163,7 @@ class EtcdServer:
         self.root_password: str | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._paused = False
+        self._started = False  # once started, the ports (the endpoint) stay
 
     @property
     def endpoint(self) -> str:
@@ -213,14 +217,30 @@ class EtcdServer:
         """
         if self.running:
             raise RuntimeError(f"etcd {self.name} is already running (pid {self.pid})")
-        with self.log_path.open("ab") as log:
-            log.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
-            log.flush()
-            self._process = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        self._paused = False
-        self.wait_ready(timeout)
+        for attempt in range(PORT_ATTEMPTS):
+            with self.log_path.open("ab") as log:
+                log.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
+                log.flush()
+                self._process = subprocess.Popen(
+                    self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
+            self._paused = False
+            try:
+                self.wait_ready(timeout)
+            except RuntimeError:
+                # free_port() only saw the ports free: something may have taken
+                # one before etcd bound it. A first start may move to new ports;
+                # a restart keeps its endpoint, which clients already hold.
+                this_start = self.log_path.read_text(errors="replace").rpartition("--- start")[2]
+                lost_port = "address already in use" in this_start
+                if self._started or not lost_port or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.kill()
+                shutil.rmtree(self.data_dir, ignore_errors=True)  # a member of the old ports
+                self.client_port, self.peer_port = free_port(), free_port()
+                continue
+            self._started = True
+            return
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         """Waits until etcd reports a leader (polling ``Maintenance.Status``).
@@ -453,7 +473,8 @@ class EtcdTestClient(EtcdClient):
 StartEtcd = Callable[..., EtcdServer]
 
 
-def _binary_or_skip() -> str:
+def etcd_binary_or_skip() -> str:
+    """The etcd binary; else the test skips (fails under CI, which installs it)."""
     binary = etcd_binary()
     if binary is not None:
         return binary
@@ -472,7 +493,7 @@ def etcd_factory(tmp_path: Path) -> Iterator[StartEtcd]:
     (``server.tls`` has the files), ``client_cert_auth=True`` also demands a
     client certificate; ``extra_args`` are more flags for etcd.
     """
-    binary = _binary_or_skip()
+    binary = etcd_binary_or_skip()
     started: list[EtcdServer] = []
 
     def start(
