@@ -24,8 +24,9 @@ The names below load their module on first use, so that
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moe_sidecar.client.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from moe_sidecar.client.prewarm.archs import (
@@ -117,9 +118,9 @@ __all__ = [
     "workspace_base",
 ]
 
-_IMPLEMENTATION: dict[str, str] = {
-    name: f"{__name__}.{module}"
-    for module, names in {
+__getattr__ = lazy_names(
+    __name__,
+    {
         "archs": (
             "DEFAULT_ARCHS",
             "ENV_ARCH_LIST",
@@ -159,19 +160,5 @@ _IMPLEMENTATION: dict[str, str] = {
         "nvlink_one_sided_alltoall": ("NVLINK_ONE_SIDED_ALLTOALL",),
         "run": ("run_cli",),
         "toolchain": ("CudaToolkit", "find_build_tools", "find_cuda_toolkit"),
-    }.items()
-    for name in names
-}
-"""Each public name's module, imported when the name is first used."""
-
-
-def __getattr__(name: str) -> Any:
-    """The public ``name``, from its module (imported now if it was not yet).
-
-    Raises:
-        AttributeError: not a public name of this package.
-    """
-    module = _IMPLEMENTATION.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    },
+)

@@ -1,0 +1,48 @@
+"""The command packages' faces: every public name resolves to its module's
+object, and names load their module only on first use."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from moe_sidecar.client.lazy_names import lazy_names
+
+pytestmark = pytest.mark.timeout(60)
+
+PACKAGES = ("moe_sidecar.client.prewarm", "moe_sidecar.client.simulate")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_is_its_modules_object(package: str) -> None:
+    face = importlib.import_module(package)
+    for name in face.__all__:
+        value = getattr(face, name)
+        home = importlib.import_module(getattr(value, "__module__", None) or package)
+        assert value is getattr(home, name, value), (package, name)
+    with pytest.raises(AttributeError, match="has no attribute 'not_a_name'"):
+        face.not_a_name  # noqa: B018
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_the_face_imports_none_of_its_modules(package: str) -> None:
+    code = (
+        f"import sys, {package} as p; "
+        f"sys.exit(sorted(m for m in sys.modules if m.startswith('{package}.')) != [])"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_a_name_under_two_modules_is_refused() -> None:
+    with pytest.raises(ValueError, match="'x' listed under both 'a' and 'b'"):
+        lazy_names("pkg", {"a": ("x",), "b": ("x", "y")})
+
+
+def test_a_name_loads_from_its_module() -> None:
+    getattr_ = lazy_names("json", {"decoder": ("JSONDecoder",)})
+    assert getattr_("JSONDecoder") is importlib.import_module("json.decoder").JSONDecoder
+    with pytest.raises(AttributeError, match="module 'json' has no attribute 'dumps'"):
+        getattr_("dumps")
