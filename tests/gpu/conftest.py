@@ -4,7 +4,7 @@ Everything here is marked ``gpu`` and skips cleanly elsewhere (CI has no GPU).
 A test written for one FlashInfer release says so in its marker,
 ``gpu(flashinfer="0.7.2.post1")``, and skips with the reason under another,
 so that one GPU run per release environment runs each test where it applies.
-README's "GPU tests" section says how to run them on a two-GPU box.
+docs/development.md ("GPU tests") says how to run them, on one GPU or two.
 """
 
 from __future__ import annotations

@@ -138,14 +138,53 @@ def round_trip(a2a: Any, layer: Layer, rank: int, ep_size: int, *, check: bool =
         )
 
 
+def gpu_shared() -> bool:
+    """Whether this rank's GPU serves other ranks of the process group too
+    (fewer GPUs than ranks: rank r on GPU r % count)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and torch.cuda.device_count() < dist.get_world_size()
+
+
+def ranks_per_gpu() -> int:
+    """How many ranks of the process group share this rank's GPU (1 on a GPU of its own)."""
+    import torch.distributed as dist
+
+    if not gpu_shared():
+        return 1
+    count, mine = torch.cuda.device_count(), torch.cuda.current_device()
+    return sum(1 for r in range(dist.get_world_size()) if r % count == mine)
+
+
 def held_bytes_change(before: tuple[int, int]) -> int:
-    """Device bytes taken since ``before`` outside PyTorch's caching allocator."""
+    """Device bytes taken since ``before`` outside PyTorch's caching allocators.
+
+    On a GPU that ranks share, the bytes every one of them took (their
+    PyTorch growth gathered and removed): then a collective, called by every
+    rank at the same point, as :func:`memory_mark`.
+    """
+    import torch.distributed as dist
+
     free, reserved = memory_mark()
-    return (before[0] - free) - (reserved - before[1])
+    mine = reserved - before[1]
+    if not gpu_shared():
+        return (before[0] - free) - mine
+    changes: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(changes, mine)
+    count, gpu = torch.cuda.device_count(), torch.cuda.current_device()
+    return (before[0] - free) - sum(c for r, c in enumerate(changes) if r % count == gpu)
 
 
 def memory_mark() -> tuple[int, int]:
-    """(free device bytes, bytes reserved by PyTorch), after pending work."""
+    """(free device bytes, bytes reserved by PyTorch), after pending work.
+
+    On a GPU that ranks share, once every rank has got here (a barrier), so
+    that a mark sees every rank at the same step.
+    """
+    import torch.distributed as dist
+
+    if gpu_shared():
+        dist.barrier()
     gc.collect()
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
