@@ -157,48 +157,21 @@ def _round_trip(communication: Any, fmt: str, rank: int, ep: int) -> dict[str, A
     return {"dispatch_exact": bool(exact), "rows": len(got), "combine_error": combine_error}
 
 
-def _device_mark() -> tuple[int, int]:
-    """(free device bytes, bytes PyTorch reserves in this process)."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-
-
-def _held_since(before: tuple[int, int], shared_gpu: bool) -> int:
-    """Device bytes taken since ``before`` outside PyTorch's allocators: on a
-    shared GPU, by every rank (their reserved changes gathered and removed)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    free, reserved = _device_mark()
-    mine = reserved - before[1]
-    if not shared_gpu:
-        return (before[0] - free) - mine
-    changes: list[int] = [0] * dist.get_world_size()
-    dist.all_gather_object(changes, mine)
-    return (before[0] - free) - sum(changes)
-
-
 def _growth_rank(rank: int, world_size: int, target: str, group: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from moe_sidecar.client import WorkspaceManager
     from moe_sidecar.client import sizing_moe_ep as s
+    from tests.gpu import workers
     from tests.gpu.workers import aligned, granularity, world
 
     out = _setup(rank, world_size)
-    shared_gpu = out["vote_stood_in_for"]
-    ranks_per_gpu = world_size if shared_gpu else 1
     manager = WorkspaceManager(world(), group=group, target=target, backend="flashinfer-moe-ep")
     unit = granularity()
 
     def layer(fmt: str, label: str) -> dict[str, Any]:
         dist.barrier()
-        before = _device_mark()
+        before = workers.memory_mark()  # with ranks sharing the GPU, all of them at once
         manager.initialize(
             TOKENS,
             TOP_K,
@@ -217,7 +190,7 @@ def _growth_rank(rank: int, world_size: int, target: str, group: str) -> dict[st
             "flashinfer_size": flashinfer_size,
             "is_handle": communication is handle,
             "generation": manager.generation,
-            "held_change": _held_since(before, shared_gpu),
+            "held_change": workers.held_bytes_change(before),
         }
         return result
 
@@ -229,14 +202,14 @@ def _growth_rank(rank: int, world_size: int, target: str, group: str) -> dict[st
     out["unreleased"] = manager.backend.unreleased  # type: ignore[attr-defined]
     out["shared_releases"] = manager.backend.shared_releases  # type: ignore[attr-defined]
     dist.barrier()
-    before = _device_mark()
+    before = workers.memory_mark()
     manager.cleanup()
-    out["cleanup_change"] = _held_since(before, shared_gpu)
+    out["cleanup_change"] = workers.held_bytes_change(before)
     out["expected"] = {
         "nvfp4": s.layer_layout(world_size, TOKENS, TOP_K, HIDDEN, "NVFP4").workspace_size,
         "bf16": s.layer_layout(world_size, TOKENS, TOP_K, HIDDEN, "BF16").workspace_size,
         "unit": unit,
-        "ranks_per_gpu": ranks_per_gpu,
+        "ranks_per_gpu": workers.ranks_per_gpu(),
     }
     out["aligned"] = {k: aligned(out["expected"][k], unit) for k in ("nvfp4", "bf16")}
     dist.barrier()
