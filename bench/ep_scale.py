@@ -210,6 +210,22 @@ class RankConfig:
     tag: str = ""
 
 
+def _initialize(manager: Any, cfg: RankConfig, dispatch_format: object, layer: str | None) -> float:
+    """One MoE layer in vLLM 0.33's call style (``layer=`` where the manager
+    takes one: vLLM 0.33's own manager does not); returns the seconds it took."""
+    started = time.perf_counter()
+    manager.initialize(
+        max_num_tokens=cfg.tokens,
+        top_k=TOP_K,
+        num_experts=NUM_EXPERTS,
+        hidden_size=HIDDEN,
+        dispatch_format=dispatch_format,
+        extra_payload_bytes_per_token=0,
+        **({} if layer is None else {"layer": layer}),
+    )
+    return time.perf_counter() - started
+
+
 def _device(cfg: RankConfig, rank: int) -> torch.device:
     # Rank r on GPU r % count: with fewer GPUs than ranks, ranks share them.
     if cfg.backend != "flashinfer":
@@ -334,17 +350,7 @@ def _run_model(
     seen: list[str] = []
     for i, (label, fmt) in enumerate(model_layers(cfg.layers)):
         before = manager.counters
-        started = time.perf_counter()
-        manager.initialize(
-            max_num_tokens=cfg.tokens,
-            top_k=TOP_K,
-            num_experts=NUM_EXPERTS,
-            hidden_size=HIDDEN,
-            dispatch_format=formats[fmt],
-            extra_payload_bytes_per_token=0,
-            layer=label,
-        )
-        seconds.append(time.perf_counter() - started)
+        seconds.append(_initialize(manager, cfg, formats[fmt], label))
         action = _action(before, manager.counters)
         actions.append(action)
         if fmt not in seen:
@@ -406,17 +412,7 @@ def _timed_inits(cfg: RankConfig, formats: dict[str, object]) -> dict[str, dict[
         dist.barrier()  # every rank starts the model together
         seconds: list[float] = []
         for label, fmt in model_layers(cfg.layers):
-            started = time.perf_counter()
-            rank_object.initialize(
-                max_num_tokens=cfg.tokens,
-                top_k=TOP_K,
-                num_experts=NUM_EXPERTS,
-                hidden_size=HIDDEN,
-                dispatch_format=formats[fmt],
-                extra_payload_bytes_per_token=0,
-                layer=label,
-            )
-            seconds.append(time.perf_counter() - started)
+            seconds.append(_initialize(rank_object, cfg, formats[fmt], label))
         started = time.perf_counter()
         if mode != "none":
             rank_object.get_communication()  # reads every answer still outstanding
@@ -444,17 +440,8 @@ def _reuse_rounds(manager: Any, cfg: RankConfig, formats: dict[str, object]) -> 
     samples = []
     for i in range(cfg.reuse_rounds):
         dist.barrier()  # start every round together, as layers do
-        started = time.perf_counter()
-        manager.initialize(
-            max_num_tokens=cfg.tokens,
-            top_k=TOP_K,
-            num_experts=NUM_EXPERTS,
-            hidden_size=HIDDEN,
-            dispatch_format=formats["NVFP4"],
-            extra_payload_bytes_per_token=0,
-            layer=f"model.layers.{i % max(1, cfg.layers - 1)}.mlp",
-        )
-        samples.append(time.perf_counter() - started)
+        layer = f"model.layers.{i % max(1, cfg.layers - 1)}.mlp"
+        samples.append(_initialize(manager, cfg, formats["NVFP4"], layer))
     after = manager.counters
     rounds = max(1, cfg.reuse_rounds)
     return {
@@ -641,15 +628,7 @@ def memory_rank(rank: int, world_size: int, cfg: RankConfig, side: str) -> dict[
         manager = WorkspaceManager(world(), group=cfg.group, target=cfg.target, backend=cfg.backend)
     for i, (label, fmt) in enumerate(model_layers(cfg.layers)):
         previous = manager.get_communication() if manager.communication is not None else None
-        manager.initialize(
-            max_num_tokens=cfg.tokens,
-            top_k=TOP_K,
-            num_experts=NUM_EXPERTS,
-            hidden_size=HIDDEN,
-            dispatch_format=formats[fmt],
-            extra_payload_bytes_per_token=0,
-            **({"layer": label} if side == "moe-sidecar" else {}),
-        )
+        _initialize(manager, cfg, formats[fmt], label if side == "moe-sidecar" else None)
         communication = manager.get_communication()
         if communication is previous:
             continue
@@ -719,15 +698,7 @@ def cold_rank(rank: int, world_size: int, cfg: RankConfig) -> dict[str, Any]:
     actions = []
     for label, fmt in model_layers(cfg.layers):
         before = manager.counters
-        manager.initialize(
-            max_num_tokens=cfg.tokens,
-            top_k=TOP_K,
-            num_experts=NUM_EXPERTS,
-            hidden_size=HIDDEN,
-            dispatch_format=formats[fmt],
-            extra_payload_bytes_per_token=0,
-            layer=label,
-        )
+        _initialize(manager, cfg, formats[fmt], label)
         actions.append(_action(before, manager.counters))
     t["layers_done"] = time.time()
     communication = manager.get_communication()
