@@ -10,32 +10,17 @@ barrier and the sidecar's round timeout would fail the round.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch.distributed as dist
 
-from tests.multiprocess.workers import HIDDEN, MAX_TOKENS, Layer, exchange, nvfp4_layer
+from tests.multiprocess.workers import MAX_TOKENS, exchange, initialize, nvfp4_layer
 
 
 def _manager(cpu_group: Any, group: str, target: str | None) -> Any:
     from moe_sidecar.client import WorkspaceManager
 
     return WorkspaceManager(cpu_group, group=group, target=target, backend="reference")
-
-
-def _initialize(manager: Any, layer: Layer) -> float:
-    started = time.perf_counter()
-    manager.initialize(
-        layer.max_num_tokens,
-        layer.top_k,
-        layer.num_experts,
-        HIDDEN,
-        layer.x_bytes,
-        layer.x_sf_bytes,
-        layer=layer.name,
-    )
-    return time.perf_counter() - started
 
 
 def _error(call: Any) -> dict[str, Any] | None:
@@ -51,12 +36,12 @@ def no_wait_worker(rank: int, world: int, target: str, group: str, covered: int)
     cpu_group = dist.new_group(backend="gloo")
     side = dist.new_group(backend="gloo")  # the hold: no collective of the manager's
     manager = _manager(cpu_group, group, target)
-    _initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     if rank == 1:
         dist.barrier(group=side)
     unanswered = []
     for i in range(1, covered + 1):
-        _initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
+        initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
         unanswered.append(manager._transport.unanswered)
     if rank == 0:
         dist.barrier(group=side)
@@ -84,17 +69,17 @@ def refused_worker(rank: int, world: int, target: str, group: str, settle: str) 
     that waits), or ``"cleanup"``."""
     cpu_group = dist.new_group(backend="gloo")
     manager = _manager(cpu_group, group, target)
-    _initialize(manager, nvfp4_layer("model.layers.0.mlp"))
-    _initialize(manager, nvfp4_layer("model.layers.1.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.1.mlp"))
     odd = "model.layers.2.mlp" if rank == 0 else "model.layers.7.mlp"
-    returned = _error(lambda: _initialize(manager, nvfp4_layer(odd))) is None
+    returned = _error(lambda: initialize(manager, nvfp4_layer(odd))) is None
     covered = manager.counters.covered
     if settle == "communication":
         raised = _error(manager.get_communication)
         manager.cleanup()
     elif settle == "growth":
         bigger = nvfp4_layer("model.layers.3.mlp", max_num_tokens=MAX_TOKENS * 2)
-        raised = _error(lambda: _initialize(manager, bigger))
+        raised = _error(lambda: initialize(manager, bigger))
         manager.cleanup()
     else:
         raised = _error(manager.cleanup)
@@ -109,12 +94,12 @@ def growth_in_covered_round_worker(
     the same larger workspace, built once each, and exchange through it."""
     cpu_group = dist.new_group(backend="gloo")
     manager = _manager(cpu_group, group, target)
-    _initialize(manager, nvfp4_layer("model.layers.0.mlp"))
-    _initialize(manager, nvfp4_layer("model.layers.1.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.1.mlp"))
     tokens = MAX_TOKENS * 2 if rank == 1 else MAX_TOKENS
-    _initialize(manager, nvfp4_layer("model.layers.2.mlp", max_num_tokens=tokens))
+    initialize(manager, nvfp4_layer("model.layers.2.mlp", max_num_tokens=tokens))
     for i in (3, 4):
-        _initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
+        initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
     communication = manager.get_communication()
     big = nvfp4_layer("check", max_num_tokens=MAX_TOKENS * 2)
     error = exchange(manager.moe_alltoall, big, rank, world, seed=2)
@@ -141,13 +126,13 @@ def merged_plan_worker(
     passes the covered rounds and rebuilds, together, when it reads the answer."""
     cpu_group = dist.new_group(backend="gloo")
     manager = _manager(cpu_group, group, target)
-    _initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     generation = manager.generation
     dist.barrier(group=cpu_group)
     if not merged.wait(timeout=60):
         raise AssertionError("the other node's plan never reached this sidecar")
     for i in range(1, layers + 1):
-        _initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
+        initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
     covered = manager.counters.covered
     manager.get_communication()
     counters = manager.counters
@@ -170,7 +155,7 @@ def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> 
     passes as covered: the ranks are out of step and both raise."""
     cpu_group = dist.new_group(backend="gloo")
     manager = _manager(cpu_group, group, "embedded")
-    _initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     built = manager.counters.collectives
     per_round = []
     raised = None
@@ -178,7 +163,7 @@ def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> 
         for i in range(1, 5):
             tokens = MAX_TOKENS * 2 if grow_on_rank_1 and rank == 1 and i == 2 else MAX_TOKENS
             before = manager.counters.collectives
-            _initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp", max_num_tokens=tokens))
+            initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp", max_num_tokens=tokens))
             per_round.append(manager.counters.collectives - before)
         manager.get_communication()
     except Exception as error:

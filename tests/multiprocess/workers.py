@@ -53,6 +53,21 @@ def layer_capacities(ep_size: int, layer: Layer) -> Any:
     )
 
 
+def initialize(manager: Any, layer: Layer) -> float:
+    """``manager.initialize`` for ``layer``, vLLM 0.30's call style; the seconds it took."""
+    started = time.perf_counter()
+    manager.initialize(
+        layer.max_num_tokens,
+        layer.top_k,
+        layer.num_experts,
+        HIDDEN,
+        layer.x_bytes,
+        layer.x_sf_bytes,
+        layer=layer.name,
+    )
+    return time.perf_counter() - started
+
+
 def nvfp4_layer(name: str, **kw: Any) -> Layer:
     return Layer(name, HIDDEN // 2, HIDDEN // 16, **kw)
 
@@ -198,17 +213,7 @@ def run_layers(
         before_handle = manager.moe_alltoall
         before = manager.counters
         calls_before = len(counter)
-        started = time.perf_counter()
-        manager.initialize(
-            layer.max_num_tokens,
-            layer.top_k,
-            layer.num_experts,
-            HIDDEN,
-            layer.x_bytes,
-            layer.x_sf_bytes,
-            layer=layer.name,
-        )
-        elapsed = time.perf_counter() - started
+        elapsed = initialize(manager, layer)
         after = manager.counters
         record: dict[str, Any] = {
             "layer": layer.name,
@@ -530,29 +535,18 @@ def client_surface_worker(rank: int, world: int) -> dict[str, Any]:
     cpu_group = dist.new_group(backend="gloo")
     layer = nvfp4_layer("model.layers.0.mlp")
 
-    def initialize(manager: Any) -> None:
-        manager.initialize(
-            MAX_TOKENS,
-            TOP_K,
-            NUM_EXPERTS,
-            HIDDEN,
-            layer.x_bytes,
-            layer.x_sf_bytes,
-            layer=layer.name,
-        )
-
     # FlashInfer is imported on the first build, not at construction.
     missing = WorkspaceManager(cpu_group, target="embedded", backend="flashinfer")
     out: dict[str, Any] = {"error": None}
     try:
-        initialize(missing)
+        initialize(missing, layer)
     except BackendError as error:
         out["error"] = (str(error), type(error.__cause__).__name__)
     out["after_failure"] = (missing.initialized, missing.moe_alltoall, missing.workspace_size)
 
     manager = _manager(cpu_group, "get-handle/ep1", "embedded")
     out["handle_before_build"] = manager.get_handle({}) is manager
-    initialize(manager)
+    initialize(manager, layer)
     handle = manager.get_handle({})
     out["handle_is_manager"] = handle is manager
     out["handle_serves_the_layer"] = exchange(handle.moe_alltoall, layer, rank, world, seed=5)
@@ -774,15 +768,7 @@ def barrier_death_worker(
     layer = nvfp4_layer("model.layers.0.mlp")
     started = time.monotonic()
     try:
-        manager.initialize(
-            MAX_TOKENS,
-            TOP_K,
-            NUM_EXPERTS,
-            HIDDEN,
-            layer.x_bytes,
-            layer.x_sf_bytes,
-            layer=layer.name,
-        )
+        initialize(manager, layer)
     except Exception as error:
         out = _failure(error)
         out["seconds"] = out["at"] - started
