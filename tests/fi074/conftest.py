@@ -11,9 +11,10 @@ FlashInfer 0.7.4 is not importable they skip, except under
 from __future__ import annotations
 
 import importlib.metadata
-import os
 
 import pytest
+
+from tests.required_install import skip_or_require
 
 FLASHINFER_VERSION = "0.7.4"
 REQUIRE = "CI_REQUIRE_FI074"
@@ -30,13 +31,4 @@ def _why_not() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The marker itself: item.keywords also holds directory names (a checkout
-    # in a directory called fi074 would match every test).
-    marked = [item for item in items if item.get_closest_marker("fi074") is not None]
-    reason = _why_not() if marked else None
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE) == "1":
-        raise pytest.UsageError(f"{REQUIRE}=1 but {reason}")
-    for item in marked:
-        item.add_marker(pytest.mark.skip(reason=reason))
+    skip_or_require(items, "fi074", _why_not, REQUIRE)

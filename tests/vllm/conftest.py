@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 
 import pytest
+
+from tests.required_install import skip_or_require
 
 VLLM_VERSION = "0.33.0"
 REQUIRE = "CI_REQUIRE_VLLM"
@@ -27,11 +28,4 @@ def _why_not() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    marked = [item for item in items if "vllm" in item.keywords]
-    reason = _why_not() if marked else None
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE) == "1":
-        raise pytest.UsageError(f"{REQUIRE}=1 but {reason}")
-    for item in marked:
-        item.add_marker(pytest.mark.skip(reason=reason))
+    skip_or_require(items, "vllm", _why_not, REQUIRE)
