@@ -37,34 +37,30 @@ class Layer:
     def nvfp4(self) -> bool:
         return self.x_sf_bytes > 0
 
+    @property
+    def arguments(self) -> tuple[int, int, int, int, int, int]:
+        """``initialize()``'s positional arguments for this layer (vLLM 0.30's call style)."""
+        return (
+            self.max_num_tokens,
+            self.top_k,
+            self.num_experts,
+            HIDDEN,
+            self.x_bytes,
+            self.x_sf_bytes,
+        )
+
 
 def layer_capacities(ep_size: int, layer: Layer) -> Any:
     """The capacities the manager proposes for ``layer`` (a ``Capacities``)."""
     from moe_sidecar.client.sizing import layer_capacities as capacities
 
-    return capacities(
-        ep_size,
-        layer.max_num_tokens,
-        layer.top_k,
-        layer.num_experts,
-        HIDDEN,
-        layer.x_bytes,
-        layer.x_sf_bytes,
-    )
+    return capacities(ep_size, *layer.arguments)
 
 
 def initialize(manager: Any, layer: Layer) -> float:
     """``manager.initialize`` for ``layer``, vLLM 0.30's call style; the seconds it took."""
     started = time.perf_counter()
-    manager.initialize(
-        layer.max_num_tokens,
-        layer.top_k,
-        layer.num_experts,
-        HIDDEN,
-        layer.x_bytes,
-        layer.x_sf_bytes,
-        layer=layer.name,
-    )
+    manager.initialize(*layer.arguments, layer=layer.name)
     return time.perf_counter() - started
 
 
