@@ -325,6 +325,32 @@ class Sidecar:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
             return stub.GetGroup(pb.GetGroupRequest(group=name), timeout=5.0)
 
+    def wait_for_group(
+        self, name: str, condition: Callable[[pb.Group], bool], *, timeout: float, what: str
+    ) -> pb.Group:
+        """Polls ``GetGroup`` until ``condition`` holds and returns that group.
+
+        A proposal sent without waiting may not have reached the sidecar yet,
+        so NOT_FOUND means "not yet", not a failure.
+
+        Raises:
+            AssertionError: ``condition`` did not hold within ``timeout``
+                seconds (``what`` says what was awaited).
+            grpc.RpcError: ``GetGroup`` failed with a status other than NOT_FOUND.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                group = self.get_group(name)
+                if condition(group):
+                    return group
+            except grpc.RpcError as error:
+                if not isinstance(error, grpc.Call) or error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            if time.monotonic() > deadline:
+                raise AssertionError(f"group {name!r}: {what}: not within {timeout}s")
+            time.sleep(0.02)  # the poll interval of a wait with a deadline
+
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None

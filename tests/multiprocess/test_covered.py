@@ -29,7 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from moe_sidecar.client.transport import GrpcTransport
@@ -120,15 +119,12 @@ def _raise_plan_on_other_node(
     ``merged`` when ``ours`` has merged that plan from etcd."""
     deadline = time.monotonic() + 60
     try:
-        while time.monotonic() < deadline:
-            try:
-                state = ours.get_group(group)
-            except grpc.RpcError:
-                state = None
-            if state is not None and [r.committed_generation for r in state.ranks] == [1, 1]:
-                break
-            time.sleep(0.05)  # the poll interval of a wait with a deadline
-        first = ours.get_group(group).plan.capacities
+        first = ours.wait_for_group(
+            group,
+            lambda g: [r.committed_generation for r in g.ranks] == [1, 1],
+            timeout=60,
+            what="both ranks committed the first build",
+        ).plan.capacities
         need = workers.layer_capacities(2, workers.nvfp4_layer("x", max_num_tokens=64))
         assert need.max_tokens > first.max_tokens
         decisions: list[object] = [None, None]

@@ -7,7 +7,6 @@ restart, and the real ranks build their own plan."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import grpc
@@ -28,16 +27,9 @@ def _stranger_tries(sidecar: Sidecar, lifetime: int, counted: str) -> str:
     """Waits until three ranks wait (``counted``: ``waiting_ranks`` in a first
     lifetime, ``restarting_ranks`` in a restart), then proposes as rank 3
     with its own lifetime and a huge layer; returns the status it got."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if getattr(sidecar.get_group(GROUP), counted) == RANKS - 1:
-                break
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-        assert time.monotonic() < deadline, f"three ranks never {counted}"
-        time.sleep(0.01)  # the poll interval of a wait with a deadline
+    sidecar.wait_for_group(
+        GROUP, lambda g: getattr(g, counted) == RANKS - 1, timeout=60, what=f"three {counted}"
+    )
     request = pb.ProposeRequest(
         group=GROUP,
         ep_size=RANKS,

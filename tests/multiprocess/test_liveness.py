@@ -19,7 +19,6 @@ time measured is the sidecar's reaction alone.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,6 @@ TARGET_S = 1.0
 """Peers of a killed rank get the named error within this long."""
 STARTUP_S = 90.0
 """Spawned ranks import torch and gRPC: generous on a loaded 2-core machine."""
-
-
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.02)  # the poll interval of a wait with a deadline
 
 
 def _first_round(ranks: RankProcesses) -> None:
@@ -74,10 +65,11 @@ def test_peers_of_a_rank_killed_in_an_open_round_know_within_a_second(
         _first_round(ranks)
         for rank in SURVIVORS:
             ranks.send(rank, "propose", 2)
-        _wait_for(
-            lambda: (g := sidecar.get_group(group)).open_round == 2 and g.waiting_ranks == 2,
-            30,
-            "ranks 0 and 1 waiting in round 2",
+        sidecar.wait_for_group(
+            group,
+            lambda g: g.open_round == 2 and g.waiting_ranks == 2,
+            timeout=30,
+            what="ranks 0 and 1 waiting in round 2",
         )
         killed_at = ranks.kill(KILLED)
         failed = ranks.expect(SURVIVORS, "failed", 30)

@@ -276,9 +276,9 @@ def test_proposals_in_flight_are_sent_again_after_the_sidecar_restarts(tmp_path:
     try:
         mine.propose_later(_rank_proposal(group, 0, 1))
         # The round is open (rank 1 has not proposed) when the sidecar stops.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not restarting.get_group(group).waiting_ranks:
-            time.sleep(0.02)  # the poll interval of a wait with a deadline
+        restarting.wait_for_group(
+            group, lambda g: g.waiting_ranks == 1, timeout=10, what="rank 0 waiting"
+        )
         restarting.stop()
         restarting.start()
         answers: list[object] = []
