@@ -77,9 +77,13 @@ async def _serve_until_signalled(config: SidecarConfig) -> None:
 
     def on_signal(signum: signal.Signals) -> None:
         _log.info("shutdown requested", extra={"signal": signum.name})
-        # A second signal takes the default action: stop at once, no drain.
+        # A second signal takes the operating system's default action: the
+        # process ends at once, no drain. (asyncio's remove_signal_handler
+        # alone would put back Python's SIGINT handler, whose KeyboardInterrupt
+        # is lost when it lands in a callback such as a weakref's.)
         for s in signals:
             loop.remove_signal_handler(s)
+            signal.signal(s, signal.SIG_DFL)
         stop.set()
 
     for s in signals:

@@ -198,8 +198,7 @@ def test_a_second_signal_stops_at_once(tmp_path: Path, signum: signal.Signals) -
             elapsed = time.monotonic() - started
     finally:
         stop_process(process)
-    # Ended by the signal's default action (for SIGINT, KeyboardInterrupt),
-    # long before the grace period.
+    # Ended by the signal's default action, long before the grace period.
     assert process.returncode == -signum, log.read_text()
     assert elapsed < 5.0
     messages = [r["message"] for r in log_records(log)]
