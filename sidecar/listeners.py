@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import socket
 import stat
@@ -52,7 +51,6 @@ the same machine takes every default port of the first)."""
 SOCKET_MODE = 0o660
 """Owner and group (the inference container's) may connect; nobody else."""
 
-_log = logging.getLogger("moe_sidecar.server")
 
 # SO_REUSEPORT (gRPC's default on Linux) would let a second sidecar bind the
 # same TCP port and silently split the ranks of a group between two state
