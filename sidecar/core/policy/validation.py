@@ -34,13 +34,7 @@ def validate_proposal(p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_B
     limits.check_count("ep_rank", p.ep_rank, 0, p.ep_size - 1, f"ep_size is {p.ep_size}")
     limits.check_count("local_ranks", p.local_ranks, 1, p.ep_size, f"ep_size is {p.ep_size}")
     limits.check_name("lifetime", p.lifetime, allow_empty=False)
-    limits.check_count("round", p.round, 1, limits.MAX_ROUND, "rounds count from 1")
-    limits.check_capacities("requirement.capacities", p.requirement.capacities, p.ep_size)
-    limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
-    limits.check_name("group_proof", p.proof, allow_empty=True)
-    limits.check_workspace_ceiling(
-        "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling
-    )
+    validate_known_proposal(p, ceiling)
 
 
 def validate_known_proposal(
