@@ -156,6 +156,9 @@ def join_capacities(a: Capacities, b: Capacities) -> Capacities:
     Raises:
         ShapeMismatch: ``a`` and ``b`` differ in ``top_k`` or ``num_experts``.
     """
+    if a == b:
+        # The common case (every rank at the same layer) makes no copy.
+        return a
     if a.shape != b.shape:
         raise ShapeMismatch(a, b)
     return replace(a, **{name: max(getattr(a, name), getattr(b, name)) for name in SIZE_FIELDS})

@@ -116,10 +116,8 @@ def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
         ShapeMismatch: ``p`` has another shape than the round (callers check first).
     """
     capacities = p.requirement.capacities
-    if rnd.need is None or rnd.need == capacities:
-        # (The join of equal capacities is either: the common case, every
-        # rank at the same layer, makes no copy.)
-        need = capacities if rnd.need is None else rnd.need
+    if rnd.need is None:
+        need = capacities
     elif rnd.need.shape == capacities.shape:
         need = join_capacities(rnd.need, capacities)
     else:
@@ -157,8 +155,7 @@ def round_need(rnd: OpenRound) -> Capacities:
     """
     need = rnd.proposals[0].requirement.capacities
     for q in rnd.proposals[1:]:
-        if q.requirement.capacities != need:  # the join of equal capacities is either
-            need = join_capacities(need, q.requirement.capacities)
+        need = join_capacities(need, q.requirement.capacities)
     return need
 
 
