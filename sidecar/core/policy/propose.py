@@ -269,17 +269,10 @@ def _join_round(
 
 
 def _seen(known: RankRecord, p: Proposal, now: float) -> RankRecord:
-    """The rank's record once ``p`` joined its round (built field by field:
-    every field of :class:`RankRecord`, cheaper than a generic copy)."""
-    return RankRecord(
-        ep_rank=known.ep_rank,
-        lifetime=known.lifetime,
-        lifetime_index=known.lifetime_index,
-        last_round=p.round,
-        last_layer=p.requirement.layer,
-        last_seen=now,
-        committed_generation=known.committed_generation,
-        build_seconds=known.build_seconds,
+    """The rank's record once ``p`` joined its round: back (not ``left``),
+    at ``p``'s round and layer, seen ``now``."""
+    return replace(
+        known, last_round=p.round, last_layer=p.requirement.layer, last_seen=now, left=""
     )
 
 

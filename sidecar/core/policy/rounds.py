@@ -126,10 +126,8 @@ def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
         need = rnd.need
     proposals = rnd.proposals
     at = next((i for i, q in enumerate(proposals) if q.ep_rank > p.ep_rank), len(proposals))
-    return OpenRound(
-        number=rnd.number,
-        opened_at=rnd.opened_at,
-        deadline=rnd.deadline,
+    return replace(
+        rnd,
         proposals=(*proposals[:at], p, *proposals[at:]),
         need=need,
         first_proof=rnd.first_proof if proposals else p.proof,
