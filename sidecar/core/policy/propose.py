@@ -29,7 +29,7 @@ from moe_sidecar.core.effects import Deadline, Effect, Persist, Step, Wait
 from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted, quote_name
 from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
-from moe_sidecar.core.plan import Action, ShapeMismatch
+from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.core.policy.events import gone_text, lifetime_started, requirement_text
 from moe_sidecar.core.policy.proof import (
     Verdict,
@@ -303,26 +303,7 @@ def _add_proposal(
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
-    step = decide_round(replace(state, ranks=ranks), rnd, p, now, effects, node, ceiling)
-    if _unwritten(state, step, effects):
-        return replace(step, effects=tuple(e for e in step.effects if not isinstance(e, Persist)))
-    return step
-
-
-def _unwritten(before: GroupState, step: Step, admitted: tuple[Effect, ...]) -> bool:
-    """Whether a decided round needs no write: a REUSE that grew nothing in a
-    lifetime whose proof was already fixed changes only what a restart
-    re-derives (:mod:`.recovery`) or the ranks' retries re-send (the retained
-    outcomes, the ranks' last round, layer and time). Admitting the proposal
-    asked for no write of its own."""
-    decision = step.reply
-    return (
-        isinstance(decision, Decision)
-        and decision.action is Action.REUSE
-        and not decision.grew
-        and before.proof is not None
-        and not any(isinstance(e, Persist) for e in admitted)
-    )
+    return decide_round(replace(state, ranks=ranks), rnd, p, now, effects, node, ceiling)
 
 
 def propose(

@@ -2,8 +2,8 @@
 
 A round decided REUSE changes nothing a restart needs (no plan, epoch,
 generation, history or built plan; only the retained outcomes and the ranks'
-last round, layer and time), so it is not written (:func:`~.rounds.round_closed`
-is told so by :mod:`.propose`); every other closed round, commit, reset,
+last round, layer and time), so it is not written (:func:`~.rounds.decide_round`
+tells :func:`~.rounds.round_closed` so); every other closed round, commit, reset,
 merge and departure is. After a ``kill -9`` the stored row may therefore end
 at round ``k`` while the ranks went on to round ``n > k + 1``: every round
 between closed REUSE with the stored plan, since any other outcome would

@@ -176,9 +176,11 @@ def round_closed(
     *,
     effects: tuple[Effect, ...] = (),
     replicate: bool = False,
+    persist: bool = True,
 ) -> Step:
     """The step that closes ``rnd`` (of lifetime ``lifetime_index``) with
-    ``outcome``: persisted before anyone hears of it (and handed to the
+    ``outcome``: persisted before anyone hears of it (unless not ``persist``:
+    a round a restart re-derives, :mod:`.recovery`; and handed to the
     cluster store when the plan grew, ``replicate``), every waiter answered,
     the event published, the group's timer set to its next deadline."""
     return Step(
@@ -186,7 +188,7 @@ def round_closed(
         reply=outcome,
         effects=(
             *effects,
-            Persist(),
+            *((Persist(),) if persist else ()),
             *((Replicate(),) if replicate else ()),
             Answer(lifetime_index, rnd.number, outcome),
             Publish(event),
@@ -454,6 +456,11 @@ def decide_round(
     action = decide_action(state.built, plan)
     layer = rnd.proposals[0].requirement.layer
     decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)
+    # A REUSE that grew nothing in a lifetime whose proof was already fixed
+    # changes only what a restart re-derives (:mod:`.recovery`) or the ranks'
+    # retries re-send (the retained outcomes, the ranks' last round, layer and
+    # time): it is not written.
+    persist = action is not Action.REUSE or grew or state.proof is None
     state = _decided_state(state, rnd, decision, cause, now, node)
     event = group_event(
         state,
@@ -466,5 +473,12 @@ def decide_round(
         grew=grew,
     )
     return round_closed(
-        state, state.lifetime_index, rnd, decision, event, effects=effects, replicate=grew
+        state,
+        state.lifetime_index,
+        rnd,
+        decision,
+        event,
+        effects=effects,
+        replicate=grew,
+        persist=persist,
     )
