@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_sidecar.core.effects import Answer, Deadline, Effect, Persist
-from moe_sidecar.core.errors import PreconditionFailed
+from moe_sidecar.core.errors import PreconditionFailed, quote_name
 from moe_sidecar.core.group import Decision, GroupState, Proposal
 from moe_sidecar.core.plan import Action
+from moe_sidecar.core.policy.events import requirement_text
 from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS
 
 __all__ = ["catch_up", "may_catch_up"]
@@ -47,10 +48,10 @@ def catch_up(state: GroupState, p: Proposal) -> tuple[GroupState, tuple[Effect, 
     for q in waiting:
         if not plan.covers(q.requirement.capacities):
             raise PreconditionFailed(
-                f"rank {p.ep_rank} of group {p.group!r} proposes round {p.round} but the "
-                f"group's next round is {state.last_closed_round + 1}, and rank {q.ep_rank}'s "
-                f"{q.requirement} is not covered by the stored plan {plan}, so the rounds "
-                "between cannot have been reused"
+                f"rank {p.ep_rank} of group {quote_name(p.group)} proposes round {p.round} "
+                f"but the group's next round is {state.last_closed_round + 1}, and rank "
+                f"{q.ep_rank}'s {requirement_text(q.requirement)} is not covered by the "
+                f"stored plan {plan}, so the rounds between cannot have been reused"
             )
     answers: tuple[Effect, ...] = ()
     first = max(state.last_closed_round + 1, p.round - RETAINED_ROUNDS)
