@@ -170,18 +170,8 @@ class SidecarConfig:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
         for name in LIMIT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
-                raise ConfigError(f"{name}={value!r}: must be an integer in [1, {MAX_LIMIT}]")
-        value = self.max_workspace_bytes
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not 1 <= value <= MAX_WORKSPACE_BYTES
-        ):
-            raise ConfigError(
-                f"max_workspace_bytes={value!r}: must be an integer in [1, {MAX_WORKSPACE_BYTES}]"
-            )
+            check_int(name, getattr(self, name), 1, MAX_LIMIT)
+        check_int("max_workspace_bytes", self.max_workspace_bytes, 1, MAX_WORKSPACE_BYTES)
         for name in ("health_host", "metrics_host"):
             check_host(name, getattr(self, name))
         self._check_tls()
