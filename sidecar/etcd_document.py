@@ -33,7 +33,7 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_sidecar.config import (
+from moe_sidecar.config_values import (
     DEFAULT_STORE_MAX_DOCUMENT_BYTES,
     DEFAULT_STORE_MAX_EPOCH_LEAD,
     DEFAULT_STORE_MAX_GENERATION_LEAD,

@@ -46,7 +46,8 @@ from urllib.parse import quote, unquote
 import grpc
 
 from moe_sidecar.backoff import Backoff
-from moe_sidecar.config import DEFAULT_STORE_PAGE_BYTES, SidecarConfig
+from moe_sidecar.config import SidecarConfig
+from moe_sidecar.config_values import DEFAULT_STORE_PAGE_BYTES
 from moe_sidecar.core.cluster import (
     ClusterPlan,
     LayoutMismatch,

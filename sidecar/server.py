@@ -26,11 +26,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from moe_sidecar.config import (
+from moe_sidecar.config import SidecarConfig
+from moe_sidecar.config_values import (
     DEFAULT_STATE_DIR,
     LIMIT_FIELDS,
     LISTENER_TIMEOUT_FIELDS,
-    SidecarConfig,
     SqliteStore,
 )
 from moe_sidecar.etcd_client import EtcdClient
