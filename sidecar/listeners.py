@@ -33,7 +33,6 @@ from moe_sidecar.wire.address import ListenAddress
 __all__ = [
     "SOCKET_MODE",
     "StartupError",
-    "health_port_options",
     "lock_socket_path",
     "not_serving_health",
     "start_coordinator_server",
@@ -347,7 +346,7 @@ class _HealthPortReflection(reflection.aio.ReflectionServicer):  # type: ignore[
                 yield response
 
 
-def health_port_options(config: SidecarConfig) -> tuple[tuple[str, int], ...]:
+def _health_port_options(config: SidecarConfig) -> tuple[tuple[str, int], ...]:
     """The health port's bounds: connections, idle time, and streams per
     connection (no more than the port's RPC limit, which probes share)."""
     return (
@@ -360,22 +359,21 @@ def health_port_options(config: SidecarConfig) -> tuple[tuple[str, int], ...]:
 
 
 async def start_health_server(
-    host: str,
-    port: int,
-    health_servicer: HealthServicer,
-    max_rpcs: int,
-    metrics: SidecarMetrics,
-    options: tuple[tuple[str, int], ...] = _SERVER_OPTIONS,
-) -> tuple[grpc.aio.Server, int]:
-    """The plain-TCP health port for kubelet probes: Health and reflection only,
-    at most ``max_rpcs`` calls at once, of which at most half long-lived
-    streams (Health.Watch, reflection), so probes are answered under a flood
-    of streams.
+    config: SidecarConfig, health_servicer: HealthServicer, metrics: SidecarMetrics
+) -> tuple[grpc.aio.Server | None, int | None]:
+    """The plain-TCP health port for kubelet probes and its bound port, or
+    (None, None) with ``--health-port 0``: Health and reflection only, at
+    most ``--max-health-rpcs`` calls at once, of which at most half
+    long-lived streams (Health.Watch, reflection), so probes are answered
+    under a flood of streams.
 
     Raises:
         StartupError: the port cannot be bound.
     """
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_rpcs)
+    if config.health_port is None:
+        return None, None
+    host, port, max_rpcs = config.health_host, config.health_port, config.max_health_rpcs
+    server = grpc.aio.server(options=_health_port_options(config), maximum_concurrent_rpcs=max_rpcs)
     slots = _StreamSlots(max(1, max_rpcs // 2), metrics)
     health_pb2_grpc.add_HealthServicer_to_server(_HealthPortHealth(health_servicer, slots), server)
     # grpcurl (and anything else without the .proto) finds Health/Check

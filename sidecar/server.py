@@ -39,7 +39,6 @@ from moe_sidecar.health import HealthServicer
 from moe_sidecar.listeners import (
     SOCKET_MODE,
     StartupError,
-    health_port_options,
     lock_socket_path,
     not_serving_health,
     start_coordinator_server,
@@ -232,7 +231,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             config, coordinator, health_servicer, metrics
         )
         rollback.push_async_callback(server.stop, None)
-        health_server, health_port = await _start_health_port(config, health_servicer, metrics)
+        health_server, health_port = await start_health_server(config, health_servicer, metrics)
         if health_server is not None:
             rollback.push_async_callback(health_server.stop, None)
         endpoint: MetricsEndpoint | None = None
@@ -308,26 +307,6 @@ def _new_coordinator(
         replica=replica,
         node=node_name(config),
         max_workspace_bytes=config.max_workspace_bytes,
-    )
-
-
-async def _start_health_port(
-    config: SidecarConfig, health_servicer: HealthServicer, metrics: SidecarMetrics
-) -> tuple[grpc.aio.Server | None, int | None]:
-    """The health server and its port; (None, None) with ``--health-port 0``.
-
-    Raises:
-        StartupError: the port cannot be bound.
-    """
-    if config.health_port is None:
-        return None, None
-    return await start_health_server(
-        config.health_host,
-        config.health_port,
-        health_servicer,
-        config.max_health_rpcs,
-        metrics,
-        health_port_options(config),
     )
 
 
