@@ -20,10 +20,10 @@ from moe_sidecar.row_fields import (
     encode_history,
     encode_plan,
     field_of,
+    growth_fields,
     int_field,
     list_field,
     str_field,
-    time_field,
     typed_capacities,
 )
 
@@ -73,14 +73,7 @@ def _typed_growth(g: Any) -> Growth:
     plan = _typed_plan(g, "plan")
     if plan is None:
         raise RowError("field 'plan' holds null")
-    return Growth(
-        plan=plan,
-        layer=str_field(g, "layer"),
-        ep_rank=int_field(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-        round=int_field(g, "round", 0, limits.MAX_ROUND),
-        at=time_field(g, "at"),
-        node=str_field(g, "node"),
-    )
+    return growth_fields(g, plan, with_node=True)
 
 
 def decode_cluster_plan(data: bytes) -> ClusterPlan:

@@ -66,6 +66,7 @@ from moe_sidecar.row_fields import (
     encode_history,
     encode_plan,
     field_of,
+    growth_fields,
     int_field,
     list_field,
     proof_field,
@@ -279,14 +280,7 @@ def _decode_round(d: Any, key: str, ep_size: int) -> OpenRound | None:
 
 
 def _decode_growth(g: Any, ep_size: int, *, with_node: bool) -> Growth:
-    return Growth(
-        plan=_required_plan(g, "plan", ep_size),
-        layer=str_field(g, "layer"),
-        ep_rank=int_field(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
-        round=int_field(g, "round", 0, limits.MAX_ROUND),
-        at=time_field(g, "at"),
-        node=str_field(g, "node") if with_node else "",
-    )
+    return growth_fields(g, _required_plan(g, "plan", ep_size), with_node=with_node)
 
 
 def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:

@@ -1,9 +1,12 @@
-"""The pieces both stored documents share: their error, encoders and field readers.
+"""The stored documents' error, encoders and field readers.
 
 A group's row (:mod:`moe_sidecar.row_codec`) and a cluster plan
-(:mod:`moe_sidecar.cluster_plan_codec`) write capacities and plans the same
-way and read every field with these checks: present, of its JSON type and in
-its range (:mod:`moe_sidecar.core.limits`), else a :class:`RowError` naming it.
+(:mod:`moe_sidecar.cluster_plan_codec`) write capacities, plans and growths
+the same way and read every field with these checks: present, of its JSON
+type and in its range (:mod:`moe_sidecar.core.limits`), else a
+:class:`RowError` naming it. A few readers (a rank's build seconds, rank
+numbers, the group proof) serve the row alone; they live here beside the
+checks they are made of.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ __all__ = [
     "encode_plan",
     "field_of",
     "float_field",
+    "growth_fields",
     "int_field",
     "list_field",
     "optional_str_field",
@@ -166,3 +170,21 @@ def typed_capacities(d: Any) -> Capacities:
         else:
             values[field.name] = int_field(d, field.name)
     return Capacities(**values)
+
+
+def growth_fields(g: Any, plan: Plan, *, with_node: bool) -> Growth:
+    """The growth a stored history entry ``g`` records at ``plan`` (read by
+    the caller, which knows its bounds); its node only ``with_node`` (rows
+    of older versions have none).
+
+    Raises:
+        RowError: a field is missing, of another type or out of range.
+    """
+    return Growth(
+        plan=plan,
+        layer=str_field(g, "layer"),
+        ep_rank=int_field(g, "ep_rank", 0, limits.MAX_EP_SIZE - 1),
+        round=int_field(g, "round", 0, limits.MAX_ROUND),
+        at=time_field(g, "at"),
+        node=str_field(g, "node") if with_node else "",
+    )
