@@ -1,10 +1,6 @@
-"""The sidecar's configuration: one frozen dataclass, built from flags and env.
-
-Every ``serve`` flag ``--some-flag`` can also come from the environment as
-``MOE_SIDECAR_SOME_FLAG``; a flag given on the command line wins over the
-environment. An unknown ``MOE_SIDECAR_*`` key is an error naming it (a typo
-must not silently run with a default), except the keys of the client library
-(:data:`CLIENT_ENV_KEYS`, e.g. ``MOE_SIDECAR_TARGET``).
+"""The sidecar's configuration: one frozen dataclass, built from flags and env
+(every flag also an environment variable, unknown keys refused: see
+:mod:`moe_sidecar.config_flags`).
 
 The pieces live by job in three modules, whose public names are re-exported
 here: :mod:`moe_sidecar.config_values` (the error, defaults, bounds, address

@@ -123,7 +123,7 @@ class SidecarConfig:
     """``sqlite:///DIR`` or ``etcd://...``; empty: the SQLite in ``state_dir``."""
     node_name: str = ""
     """This node's name in plan origins; empty: the hostname."""
-    # --- the cluster store: what this node trusts of etcd (see _STORE_OPTIONS) ---
+    # --- the cluster store: what this node trusts of etcd (flags: config_flags) ---
     store_page_bytes: int = DEFAULT_STORE_PAGE_BYTES
     """Bytes one page of a prefix read may hold (a page's key count is this
     over ``store_max_document_bytes``); pages are merged one by one."""
