@@ -4,9 +4,10 @@
 
 The pieces live by job in three modules, whose public names are re-exported
 here: :mod:`moe_sidecar.config_values` (the error, defaults, bounds, address
-and store parsing; its bounds are for the sidecar's own modules), :mod:`moe_sidecar.config_model` (:class:`SidecarConfig` and
-its validation) and :mod:`moe_sidecar.config_flags` (the option table, the
-flags and the environment).
+and store parsing; its bounds are for the sidecar's own modules),
+:mod:`moe_sidecar.config_model` (:class:`SidecarConfig` and its validation)
+and :mod:`moe_sidecar.config_flags` (the option table, the flags and the
+environment).
 """
 
 from __future__ import annotations
