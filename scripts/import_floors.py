@@ -9,6 +9,9 @@ the daemon and back (both must be 0: the client reaches only the core, the
 wire and itself), and the longest chain.
 
     python scripts/import_floors.py [REPOSITORY]   # default: this checkout
+
+``tests/unit/test_import_graph.py`` reads the graph with this script's
+:func:`modules` and :func:`imports`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ SHARED = ("moe_sidecar.core", "moe_sidecar.wire", "moe_sidecar.client")
 
 
 def modules(root: Path) -> dict[str, Path]:
-    """Installed module name -> source file."""
+    """Installed module name -> source file (generated code excluded)."""
     table = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     found: dict[str, Path] = {}
     for name, directory in table["package-dir"].items():
@@ -32,25 +35,34 @@ def modules(root: Path) -> dict[str, Path]:
         for path in (root / directory).rglob("*.py"):
             parts = [p for p in path.relative_to(root / directory).with_suffix("").parts]
             dotted = ".".join([name, *(p for p in parts if p != "__init__")])
+            # A directory mapped on its own (moe_sidecar.client) wins over its parent's walk.
             if dotted not in found or str(directory) in str(path.parent):
                 found[dotted] = path
     return found
 
 
+def imports(path: Path, *, top_level: bool = False) -> set[str]:
+    """Module names imported in ``path``: anywhere (lazy imports too), or only
+    at module level (what importing the module runs)."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text())
+    for node in tree.body if top_level else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
 def arrows(found: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the project modules it imports (a package face's own children excluded)."""
-    edges: dict[str, set[str]] = {}
-    for name, path in found.items():
-        imported: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
-        edges[name] = {
-            m for m in imported if m in found and m != name and not name.startswith(m + ".")
+    return {
+        name: {
+            m for m in imports(path) if m in found and m != name and not name.startswith(m + ".")
         }
-    return edges
+        for name, path in found.items()
+    }
 
 
 def main(argv: list[str]) -> int:

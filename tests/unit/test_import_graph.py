@@ -6,11 +6,11 @@ names that pyproject's package-dir gives the directories.
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -21,23 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 IMPURE = ("grpc", "asyncio", "time", "torch", "flashinfer", "sqlite3", "socket", "threading")
 
 
-def _modules() -> dict[str, Path]:
-    with (ROOT / "pyproject.toml").open("rb") as f:
-        package_dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    modules: dict[str, Path] = {}
-    for name, directory in package_dirs.items():
-        if name == "moe_workspace":
-            continue  # generated code
-        for path in (ROOT / directory).rglob("*.py"):
-            parts = [p for p in path.relative_to(ROOT / directory).with_suffix("").parts]
-            dotted = ".".join([name, *[p for p in parts if p != "__init__"]])
-            # A directory mapped on its own (moe_sidecar.client) wins over its parent's walk.
-            if dotted not in modules or str(directory) in str(path.parent):
-                modules[dotted] = path
-    return modules
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "import_floors", ROOT / "scripts" / "import_floors.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-MODULES = _modules()
+GRAPH = _script()
+MODULES: dict[str, Path] = GRAPH.modules(ROOT)
 
 PURE_CORE = (
     "moe_sidecar",  # the package itself: importing moe_sidecar.core.plan runs it first
@@ -47,17 +42,7 @@ PURE_CORE = (
 
 
 def _imports(path: Path, *, top_level: bool = False) -> set[str]:
-    """Module names imported in ``path``: anywhere (lazy imports too), or only
-    at module level (what importing the module runs)."""
-    found: set[str] = set()
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level else list(ast.walk(tree))
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    found: set[str] = GRAPH.imports(path, top_level=top_level)
     return found
 
 
