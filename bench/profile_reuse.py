@@ -32,9 +32,10 @@ from moe_sidecar.logs import configure_logging  # noqa: E402
 
 
 def _parts(workdir: Path, ranks: int, repeats: int = 500) -> tuple[float, float, float]:
-    """Microseconds per REUSE round: the store's save of the group (the
-    Persist every closed round asks for), the stored row's encode alone, and
-    the core's ``policy.propose`` for the round's ``ranks`` proposals."""
+    """Microseconds per round: the store's save of the group (what a written
+    round costs: a BUILD or REBUILD, or a REUSE before REUSE rounds stopped
+    being written), the stored row's encode alone, and the core's
+    ``policy.propose`` for the round's ``ranks`` proposals."""
     from bench.bench_sidecar import NEED
     from moe_sidecar.core import policy
     from moe_sidecar.core.group import GroupState, Proposal
