@@ -78,7 +78,9 @@ def test_the_picture_computes_what_the_size_command_prints() -> None:
     command += ["--top-k", str(script.TOP_K), "--experts", str(script.NUM_EXPERTS), "--json"]
     for kind in script.LAYER_KINDS:
         command += ["--dispatch", kind]
-    printed = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    printed = json.loads(
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=20).stdout
+    )
     row = script.computed(8)
     assert (row.nvfp4, row.union, row.vllm) == (
         printed["layers"][0]["workspace_bytes_per_rank"],
