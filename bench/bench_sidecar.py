@@ -538,7 +538,8 @@ def _ms(seconds: float) -> str:
 async def run(quick: bool) -> int:
     print(
         f"# bench_sidecar: python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     )
     plan = {1: (2000, 200), 8: (1000, 100), 64: (200, 20)}
     if quick:
