@@ -48,7 +48,7 @@ from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.construction import backend_named
 from moe_sidecar.client.counters import ManagerCounters
-from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
+from moe_sidecar.client.covered import check_reuse, passes_as_covered
 from moe_sidecar.client.dispatch_layouts import DispatchLayouts
 from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
 from moe_sidecar.client.group_collectives import GroupCollectives
@@ -291,8 +291,8 @@ class WorkspaceManager:
     def _settle(self, keep: int = 0) -> None:
         """Reads the answers still outstanding until at most ``keep`` remain,
         builds what they ask, and commits the plan held after a build
-        (:func:`~moe_sidecar.client.covered.read_answers`). Embedded: agrees
-        once on what is held after rounds passed as covered.
+        (:meth:`_read_answers`). Embedded: agrees once on what is held after
+        rounds passed as covered.
 
         Raises:
             CoordinatorError: an answer is a refusal (naming the round's
@@ -302,21 +302,58 @@ class WorkspaceManager:
             BackendError: a build an answer asked for failed.
             AgreementError: embedded, the ranks passed different rounds as covered.
         """
-        if self.embedded:
-            if self._unagreed:
-                self._agree_on_held()
+        # Every forward step reads moe_alltoall and every covered round comes
+        # here: most of the time there is nothing to settle.
+        if not self._unagreed and self._transport.unanswered <= keep:
             return
-        built = read_answers(
-            self._transport,
-            keep,
-            lambda decision: self._check_reuse(decision, decision.layer),
-            lambda decision: self._build(
+        if self.embedded:
+            self._agree_on_held()
+            return
+        self._read_answers(keep)
+
+    def _read_answers(self, keep: int) -> None:
+        """Reads the answers still outstanding, oldest first, until at most
+        ``keep`` remain, and does what they ask.
+
+        A REUSE needs nothing but the check that this rank holds its plan. A
+        refusal is raised. A BUILD/REBUILD (the sidecar's plan rose above what
+        was built while this rank passed the round as covered) is built here:
+        every rank of that round got the same decision and builds it, at once
+        or when it reads it, so the build's collectives meet. Then every
+        answer still outstanding is read (more builds if they ask for them),
+        and the plan held is committed against the latest round answered:
+        every message sent before the commit has been answered, so that round
+        is the sidecar's latest closed one (still retained), decided at the
+        plan held.
+
+        Raises:
+            CoordinatorError: an answer is a refusal (naming the round's layers
+                and ranks), the commit was refused, or the sidecar could not
+                be reached.
+            InternalError: a REUSE of a plan this rank does not hold.
+            BackendError: a build an answer asked for failed.
+        """
+        build_seconds: float | None = None
+        answered = 0  # the latest round answered
+        while self._transport.unanswered > (0 if build_seconds is not None else keep):
+            decision = self._transport.next_answer()
+            answered = decision.round
+            if decision.action is Action.REUSE:
+                self._check_reuse(decision, decision.layer)
+                continue
+            _log.info(
+                "group %s round %d (%s): %s asked for after this rank passed the round as "
+                "covered (the sidecar's plan is above what was built)",
+                self.group,
+                decision.round,
+                decision.layer,
+                decision.action.value,
+            )
+            build_seconds = self._build(
                 decision.plan, decision.action, decision.layer, decision.round
-            ),
-            self.group,
-        )
-        if built is not None and self._built is not None:
-            self._commit(built[0], self._built, built[1])
+            )
+        if build_seconds is not None and self._built is not None:
+            self._commit(answered, self._built, build_seconds)
 
     def _agree_on_held(self) -> None:
         """Embedded: one agreement on what is held, after rounds passed as
