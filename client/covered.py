@@ -42,7 +42,6 @@ local in embedded mode and agrees on nothing.
 from __future__ import annotations
 
 from moe_sidecar.client.errors import InternalError
-from moe_sidecar.core.group import Decision
 from moe_sidecar.core.plan import Capacities, Plan
 
 __all__ = ["check_reuse", "passes_as_covered"]
@@ -56,15 +55,16 @@ def passes_as_covered(capacities: Capacities, built: Plan | None, one_decider: b
     return one_decider and built is not None and built.covers(capacities)
 
 
-def check_reuse(group: str, decision: Decision, layer: str, held: Plan | None) -> None:
-    """Refuses a REUSE of a plan this rank does not hold.
+def check_reuse(group: str, round_number: int, layer: str, plan: Plan, held: Plan | None) -> None:
+    """Refuses a REUSE of ``plan`` (decided in round ``round_number`` for
+    ``layer``) when this rank does not hold it.
 
     Raises:
-        InternalError: ``held`` does not cover the decision's plan.
+        InternalError: ``held`` does not cover ``plan``.
     """
-    if held is None or not held.covers(decision.plan.capacities):
+    if held is None or not held.covers(plan.capacities):
         raise InternalError(
-            f"group {group!r} round {decision.round} (layer {layer!r}): the sidecar "
-            f"answered REUSE of {decision.plan} but this rank holds {held}; was the "
+            f"group {group!r} round {round_number} (layer {layer!r}): the sidecar "
+            f"answered REUSE of {plan} but this rank holds {held}; was the "
             "sidecar's state replaced while this process ran? Restart the ranks"
         )

@@ -339,7 +339,7 @@ class WorkspaceManager:
             decision = self._transport.next_answer()
             answered = decision.round
             if decision.action is Action.REUSE:
-                self._check_reuse(decision, decision.layer)
+                self._check_reuse(decision.round, decision.layer, decision.plan)
                 continue
             _log.info(
                 "group %s round %d (%s): %s asked for after this rank passed the round as "
@@ -381,8 +381,8 @@ class WorkspaceManager:
                 f"the ranks' plans join to {agreed}; restart the ranks"
             )
 
-    def _check_reuse(self, decision: Decision, layer: str) -> None:
-        check_reuse(self.group, decision, layer, self._built)
+    def _check_reuse(self, round_number: int, layer: str, plan: Plan) -> None:
+        check_reuse(self.group, round_number, layer, plan, self._built)
 
     def _propose_covered(self, call: LayerCall, layer: str) -> None:
         """A covered round: sends the proposal and goes on (at most
@@ -425,11 +425,12 @@ class WorkspaceManager:
                     action=decision.action if decision is not None else Action.REUSE,
                 )
             )
-            decision = Decision(round_number, action, plan, grew=False, layer=layer)
-        assert decision is not None
-        if decision.action is Action.REUSE:
-            self._check_reuse(decision, layer)
-        return decision.action, decision.plan
+        else:
+            assert decision is not None  # a failure is raised unless agreed across ranks
+            action, plan = decision.action, decision.plan
+        if action is Action.REUSE:
+            self._check_reuse(round_number, layer, plan)
+        return action, plan
 
     def initialize(
         self,
