@@ -47,12 +47,15 @@ from moe_sidecar.core.plan import Capacities, Plan
 __all__ = ["check_reuse", "passes_as_covered"]
 
 
-def passes_as_covered(capacities: Capacities, built: Plan | None, one_decider: bool) -> bool:
-    """Whether a round of a layer at ``capacities`` needs no answer to go on:
-    the plan ``built`` covers the layer and one decider sees the whole group
-    (``one_decider``; its decision can then only be REUSE, or a build every
-    rank of the round joins later)."""
-    return one_decider and built is not None and built.covers(capacities)
+def passes_as_covered(capacities: Capacities, built: Plan | None, mode_allows: bool) -> bool:
+    """Whether a round of a layer at ``capacities`` may go on without its
+    answer or the ranks' agreement: the plan ``built`` covers the layer and
+    ``mode_allows`` it, which holds in two cases. In sidecar mode, when one
+    decider sees the whole group: its decision can then only be REUSE, or a
+    build every rank of the round joins later. In embedded mode, always: the
+    rank's own core decides, and the ranks' next agreement finds any rank
+    that passed another round as covered."""
+    return mode_allows and built is not None and built.covers(capacities)
 
 
 def check_reuse(group: str, round_number: int, layer: str, plan: Plan, held: Plan | None) -> None:

@@ -284,9 +284,10 @@ class WorkspaceManager:
         return self._transport.propose(self._proposal(requirement))
 
     def _passes_as_covered(self, call: LayerCall) -> bool:
-        return passes_as_covered(
-            call.capacities, self._built, self.embedded or not self.agrees_across_ranks
-        )
+        # Embedded mode always agrees across ranks, yet passes covered rounds:
+        # its next agreement checks them (see moe_sidecar.client.covered).
+        mode_allows = self.embedded or not self.agrees_across_ranks
+        return passes_as_covered(call.capacities, self._built, mode_allows)
 
     def _settle(self, keep: int = 0) -> None:
         """Reads the answers still outstanding until at most ``keep`` remain,
