@@ -393,6 +393,11 @@ class WorkspaceManager:
         self._transport.propose_later(
             self._proposal(Requirement(capacities=call.capacities, layer=layer))
         )
+        self._passed_as_covered(call)
+
+    def _passed_as_covered(self, call: LayerCall) -> None:
+        """Counts a round passed as covered (a reuse, unless its answer later
+        asks for a build) and keeps its call."""
         self._covered += 1
         self._reuses += 1
         self._remember(call)
@@ -551,9 +556,7 @@ class WorkspaceManager:
         """Embedded: the rank's own core agrees on a covered round; the next
         agreement checks that every rank passed the same rounds."""
         self._unagreed += 1
-        self._covered += 1
-        self._reuses += 1
-        self._remember(call)
+        self._passed_as_covered(call)
 
     def _execute(self, call: LayerCall, action: Action, plan: Plan, layer: str) -> None:
         """Does what the round decided: keeps what is built, or builds ``plan``
