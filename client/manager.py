@@ -50,9 +50,8 @@ from moe_sidecar.client.construction import backend_named
 from moe_sidecar.client.counters import ManagerCounters
 from moe_sidecar.client.covered import check_reuse, passes_as_covered
 from moe_sidecar.client.dispatch_layouts import DispatchLayouts
-from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
+from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument
 from moe_sidecar.client.group_collectives import GroupCollectives
-from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.client.vllm_sizing import UNSET, LayerCall, classify_call
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
@@ -151,8 +150,10 @@ class WorkspaceManager:
             embedded=self._transport.embedded,
         )
         validate_group_name(self.group)
-        self._on_group = GroupCollectives(cpu_group, self.group, self._rank_lost)
-        self.local_ranks = 1 if self._transport.embedded else self._local_ranks(local_ranks)
+        self._on_group = GroupCollectives(cpu_group, self.group, self._transport)
+        self.local_ranks = (
+            1 if self._transport.embedded else self._on_group.local_ranks(local_ranks)
+        )
         self.backend: AlltoAllBackend = backend_named(backend, cpu_group)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
@@ -181,11 +182,6 @@ class WorkspaceManager:
 
         self.generation = 0
         self._set_built(None, None)
-
-    # --- construction helpers --------------------------------------------
-
-    def _local_ranks(self, explicit: int | None) -> int:
-        return self._on_group.local_ranks(explicit, self.ep_size, self.ep_rank)
 
     # --- what is built -----------------------------------------------------
 
@@ -401,9 +397,6 @@ class WorkspaceManager:
         self._covered += 1
         self._reuses += 1
         self._remember(call)
-
-    def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
-        return rank_lost(self._transport, self.group, self.ep_rank, where, error)
 
     def _decide(
         self,
