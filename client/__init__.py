@@ -15,10 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from moe_sidecar.client.lazy_names import lazy_names
 from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET
 
 if TYPE_CHECKING:
     from moe_sidecar.client import sizing
+    from moe_sidecar.client.counters import ManagerCounters
     from moe_sidecar.client.errors import (
         AdminDisabled,
         AgreementError,
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
         RoundAborted,
         RoundTimedOut,
     )
-    from moe_sidecar.client.manager import ManagerCounters, WorkspaceManager
+    from moe_sidecar.client.manager import WorkspaceManager
 
 __all__ = [
     "EMBEDDED",
@@ -59,19 +61,40 @@ __all__ = [
     "sizing",
 ]
 
-_HOME = {
-    "ManagerCounters": "moe_sidecar.client.manager",
-    "WorkspaceManager": "moe_sidecar.client.manager",
-}
-"""Where each lazily loaded name lives; the rest are errors (``moe_sidecar.client.errors``)."""
+_NAMES = lazy_names(
+    __name__,
+    {
+        "counters": ("ManagerCounters",),
+        "errors": (
+            "AdminDisabled",
+            "AgreementError",
+            "BackendError",
+            "CoordinatorError",
+            "CoordinatorUnavailable",
+            "GroupNotFound",
+            "InternalError",
+            "InvalidArgument",
+            "PermissionDenied",
+            "PreconditionFailed",
+            "RankLost",
+            "ResourceExhausted",
+            "RoundAborted",
+            "RoundTimedOut",
+        ),
+        "manager": ("WorkspaceManager",),
+    },
+)
 
 
 def __getattr__(name: str) -> Any:
+    """The public ``name``, from its module (imported now if it was not yet);
+    ``sizing`` is the module itself.
+
+    Raises:
+        AttributeError: not a public name of this package.
+    """
     # Lazy: importing a pure module of the client (sizing, naming, the tools'
     # commands) must not load torch, which only the manager needs.
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name == "sizing":
-        return importlib.import_module("moe_sidecar.client.sizing")
-    module = importlib.import_module(_HOME.get(name, "moe_sidecar.client.errors"))
-    return getattr(module, name)
+        return importlib.import_module(f"{__name__}.sizing")
+    return _NAMES(name)

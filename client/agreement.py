@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import secrets
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,6 @@ from moe_sidecar.core.plan import Action, Capacities, Plan, ShapeMismatch, join
 __all__ = [
     "GROUP_SECRET_BYTES",
     "LocalOutcome",
-    "agree",
     "agree_round",
     "failure_code",
     "share_group_secret",
@@ -66,8 +66,10 @@ GROUP_SECRET_BYTES = 16
 """Random bytes of a group's proof: 128 bits, guessed by nobody."""
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
-_HEAD = 6
-"""failed, round, settling, action, epoch, generation."""
+_FAILED, _ROUND, _SETTLING, _ACTION, _EPOCH, _GENERATION = range(6)
+"""The indices of the row's head, in the order the module's docstring draws it."""
+_HEAD = _GENERATION + 1
+"""Slots before the capacities: failed, round, settling, action, epoch, generation."""
 _ACTIONS = (Action.REUSE, Action.REBUILD, Action.BUILD)
 """The row's action slot: the index here, in the order of what an action asks."""
 _ROW = _HEAD + len(_CAPACITY_FIELDS)
@@ -119,8 +121,8 @@ def _row(mine: LocalOutcome) -> torch.Tensor:
 def _plan(row: list[int]) -> Plan:
     return Plan(
         capacities=Capacities(**dict(zip(_CAPACITY_FIELDS, row[_HEAD:], strict=True))),
-        epoch=row[4],
-        generation=row[5],
+        epoch=row[_EPOCH],
+        generation=row[_GENERATION],
     )
 
 
@@ -134,13 +136,14 @@ def _raise_out_of_step(
     parts = []
     codes = []
     for rank, (row, item) in enumerate(zip(values, gathered, strict=True)):
-        layer, text, code = item if isinstance(item, tuple) else ("", "", "")
+        # Every rank here gathers its (layer, text, code): the rows are the same on all.
+        layer, text, code = cast(tuple[str, str, str], item)
         if text:
             codes.append(ErrorCode(code))
         where = (
-            f"is settling after round {row[1]} (it passed rounds as covered)"
-            if row[2]
-            else f"needs round {row[1]} agreed"
+            f"is settling after round {row[_ROUND]} (it passed rounds as covered)"
+            if row[_SETTLING]
+            else f"needs round {row[_ROUND]} agreed"
         )
         detail = where + (f" (it failed: {text})" if text else "")
         failures.append(RankFailure(ep_rank=rank, layer=str(layer), detail=detail))
@@ -233,14 +236,14 @@ def agree_round(
         InvalidArgument: ``mine`` holds neither a plan nor a failure.
     """
     if mine.plan is None and mine.failure is None:
-        raise InvalidArgument("agree() needs a plan or a failure")
+        raise InvalidArgument("agree_round() needs a plan or a failure")
     row = _row(mine)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
     values = [[int(v) for v in r.tolist()] for r in rows]
-    if len({(v[1], v[2]) for v in values}) > 1:
+    if len({(v[_ROUND], v[_SETTLING]) for v in values}) > 1:
         _raise_out_of_step(group, mine, values, group_name)
-    if any(v[0] for v in values):
+    if any(v[_FAILED] for v in values):
         _raise_failures(group, mine, group_name)
     plans = [_plan(v) for v in values]
     try:
@@ -248,20 +251,7 @@ def agree_round(
     except ShapeMismatch:
         _raise_disagreement(group, mine, plans, group_name)
         raise  # pragma: no cover - _raise_disagreement always raises
-    return _ACTIONS[max(v[3] for v in values)], plan
-
-
-def agree(group: dist.ProcessGroup, mine: LocalOutcome, *, group_name: str) -> Plan:
-    """The plan of :func:`agree_round` (every rank holds the same plan, or raises
-    the same error).
-
-    Raises:
-        AgreementError: ranks disagree on ``top_k`` or ``num_experts``, or
-            are out of step.
-        CoordinatorError: at least one rank failed (see :func:`agree_round`).
-        InvalidArgument: ``mine`` holds neither a plan nor a failure.
-    """
-    return agree_round(group, mine, group_name=group_name)[1]
+    return _ACTIONS[max(v[_ACTION] for v in values)], plan
 
 
 def share_group_secret(group: dist.ProcessGroup) -> str:

@@ -5,7 +5,7 @@ node-local group in sidecar mode does not wait: every rank of a round must
 state the same layer, so its decision can only be REUSE. The rank sends its
 proposal on its session (so the sidecar still keeps the history, sees the
 rank alive and checks that the ranks agree) and returns; the answers are
-read in the order sent, later (:func:`read_answers`, through ``WorkspaceManager._settle``):
+read in the order sent, later (``WorkspaceManager._settle``):
 
 * before a round that waits (one that needs more than was built, or round 1
   of a lifetime), before ``get_communication()``, ``moe_alltoall``,
@@ -41,83 +41,33 @@ local in embedded mode and agrees on nothing.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-
 from moe_sidecar.client.errors import InternalError
-from moe_sidecar.client.transport import Transport
-from moe_sidecar.core.group import Decision
-from moe_sidecar.core.plan import Action, Capacities, Plan
+from moe_sidecar.core.plan import Capacities, Plan
 
-__all__ = ["check_reuse", "passes_as_covered", "read_answers"]
-
-_log = logging.getLogger(__name__)
+__all__ = ["check_reuse", "passes_as_covered"]
 
 
-def passes_as_covered(capacities: Capacities, built: Plan | None, one_decider: bool) -> bool:
-    """Whether a round of a layer at ``capacities`` needs no answer to go on:
-    the plan ``built`` covers the layer and one decider sees the whole group
-    (``one_decider``; its decision can then only be REUSE, or a build every
-    rank of the round joins later)."""
-    return one_decider and built is not None and built.covers(capacities)
+def passes_as_covered(capacities: Capacities, built: Plan | None, mode_allows: bool) -> bool:
+    """Whether a round of a layer at ``capacities`` may go on without its
+    answer or the ranks' agreement: the plan ``built`` covers the layer and
+    ``mode_allows`` it, which holds in two cases. In sidecar mode, when one
+    decider sees the whole group: its decision can then only be REUSE, or a
+    build every rank of the round joins later. In embedded mode, always: the
+    rank's own core decides, and the ranks' next agreement finds any rank
+    that passed another round as covered."""
+    return mode_allows and built is not None and built.covers(capacities)
 
 
-def check_reuse(group: str, decision: Decision, layer: str, held: Plan | None) -> None:
-    """Refuses a REUSE of a plan this rank does not hold.
+def check_reuse(group: str, round_number: int, layer: str, plan: Plan, held: Plan | None) -> None:
+    """Refuses a REUSE of ``plan`` (decided in round ``round_number`` for
+    ``layer``) when this rank does not hold it.
 
     Raises:
-        InternalError: ``held`` does not cover the decision's plan.
+        InternalError: ``held`` does not cover ``plan``.
     """
-    if held is None or not held.covers(decision.plan.capacities):
+    if held is None or not held.covers(plan.capacities):
         raise InternalError(
-            f"group {group!r} round {decision.round} (layer {layer!r}): the sidecar "
-            f"answered REUSE of {decision.plan} but this rank holds {held}; was the "
+            f"group {group!r} round {round_number} (layer {layer!r}): the sidecar "
+            f"answered REUSE of {plan} but this rank holds {held}; was the "
             "sidecar's state replaced while this process ran? Restart the ranks"
         )
-
-
-def read_answers(
-    transport: Transport,
-    keep: int,
-    check: Callable[[Decision], None],
-    build: Callable[[Decision], float],
-    group: str,
-) -> tuple[int, float] | None:
-    """Reads the answers still outstanding, oldest first, until at most
-    ``keep`` remain, and does what they ask; returns the latest round
-    answered and the build's seconds when one was built (None: none was).
-
-    A REUSE needs nothing but ``check``. A refusal is raised. A
-    BUILD/REBUILD (the sidecar's plan rose above what was built while this
-    rank passed the round as covered) is built here by ``build``: every rank
-    of that round got the same decision and builds it, at once or when it
-    reads it, so the build's collectives meet. Then every answer still
-    outstanding is read (more builds if they ask for them); the caller
-    commits the plan held against the round returned: every message sent
-    before the commit has been answered, so that round is the sidecar's
-    latest closed one (still retained), decided at the plan held.
-
-    Raises:
-        CoordinatorError: an answer is a refusal (naming the round's layers
-            and ranks), or the sidecar could not be reached.
-        InternalError: ``check``'s: a REUSE of a plan this rank does not hold.
-        BackendError: a build an answer asked for failed.
-    """
-    built: tuple[int, float] | None = None  # (round answered, build seconds)
-    while transport.unanswered > (0 if built else keep):
-        decision = transport.next_answer()
-        if decision.action is Action.REUSE:
-            check(decision)
-            if built is not None:
-                built = (decision.round, built[1])
-            continue
-        _log.info(
-            "group %s round %d (%s): %s asked for after this rank passed the round as "
-            "covered (the sidecar's plan is above what was built)",
-            group,
-            decision.round,
-            decision.layer,
-            decision.action.value,
-        )
-        built = (decision.round, build(decision))
-    return built

@@ -9,11 +9,10 @@ sidecar is named.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from moe_sidecar.client.errors import CoordinatorError, InternalError
+from moe_sidecar.client.errors import InternalError
 from moe_sidecar.core import policy
 from moe_sidecar.core.effects import Wait
 from moe_sidecar.core.group import (
@@ -27,6 +26,11 @@ from moe_sidecar.core.group import (
 from moe_sidecar.core.identity import lifetime_id, proof_id
 
 __all__ = ["EmbeddedTransport"]
+
+_DECIDES_IN_THE_AGREEMENT = (
+    "{method}() on the embedded transport: embedded mode decides every round at once "
+    "and checks covered rounds in the ranks' agreement, so nothing is left unanswered"
+)
 
 
 class EmbeddedTransport:
@@ -48,7 +52,6 @@ class EmbeddedTransport:
         self.round_timeout = round_timeout
         self._clock = clock
         self._groups: dict[str, GroupState] = {}
-        self._answers: deque[Decision | CoordinatorError] = deque()
 
     @property
     def rpc_count(self) -> int:
@@ -56,29 +59,26 @@ class EmbeddedTransport:
 
     @property
     def unanswered(self) -> int:
-        return len(self._answers)
+        """Always 0: embedded mode leaves no proposal unanswered."""
+        return 0
 
     def propose_later(self, proposal: Proposal) -> None:
-        """Decides at once (in-process nothing waits); the decision comes from
-        :meth:`next_answer`."""
-        try:
-            self._answers.append(self.propose(proposal))
-        except CoordinatorError as error:
-            self._answers.append(error)
-
-    def next_answer(self) -> Decision:
-        """See :meth:`Transport.next_answer`.
+        """Never called: embedded mode proposes with :meth:`propose` and
+        checks covered rounds in the ranks' agreement, not through answers
+        read later.
 
         Raises:
-            CoordinatorError: the oldest message's typed error.
-            InternalError: nothing is unanswered.
+            InternalError: always.
         """
-        if not self._answers:
-            raise InternalError("next_answer() with nothing unanswered")
-        answer = self._answers.popleft()
-        if isinstance(answer, CoordinatorError):
-            raise answer
-        return answer
+        raise InternalError(_DECIDES_IN_THE_AGREEMENT.format(method="propose_later"))
+
+    def next_answer(self) -> Decision:
+        """Never called: nothing is ever unanswered (see :meth:`propose_later`).
+
+        Raises:
+            InternalError: always.
+        """
+        raise InternalError(_DECIDES_IN_THE_AGREEMENT.format(method="next_answer"))
 
     @property
     def embedded(self) -> bool:
@@ -141,8 +141,8 @@ class EmbeddedTransport:
         return []
 
     def close(self) -> None:
-        """Forgets the answers not yet read."""
-        self._answers.clear()
+        """Nothing to release: the core's group states are kept, as a sidecar
+        keeps them across a rank's sessions."""
 
 
 def _past_boundary(proposal: Proposal) -> Proposal:

@@ -6,14 +6,14 @@ The backend's own build collectives are not here (nor counted).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch.distributed as dist
 
 from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend
 from moe_sidecar.client.construction import local_ranks_of
 from moe_sidecar.client.errors import BackendError, RankLost
+from moe_sidecar.client.lost_rank import rank_lost
+from moe_sidecar.client.transport import Transport
 from moe_sidecar.core.plan import Action, Plan
 
 __all__ = ["GroupCollectives"]
@@ -25,29 +25,30 @@ class GroupCollectives:
     Args:
         cpu_group: the EP group's CPU (gloo) process group.
         group: the EP group's name (in the agreement's errors).
-        lost: the typed error for a collective that failed because a peer
-            died, given where it failed and the backend's error (it asks the
-            manager's transport who left).
+        transport: the manager's transport, asked who left when a collective
+            failed because a peer died.
     """
 
-    def __init__(
-        self,
-        cpu_group: dist.ProcessGroup,
-        group: str,
-        lost: Callable[[str, RuntimeError], RankLost],
-    ) -> None:
+    def __init__(self, cpu_group: dist.ProcessGroup, group: str, transport: Transport) -> None:
         self._cpu_group = cpu_group
         self._group = group
-        self._lost = lost
+        self._transport = transport
+        self._ep_size = dist.get_world_size(cpu_group)
+        self._ep_rank = dist.get_rank(cpu_group)
         self.count = 0
 
-    def local_ranks(self, explicit: int | None, ep_size: int, ep_rank: int) -> int:
+    def _lost(self, where: str, error: RuntimeError) -> RankLost:
+        """The typed error of the collective ``where`` that failed with ``error``
+        (:func:`~moe_sidecar.client.lost_rank.rank_lost`)."""
+        return rank_lost(self._transport, self._group, self._ep_rank, where, error)
+
+    def local_ranks(self, explicit: int | None) -> int:
         """See :func:`~moe_sidecar.client.construction.local_ranks_of`.
 
         Raises:
             InvalidArgument: a bad ``MOE_SIDECAR_LOCAL_RANKS`` or count.
         """
-        local, exchanges = local_ranks_of(explicit, self._cpu_group, ep_size, ep_rank)
+        local, exchanges = local_ranks_of(explicit, self._cpu_group, self._ep_size, self._ep_rank)
         self.count += exchanges
         return local
 

@@ -48,11 +48,10 @@ from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend, BuildSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.construction import backend_named
 from moe_sidecar.client.counters import ManagerCounters
-from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
+from moe_sidecar.client.covered import check_reuse, passes_as_covered
 from moe_sidecar.client.dispatch_layouts import DispatchLayouts
-from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument, RankLost
+from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument
 from moe_sidecar.client.group_collectives import GroupCollectives
-from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.client.vllm_sizing import UNSET, LayerCall, classify_call
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
@@ -151,8 +150,10 @@ class WorkspaceManager:
             embedded=self._transport.embedded,
         )
         validate_group_name(self.group)
-        self._on_group = GroupCollectives(cpu_group, self.group, self._rank_lost)
-        self.local_ranks = 1 if self._transport.embedded else self._local_ranks(local_ranks)
+        self._on_group = GroupCollectives(cpu_group, self.group, self._transport)
+        self.local_ranks = (
+            1 if self._transport.embedded else self._on_group.local_ranks(local_ranks)
+        )
         self.backend: AlltoAllBackend = backend_named(backend, cpu_group)
         self.lifetime = new_lifetime_secret()
         """This process lifetime's secret token; the sidecar keeps only its digest."""
@@ -181,11 +182,6 @@ class WorkspaceManager:
 
         self.generation = 0
         self._set_built(None, None)
-
-    # --- construction helpers --------------------------------------------
-
-    def _local_ranks(self, explicit: int | None) -> int:
-        return self._on_group.local_ranks(explicit, self.ep_size, self.ep_rank)
 
     # --- what is built -----------------------------------------------------
 
@@ -284,15 +280,16 @@ class WorkspaceManager:
         return self._transport.propose(self._proposal(requirement))
 
     def _passes_as_covered(self, call: LayerCall) -> bool:
-        return passes_as_covered(
-            call.capacities, self._built, self.embedded or not self.agrees_across_ranks
-        )
+        # Embedded mode always agrees across ranks, yet passes covered rounds:
+        # its next agreement checks them (see moe_sidecar.client.covered).
+        mode_allows = self.embedded or not self.agrees_across_ranks
+        return passes_as_covered(call.capacities, self._built, mode_allows)
 
     def _settle(self, keep: int = 0) -> None:
         """Reads the answers still outstanding until at most ``keep`` remain,
         builds what they ask, and commits the plan held after a build
-        (:func:`~moe_sidecar.client.covered.read_answers`). Embedded: agrees
-        once on what is held after rounds passed as covered.
+        (:meth:`_read_answers`). Embedded: agrees once on what is held after
+        rounds passed as covered.
 
         Raises:
             CoordinatorError: an answer is a refusal (naming the round's
@@ -302,21 +299,58 @@ class WorkspaceManager:
             BackendError: a build an answer asked for failed.
             AgreementError: embedded, the ranks passed different rounds as covered.
         """
-        if self.embedded:
-            if self._unagreed:
-                self._agree_on_held()
+        # Every forward step reads moe_alltoall and every covered round comes
+        # here: most of the time there is nothing to settle.
+        if not self._unagreed and self._transport.unanswered <= keep:
             return
-        built = read_answers(
-            self._transport,
-            keep,
-            lambda decision: self._check_reuse(decision, decision.layer),
-            lambda decision: self._build(
+        if self.embedded:
+            self._agree_on_held()
+            return
+        self._read_answers(keep)
+
+    def _read_answers(self, keep: int) -> None:
+        """Reads the answers still outstanding, oldest first, until at most
+        ``keep`` remain, and does what they ask.
+
+        A REUSE needs nothing but the check that this rank holds its plan. A
+        refusal is raised. A BUILD/REBUILD (the sidecar's plan rose above what
+        was built while this rank passed the round as covered) is built here:
+        every rank of that round got the same decision and builds it, at once
+        or when it reads it, so the build's collectives meet. Then every
+        answer still outstanding is read (more builds if they ask for them),
+        and the plan held is committed against the latest round answered:
+        every message sent before the commit has been answered, so that round
+        is the sidecar's latest closed one (still retained), decided at the
+        plan held.
+
+        Raises:
+            CoordinatorError: an answer is a refusal (naming the round's layers
+                and ranks), the commit was refused, or the sidecar could not
+                be reached.
+            InternalError: a REUSE of a plan this rank does not hold.
+            BackendError: a build an answer asked for failed.
+        """
+        build_seconds: float | None = None
+        answered = 0  # the latest round answered
+        while self._transport.unanswered > (0 if build_seconds is not None else keep):
+            decision = self._transport.next_answer()
+            answered = decision.round
+            if decision.action is Action.REUSE:
+                self._check_reuse(decision.round, decision.layer, decision.plan)
+                continue
+            _log.info(
+                "group %s round %d (%s): %s asked for after this rank passed the round as "
+                "covered (the sidecar's plan is above what was built)",
+                self.group,
+                decision.round,
+                decision.layer,
+                decision.action.value,
+            )
+            build_seconds = self._build(
                 decision.plan, decision.action, decision.layer, decision.round
-            ),
-            self.group,
-        )
-        if built is not None and self._built is not None:
-            self._commit(built[0], self._built, built[1])
+            )
+        if build_seconds is not None and self._built is not None:
+            self._commit(answered, self._built, build_seconds)
 
     def _agree_on_held(self) -> None:
         """Embedded: one agreement on what is held, after rounds passed as
@@ -344,8 +378,8 @@ class WorkspaceManager:
                 f"the ranks' plans join to {agreed}; restart the ranks"
             )
 
-    def _check_reuse(self, decision: Decision, layer: str) -> None:
-        check_reuse(self.group, decision, layer, self._built)
+    def _check_reuse(self, round_number: int, layer: str, plan: Plan) -> None:
+        check_reuse(self.group, round_number, layer, plan, self._built)
 
     def _propose_covered(self, call: LayerCall, layer: str) -> None:
         """A covered round: sends the proposal and goes on (at most
@@ -355,12 +389,14 @@ class WorkspaceManager:
         self._transport.propose_later(
             self._proposal(Requirement(capacities=call.capacities, layer=layer))
         )
+        self._passed_as_covered(call)
+
+    def _passed_as_covered(self, call: LayerCall) -> None:
+        """Counts a round passed as covered (a reuse, unless its answer later
+        asks for a build) and keeps its call."""
         self._covered += 1
         self._reuses += 1
         self._remember(call)
-
-    def _rank_lost(self, where: str, error: RuntimeError) -> RankLost:
-        return rank_lost(self._transport, self.group, self.ep_rank, where, error)
 
     def _decide(
         self,
@@ -388,11 +424,12 @@ class WorkspaceManager:
                     action=decision.action if decision is not None else Action.REUSE,
                 )
             )
-            decision = Decision(round_number, action, plan, grew=False, layer=layer)
-        assert decision is not None
-        if decision.action is Action.REUSE:
-            self._check_reuse(decision, layer)
-        return decision.action, decision.plan
+        else:
+            assert decision is not None  # a failure is raised unless agreed across ranks
+            action, plan = decision.action, decision.plan
+        if action is Action.REUSE:
+            self._check_reuse(round_number, layer, plan)
+        return action, plan
 
     def initialize(
         self,
@@ -512,9 +549,7 @@ class WorkspaceManager:
         """Embedded: the rank's own core agrees on a covered round; the next
         agreement checks that every rank passed the same rounds."""
         self._unagreed += 1
-        self._covered += 1
-        self._reuses += 1
-        self._remember(call)
+        self._passed_as_covered(call)
 
     def _execute(self, call: LayerCall, action: Action, plan: Plan, layer: str) -> None:
         """Does what the round decided: keeps what is built, or builds ``plan``

@@ -3,7 +3,10 @@
 Both transports take and return the decision core's own types
 (:class:`moe_sidecar.core.group.Proposal`, :class:`~moe_sidecar.core.group.Decision`,
 :class:`~moe_sidecar.core.group.CommitRecord`) and raise the typed errors of
-:mod:`moe_sidecar.client.errors`, so the manager cannot tell them apart.
+:mod:`moe_sidecar.client.errors`, so the manager handles their answers
+alike. It tells them apart by ``embedded`` only: embedded, it agrees across
+the EP group itself and passes covered rounds without leaving proposals
+unanswered (:mod:`moe_sidecar.client.covered`).
 Conversions to and from the wire go through :mod:`moe_sidecar.wire.codec`.
 
 * :class:`GrpcTransport` talks to the node's sidecar. Ranks run synchronous

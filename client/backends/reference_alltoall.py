@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,17 @@ class _Dispatched:
 
 def _int32_region(buffer: torch.Tensor, offset: int, count: int) -> torch.Tensor:
     return buffer[offset : offset + 4 * count].view(torch.int32)
+
+
+class _CombineRegion(NamedTuple):
+    """Where a combine's payload lands in the workspace, and its shape."""
+
+    offset: int
+    """The combine payload region's byte offset (behind the dispatch payloads)."""
+    payload_bytes: int
+    local_num_tokens: int
+    """Tokens this rank dispatched: rows of the combined output."""
+    hidden: int
 
 
 class ReferenceAlltoAll:
@@ -405,8 +416,9 @@ class ReferenceAlltoAll:
         payload: torch.Tensor,
         runtime_max_tokens_per_rank: int,
         output: torch.Tensor | None,
-    ) -> None:
-        """FlashInfer's checks of a combine after the dispatch ``state``.
+    ) -> _CombineRegion:
+        """FlashInfer's checks of a combine after the dispatch ``state``;
+        returns where the combine payload goes and its shape.
 
         Raises:
             RuntimeError: the combine payload does not fit behind the dispatch
@@ -448,6 +460,7 @@ class ReferenceAlltoAll:
                 f"output must be a contiguous {payload.dtype} [{n}, {hidden}] tensor, got "
                 f"{output.dtype} {list(output.shape)}"
             )
+        return _CombineRegion(offset, payload_bytes, n, hidden)
 
     def combine(
         self,
@@ -470,11 +483,9 @@ class ReferenceAlltoAll:
         state = self._dispatched
         if state is None:
             raise RuntimeError("combine called before successful dispatch")
-        self._check_combine(state, payload, runtime_max_tokens_per_rank, output)
-        payload_bytes = payload.numel() * payload.element_size()
-        offset = state.combine_payload_offset
-        n = state.local_num_tokens
-        hidden = payload.size(2)
+        offset, payload_bytes, n, hidden = self._check_combine(
+            state, payload, runtime_max_tokens_per_rank, output
+        )
 
         # Expert outputs go back to the source rank's combine region, row
         # [expert rank, send index], as FlashInfer's combine writes them.

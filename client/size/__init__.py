@@ -7,8 +7,9 @@ only the flags (:mod:`.command`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moe_sidecar.client.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from moe_sidecar.client.size.answer import (
@@ -30,11 +31,10 @@ __all__ = [
     "plan_sizes",
 ]
 
-_HOME = {"DISPATCH_KINDS": "releases", "RELEASES": "releases"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        module = _HOME.get(name, "answer")
-        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "answer": ("LayerSize", "SizeAnswer", "SizeError", "activation_bytes", "plan_sizes"),
+        "releases": ("DISPATCH_KINDS", "RELEASES"),
+    },
+)

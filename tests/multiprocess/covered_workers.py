@@ -17,10 +17,10 @@ import torch.distributed as dist
 from tests.multiprocess.workers import MAX_TOKENS, exchange, initialize, nvfp4_layer
 
 
-def _manager(cpu_group: Any, group: str, target: str | None) -> Any:
+def _manager(cpu_group: Any, group: str, target: str | None, **options: Any) -> Any:
     from moe_sidecar.client import WorkspaceManager
 
-    return WorkspaceManager(cpu_group, group=group, target=target, backend="reference")
+    return WorkspaceManager(cpu_group, group=group, target=target, backend="reference", **options)
 
 
 def _error(call: Any) -> dict[str, Any] | None:
@@ -29,6 +29,21 @@ def _error(call: Any) -> dict[str, Any] | None:
     except Exception as error:
         return {"type": type(error).__name__, "message": str(error)}
     return None
+
+
+def _after_covered_rounds(manager: Any, unanswered: list[int]) -> dict[str, Any]:
+    """What a rank reports once it has read every answer: the answers
+    outstanding after each covered round (``unanswered``) and now, and its counters."""
+    counters = manager.counters
+    return {
+        "unanswered": unanswered,
+        "after": manager._transport.unanswered,
+        "covered": counters.covered,
+        "reuses": counters.reuses,
+        "builds": counters.builds,
+        "rebuilds": counters.rebuilds,
+        "collectives": counters.collectives,
+    }
 
 
 def no_wait_worker(rank: int, world: int, target: str, group: str, covered: int) -> dict[str, Any]:
@@ -46,21 +61,29 @@ def no_wait_worker(rank: int, world: int, target: str, group: str, covered: int)
     if rank == 0:
         dist.barrier(group=side)
     communication = manager.get_communication()  # reads every answer
-    after = manager._transport.unanswered
-    error = exchange(manager.moe_alltoall, nvfp4_layer("check"), rank, world, seed=1)
-    counters = manager.counters
+    result = _after_covered_rounds(manager, unanswered)
+    result["max_error"] = exchange(manager.moe_alltoall, nvfp4_layer("check"), rank, world, seed=1)
+    result["communication"] = type(communication).__name__
     manager.cleanup()
-    return {
-        "unanswered": unanswered,
-        "after": after,
-        "covered": counters.covered,
-        "reuses": counters.reuses,
-        "builds": counters.builds,
-        "rebuilds": counters.rebuilds,
-        "collectives": counters.collectives,
-        "communication": type(communication).__name__,
-        "max_error": error,
-    }
+    return result
+
+
+def window_worker(
+    rank: int, world: int, target: str, group: str, window: int, covered: int
+) -> dict[str, Any]:
+    """Round 1 builds; then ``covered`` covered rounds with at most ``window``
+    answers outstanding: past it a covered round reads the oldest first."""
+    cpu_group = dist.new_group(backend="gloo")
+    manager = _manager(cpu_group, group, target, max_unanswered=window)
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    unanswered = []
+    for i in range(1, covered + 1):
+        initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
+        unanswered.append(manager._transport.unanswered)
+    manager.get_communication()  # reads every answer
+    result = _after_covered_rounds(manager, unanswered)
+    manager.cleanup()
+    return result
 
 
 def refused_worker(rank: int, world: int, target: str, group: str, settle: str) -> dict[str, Any]:
@@ -189,4 +212,5 @@ __all__ = [
     "merged_plan_worker",
     "no_wait_worker",
     "refused_worker",
+    "window_worker",
 ]

@@ -6,6 +6,8 @@ its answer is read later, in order: before a round that waits, in
 
 * The rank really does not wait: rank 0 finishes its covered rounds while
   rank 1 has not proposed them yet (it is held until rank 0 is done).
+* At most ``max_unanswered`` answers are ever outstanding: past it a
+  covered round reads the oldest first.
 * A refusal found in a covered round (rank 1 names another layer) is raised
   on every rank, naming both layers, at the next round that waits, at
   ``get_communication()`` or at ``cleanup()``.
@@ -65,6 +67,30 @@ def test_covered_rounds_return_before_the_peers_propose(sidecar: Sidecar, tmp_pa
     group = sidecar.get_group("covered/no-wait")
     assert group.last_closed_round == 1 + covered
     assert [r.last_layer for r in group.ranks] == [f"model.layers.{covered}.mlp"] * 2
+
+
+def test_covered_rounds_leave_at_most_max_unanswered_outstanding(
+    sidecar: Sidecar, tmp_path: Path
+) -> None:
+    window, covered = 2, 5
+    results = run_ranks(
+        covered_workers.window_worker,
+        2,
+        timeout=90,
+        tmp_path=tmp_path,
+        args=(sidecar.target, "covered/window", window, covered),
+    )
+    for rank, result in enumerate(results):
+        where = f"rank {rank}: {result}"
+        # An answer is only taken off when the rank reads it: the count grows
+        # to the window, and from there each covered round reads the oldest
+        # answer before it sends its own.
+        assert result["unanswered"] == [1] + [window] * (covered - 1), where
+        assert result["after"] == 0, where
+        assert result["covered"] == covered and result["reuses"] == covered, where
+        assert (result["builds"], result["rebuilds"]) == (1, 0), where
+    group = sidecar.get_group("covered/window")
+    assert group.last_closed_round == 1 + covered
 
 
 @pytest.mark.parametrize("settle", ["communication", "growth", "cleanup"])

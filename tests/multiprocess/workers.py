@@ -427,7 +427,7 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
     end. Any collective that ran on the world instead of the EP group would
     leave ranks 0 and 1 waiting for it until the watchdog fires.
     """
-    from moe_sidecar.client.agreement import LocalOutcome, agree
+    from moe_sidecar.client.agreement import LocalOutcome, agree_round
     from moe_sidecar.client.backends import BuildSpec
     from moe_sidecar.client.backends.communicator import GroupCommunicator
     from moe_sidecar.client.backends.reference import ReferenceBackend, live_workspace_bytes
@@ -442,15 +442,17 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
             Plan(Capacities(16, 400, 200, 2, 8), epoch=0, generation=3),
             Plan(Capacities(32, 100, 300, 2, 8), epoch=0, generation=5),
         ]
-        agreed = agree(ep_group, LocalOutcome(rank, "L", plans[rank]), group_name="g")
+        _, agreed = agree_round(ep_group, LocalOutcome(rank, "L", plans[rank]), group_name="g")
         out["agreed"] = (agreed.capacities, agreed.epoch, agreed.generation)
         # A reset on one node: the higher epoch wins whole.
         newer = replace(plans[1], epoch=1)
-        agreed = agree(ep_group, LocalOutcome(rank, "L", [plans[0], newer][rank]), group_name="g")
+        _, agreed = agree_round(
+            ep_group, LocalOutcome(rank, "L", [plans[0], newer][rank]), group_name="g"
+        )
         out["agreed_epoch"] = (agreed.capacities, agreed.epoch, agreed.generation)
         failure = PreconditionFailed("boom on rank 1") if rank == 1 else None
         try:
-            agree(
+            agree_round(
                 ep_group,
                 LocalOutcome(rank, "mtp", None if failure else plans[rank], failure),
                 group_name="g",
@@ -464,7 +466,7 @@ def agreement_worker(rank: int, world: int) -> dict[str, Any]:
             )
         shape = Plan(Capacities(16, 100, 200, 4 if rank == 1 else 2, 8), epoch=0, generation=1)
         try:
-            agree(ep_group, LocalOutcome(rank, "L7", shape), group_name="g")
+            agree_round(ep_group, LocalOutcome(rank, "L7", shape), group_name="g")
         except PreconditionFailed as error:
             out["disagree"] = (type(error).__name__, str(error))
 

@@ -14,7 +14,7 @@ from moe_sidecar.client.lazy_names import lazy_names
 
 pytestmark = pytest.mark.timeout(60)
 
-PACKAGES = ("moe_sidecar.client.prewarm", "moe_sidecar.client.simulate")
+PACKAGES = ("moe_sidecar.client.prewarm", "moe_sidecar.client.simulate", "moe_sidecar.client.size")
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -49,3 +49,13 @@ def test_a_name_loads_from_its_module() -> None:
     assert getattr_("JSONDecoder") is importlib.import_module("json.decoder").JSONDecoder
     with pytest.raises(AttributeError, match="module 'json' has no attribute 'dumps'"):
         getattr_("dumps")
+
+
+def test_the_client_face_gives_its_light_names_without_torch() -> None:
+    # The counters and errors are torch-free; only the manager needs torch.
+    code = (
+        "import sys, moe_sidecar.client as c; c.ManagerCounters, c.InternalError, c.sizing; "
+        "assert c.ManagerCounters.__module__ == 'moe_sidecar.client.counters'; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

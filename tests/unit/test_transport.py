@@ -204,6 +204,19 @@ def test_embedded_transport_decides_like_the_core() -> None:
     assert transport.rpc_count == 0
 
 
+def test_embedded_transport_leaves_nothing_unanswered() -> None:
+    # Embedded mode checks covered rounds in the agreement: answers read
+    # later are the sidecar's, and asking the embedded core for them is a bug.
+    transport = EmbeddedTransport()
+    transport.propose(proposal("e"))
+    assert transport.unanswered == 0
+    with pytest.raises(InternalError, match="embedded mode decides"):
+        transport.propose_later(proposal("e", round=2))
+    with pytest.raises(InternalError, match="embedded mode decides"):
+        transport.next_answer()
+    assert transport.unanswered == 0
+
+
 def _rank_proposal(group: str, rank: int, rnd: int, layer: str = "layer.0") -> Proposal:
     return Proposal(
         group=group,
