@@ -14,20 +14,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tests.multiprocess.workers import MAX_TOKENS, exchange, initialize, nvfp4_layer
-
-
-def _manager(cpu_group: Any, group: str, target: str | None, **options: Any) -> Any:
-    from moe_sidecar.client import WorkspaceManager
-
-    return WorkspaceManager(cpu_group, group=group, target=target, backend="reference", **options)
+from tests.multiprocess.workers import (
+    MAX_TOKENS,
+    exchange,
+    failure_report,
+    initialize,
+    nvfp4_layer,
+    reference_manager,
+)
 
 
 def _error(call: Any) -> dict[str, Any] | None:
     try:
         call()
     except Exception as error:
-        return {"type": type(error).__name__, "message": str(error)}
+        return failure_report(error)
     return None
 
 
@@ -50,7 +51,7 @@ def no_wait_worker(rank: int, world: int, target: str, group: str, covered: int)
     """Round 1 builds; then ``covered`` covered rounds, rank 1 only after rank 0 finished them."""
     cpu_group = dist.new_group(backend="gloo")
     side = dist.new_group(backend="gloo")  # the hold: no collective of the manager's
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     if rank == 1:
         dist.barrier(group=side)
@@ -74,7 +75,7 @@ def window_worker(
     """Round 1 builds; then ``covered`` covered rounds with at most ``window``
     answers outstanding: past it a covered round reads the oldest first."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, target, max_unanswered=window)
+    manager = reference_manager(cpu_group, group, target, max_unanswered=window)
     initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     unanswered = []
     for i in range(1, covered + 1):
@@ -91,7 +92,7 @@ def refused_worker(rank: int, world: int, target: str, group: str, settle: str) 
     refusal surfaces at ``settle``: ``"communication"``, ``"growth"`` (a round
     that waits), or ``"cleanup"``."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     initialize(manager, nvfp4_layer("model.layers.1.mlp"))
     odd = "model.layers.2.mlp" if rank == 0 else "model.layers.7.mlp"
@@ -116,7 +117,7 @@ def growth_in_covered_round_worker(
     same layer as covered (and two more after it). Every rank must end on
     the same larger workspace, built once each, and exchange through it."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     initialize(manager, nvfp4_layer("model.layers.1.mlp"))
     tokens = MAX_TOKENS * 2 if rank == 1 else MAX_TOKENS
@@ -148,7 +149,7 @@ def merged_plan_worker(
     from another node (``merged``: an event set once it is). Every rank
     passes the covered rounds and rebuilds, together, when it reads the answer."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     generation = manager.generation
     dist.barrier(group=cpu_group)
@@ -177,7 +178,7 @@ def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> 
     ``grow_on_rank_1``, rank 1 needs more tokens in round 3, a round rank 0
     passes as covered: the ranks are out of step and both raise."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, "embedded")
+    manager = reference_manager(cpu_group, group, "embedded")
     initialize(manager, nvfp4_layer("model.layers.0.mlp"))
     built = manager.counters.collectives
     per_round = []
@@ -190,7 +191,7 @@ def embedded_worker(rank: int, world: int, group: str, grow_on_rank_1: bool) -> 
             per_round.append(manager.counters.collectives - before)
         manager.get_communication()
     except Exception as error:
-        raised = {"type": type(error).__name__, "message": str(error)}
+        raised = failure_report(error)
     counters = manager.counters
     max_error = None
     if raised is None:

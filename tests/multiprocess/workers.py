@@ -240,7 +240,8 @@ def run_layers(
     return records
 
 
-def _manager(cpu_group: Any, group: str, target: str | None, **kw: Any) -> Any:
+def reference_manager(cpu_group: Any, group: str, target: str | None, **kw: Any) -> Any:
+    """A manager of ``group`` on the reference backend (``target`` None: the environment's)."""
     from moe_sidecar.client import WorkspaceManager
 
     return WorkspaceManager(cpu_group, group=group, target=target, backend="reference", **kw)
@@ -253,7 +254,7 @@ def regression_worker(rank: int, world: int, target: str | None, group: str) -> 
 
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     records = run_layers(manager, REGRESSION, counter, check_numerics=True)
 
     # Without the coordinator: sized by the first layer, as before the fix.
@@ -284,7 +285,7 @@ def reuse_worker(rank: int, world: int, target: str, group: str) -> dict[str, An
     """One build, then rounds the plan already covers."""
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
-    manager = _manager(cpu_group, group, target, local_ranks=world)
+    manager = reference_manager(cpu_group, group, target, local_ranks=world)
     layers = [bf16_layer("layer.0")] + [
         nvfp4_layer(f"layer.{i}", max_num_tokens=MAX_TOKENS - i) for i in range(1, 6)
     ]
@@ -305,7 +306,7 @@ def pipeline_worker(rank: int, world: int, target: str) -> dict[str, Any]:
         layers += [nvfp4_layer("pp1.layers.1.mlp")]
     results = {}
     for mode, mode_target in (("sidecar", target), ("embedded", "embedded")):
-        manager = _manager(cpu_group, f"pp-test:{mode}/tp1-ep2/pp{stage}", mode_target)
+        manager = reference_manager(cpu_group, f"pp-test:{mode}/tp1-ep2/pp{stage}", mode_target)
         results[mode] = run_layers(manager, layers, counter, check_numerics=True, seed=stage)
         manager.cleanup()
     return {"stage": stage, "results": results}
@@ -315,7 +316,7 @@ def warm_restart_worker(rank: int, world: int, target: str, group: str) -> dict[
     """A model's whole layer sequence (61 NVFP4 layers and a bf16 MTP head)."""
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     layers = [nvfp4_layer(f"model.layers.{i}.mlp") for i in range(3)]
     layers += [bf16_layer("mtp.mlp")]
     layers += [nvfp4_layer(f"model.layers.{i}.mlp") for i in range(3, 6)]
@@ -333,7 +334,7 @@ def warm_restart_worker(rank: int, world: int, target: str, group: str) -> dict[
 def divergence_worker(rank: int, world: int, target: str, group: str) -> dict[str, Any]:
     """Rank 1 proposes another top_k in round 2 (sidecar, node-local group)."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     good = nvfp4_layer("model.layers.0.mlp")
     manager.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, good.x_bytes, good.x_sf_bytes)
     top_k = 4 if rank == 1 else TOP_K
@@ -371,14 +372,14 @@ def embedded_divergence_worker(rank: int, world: int) -> dict[str, Any]:
     """Embedded mode: shapes differing in round 1, then a heterogeneous layer."""
     cpu_group = dist.new_group(backend="gloo")
     layer = nvfp4_layer("model.layers.0.mlp")
-    first = _manager(cpu_group, "diverge-first/ep2", "embedded")
+    first = reference_manager(cpu_group, "diverge-first/ep2", "embedded")
     top_k = 4 if rank == 1 else TOP_K
     round_one = _expect_failure(
         lambda: first.initialize(
             MAX_TOKENS, top_k, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes, layer="L0"
         )
     )
-    later = _manager(cpu_group, "diverge-later/ep2", "embedded")
+    later = reference_manager(cpu_group, "diverge-later/ep2", "embedded")
     later.initialize(MAX_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, layer.x_bytes, layer.x_sf_bytes)
 
     def second() -> None:
@@ -398,7 +399,9 @@ def two_nodes_worker(rank: int, world: int, targets: list[str]) -> dict[str, Any
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
     node = rank // 4
-    manager = _manager(cpu_group, "two-nodes:fp4/tp1-ep8/pp0", targets[node], local_ranks=4)
+    manager = reference_manager(
+        cpu_group, "two-nodes:fp4/tp1-ep8/pp0", targets[node], local_ranks=4
+    )
     # Node 1's ranks serve larger batches in the first layer: only the
     # cross-node agreement tells node 0 about it.
     first_tokens = MAX_TOKENS + 4 if node == 1 else MAX_TOKENS
@@ -416,7 +419,7 @@ def layers_worker(
 ) -> list[dict[str, Any]]:
     """Any layer sequence, checking dispatch + combine after every call."""
     cpu_group = dist.new_group(backend="gloo")
-    manager = _manager(cpu_group, group, target)
+    manager = reference_manager(cpu_group, group, target)
     return run_layers(manager, layers, CollectiveCounter(), check_numerics=True)
 
 
@@ -542,7 +545,7 @@ def client_surface_worker(rank: int, world: int) -> dict[str, Any]:
         out["error"] = (str(error), type(error.__cause__).__name__)
     out["after_failure"] = (missing.initialized, missing.moe_alltoall, missing.workspace_size)
 
-    manager = _manager(cpu_group, "get-handle/ep1", "embedded")
+    manager = reference_manager(cpu_group, "get-handle/ep1", "embedded")
     out["handle_before_build"] = manager.get_handle({}) is manager
     initialize(manager, layer)
     handle = manager.get_handle({})
@@ -670,7 +673,8 @@ def generations_worker(rank: int, world: int, target: str, group: str) -> dict[s
 # --- liveness: ranks that die ---------------------------------------------------------
 
 
-def _failure(error: BaseException) -> dict[str, Any]:
+def failure_report(error: BaseException) -> dict[str, Any]:
+    """What a rank sends back of an error: its type and classes, message, gRPC code, ranks, time."""
     from moe_sidecar.client.errors import rpc_status
 
     status = rpc_status(error)
@@ -717,7 +721,9 @@ def session_rank(
             try:
                 decision = transport.propose(proposal)
             except Exception as error:
-                results.put((rank, "failed", {**_failure(error), "round": rnd, "started": started}))
+                results.put(
+                    (rank, "failed", {**failure_report(error), "round": rnd, "started": started})
+                )
             else:
                 results.put(
                     (
@@ -768,7 +774,7 @@ def barrier_death_worker(
     try:
         initialize(manager, layer)
     except Exception as error:
-        out = _failure(error)
+        out = failure_report(error)
         out["seconds"] = out["at"] - started
         out["cause"] = type(error.__cause__).__name__
         out["initialized"] = manager.initialized
@@ -785,7 +791,7 @@ def bad_target_worker(rank: int, world: int) -> dict[str, Any]:
     try:
         WorkspaceManager(cpu_group, group="bad-target/ep1", backend="reference")
     except Exception as error:
-        return {**_failure(error), "field": getattr(error, "field", None)}
+        return {**failure_report(error), "field": getattr(error, "field", None)}
     return {"type": None}
 
 
@@ -816,7 +822,7 @@ def group_proof_worker(
     the test's stranger has tried to take its place (``go-1``, ``go-2``)."""
     cpu_group = dist.new_group(backend="gloo")
     counter = CollectiveCounter()
-    manager = _manager(cpu_group, group, target, local_ranks=world)
+    manager = reference_manager(cpu_group, group, target, local_ranks=world)
     real = manager._transport
     lifetimes = []
     for lifetime in (1, 2):
