@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _load_generator():
-    spec = importlib.util.spec_from_file_location(
-        "generate_proto", ROOT / "scripts" / "generate_proto.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
-    generated = _load_generator().generate(tmp_path)
+    generated = load_script("generate_proto").generate(tmp_path)
     names = {str(p) for p in generated}
     assert "moe_workspace/v1/coordinator_pb2_grpc.py" in names
     assert "moe_workspace/etcd/v3/rpc_pb2_grpc.py" in names

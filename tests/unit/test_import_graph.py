@@ -6,13 +6,13 @@ names that pyproject's package-dir gives the directories.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,17 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 IMPURE = ("grpc", "asyncio", "time", "torch", "flashinfer", "sqlite3", "socket", "threading")
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "import_floors", ROOT / "scripts" / "import_floors.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GRAPH = _script()
+GRAPH = load_script("import_floors")
 MODULES: dict[str, Path] = GRAPH.modules(ROOT)
 
 PURE_CORE = (

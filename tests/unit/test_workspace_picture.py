@@ -3,7 +3,6 @@ checked against FlashInfer's, and its measured points are that run's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,20 +11,15 @@ from types import ModuleType
 
 import pytest
 
+from tests.scripts import load_script
+
 pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "draw_workspace_memory", ROOT / "scripts" / "draw_workspace_memory.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("draw_workspace_memory")
 
 
 def test_computed_sizes_equal_what_the_gpu_run_checked_against_flashinfer() -> None:
