@@ -172,7 +172,7 @@ def sampling_sidecar(pid: int | None, out: Path | None) -> Iterator[None]:
 _SAMPLE_KINDS = (
     ("gRPC's compiled code (grpc.aio callbacks)", ("Handle._run (asyncio/events.py",)),
     ("event loop polling (epoll)", ("EpollSelector.select",)),
-    ("store (SQLite, row codec)", ("store.py", "row_codec.py", "sqlite3")),
+    ("store (SQLite, row codec)", ("/store/", "store.py", "sqlite3")),
     ("decision core (sidecar/core)", ("/core/",)),
     ("state holder (state.py, waiters, observer)", ("state.py", "waiters.py", "observer.py")),
     ("wire codec and servicer", ("servicer.py", "/wire/", "_pb2")),

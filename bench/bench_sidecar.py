@@ -56,7 +56,7 @@ from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.logs import configure_logging
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_sidecar.state import Coordinator
-from moe_sidecar.store import StateStore
+from moe_sidecar.store.sqlite import StateStore
 from moe_sidecar.wire.codec import capacities_to_proto, decision_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc

@@ -39,8 +39,8 @@ def _parts(workdir: Path, ranks: int, repeats: int = 500) -> tuple[float, float,
     from bench.bench_sidecar import NEED
     from moe_sidecar.core import policy
     from moe_sidecar.core.group import GroupState, Proposal
-    from moe_sidecar.row_codec import encode_group
-    from moe_sidecar.store import StateStore
+    from moe_sidecar.store.row_codec import encode_group
+    from moe_sidecar.store.sqlite import StateStore
 
     ep_size = max(ranks, 8)
     state: GroupState | None = None

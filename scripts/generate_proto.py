@@ -9,7 +9,7 @@ Packages (every ``.proto`` in each):
 
 - ``moe_workspace.v1``: the coordinator's own wire contract;
 - ``moe_workspace.etcd.v3``: etcd's v3 API, trimmed to what the etcd client
-  (``moe_sidecar.etcd_client``) uses. Its proto packages stay etcd's own
+  (``moe_sidecar.etcd.client``) uses. Its proto packages stay etcd's own
   (``etcdserverpb``, ``mvccpb``, ``authpb``) so that the method paths are
   etcd's; only the Python import path is ours.
 

@@ -38,7 +38,7 @@ from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.group import GroupSummary
 from moe_sidecar.logs import configure_logging, resolve_log_format
 from moe_sidecar.server import StartupError, serve
-from moe_sidecar.store import StoreError
+from moe_sidecar.store.sqlite import StoreError
 from moe_sidecar.wire.address import ADDRESS_FORMS, AddressError, parse_listen_address
 from moe_sidecar.wire.codec import summary_from_proto
 from moe_sidecar.wire.display import format_groups, groups_as_json

@@ -27,14 +27,14 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from moe_sidecar.config import SidecarConfig
-from moe_sidecar.config_values import (
+from moe_sidecar.config.values import (
     DEFAULT_STATE_DIR,
     LIMIT_FIELDS,
     LISTENER_TIMEOUT_FIELDS,
     SqliteStore,
 )
-from moe_sidecar.etcd_client import EtcdClient
-from moe_sidecar.etcd_replica import EtcdReplica, replica_settings
+from moe_sidecar.etcd.client import EtcdClient
+from moe_sidecar.etcd.replica import EtcdReplica, replica_settings
 from moe_sidecar.health import HealthServicer
 from moe_sidecar.listeners import (
     SOCKET_MODE,
@@ -46,10 +46,10 @@ from moe_sidecar.listeners import (
     start_metrics,
 )
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics
-from moe_sidecar.replica import Replica, StoreMetrics
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer
 from moe_sidecar.state import Clock, Coordinator
-from moe_sidecar.store import StateStore
+from moe_sidecar.store.replica import Replica, StoreMetrics
+from moe_sidecar.store.sqlite import StateStore
 
 __all__ = [
     "SOCKET_MODE",

@@ -15,7 +15,7 @@ first (when the write fails, nothing of the step happens and the caller gets
 UNAVAILABLE), then answers, events and timers. It never compares states to
 find out what happened: the step says it.
 
-With a cluster store (:mod:`moe_sidecar.replica`), a step that carries
+With a cluster store (:mod:`moe_sidecar.store.replica`), a step that carries
 :class:`~moe_sidecar.core.effects.Replicate` records the group as pending in the
 same SQLite transaction as its :class:`~moe_sidecar.core.effects.Persist`, then
 wakes the replica, which pushes it without holding anyone up; plans decided
@@ -67,8 +67,8 @@ from moe_sidecar.core.errors import (
 from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
-from moe_sidecar.replica import Replica
-from moe_sidecar.store import StateStore, StoreError
+from moe_sidecar.store.replica import Replica
+from moe_sidecar.store.sqlite import StateStore, StoreError
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers

@@ -32,8 +32,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_sidecar.etcd_client import EtcdClient, prefix_range_end
-from moe_sidecar.etcd_transport import key_bytes
+from moe_sidecar.etcd.client import EtcdClient, prefix_range_end
+from moe_sidecar.etcd.transport import key_bytes
 from moe_workspace.etcd.v3 import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
 __all__ = [
@@ -167,7 +167,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """``127.0.0.1:PORT``, what :class:`moe_sidecar.etcd_client.EtcdClient` takes."""
+        """``127.0.0.1:PORT``, what :class:`moe_sidecar.etcd.client.EtcdClient` takes."""
         return f"127.0.0.1:{self.client_port}"
 
     @property

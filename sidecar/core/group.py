@@ -2,7 +2,7 @@
 
 The functions that move these values are in :mod:`moe_sidecar.core.policy`; the
 one codec per boundary converts them (:mod:`moe_sidecar.wire.codec` to and
-from the wire, :mod:`moe_sidecar.row_codec` to and from stored rows).
+from the wire, :mod:`moe_sidecar.store.row_codec` to and from stored rows).
 """
 
 from __future__ import annotations

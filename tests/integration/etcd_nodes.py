@@ -19,9 +19,9 @@ import grpc
 
 from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.plan import Plan
-from moe_sidecar.etcd_client import EtcdClient
-from moe_sidecar.etcd_replica import group_key
-from moe_sidecar.row_codec import decode_cluster_plan
+from moe_sidecar.etcd.client import EtcdClient
+from moe_sidecar.etcd.replica import group_key
+from moe_sidecar.store.row_codec import decode_cluster_plan
 from moe_sidecar.wire.codec import plan_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc

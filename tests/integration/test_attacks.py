@@ -33,9 +33,9 @@ from moe_sidecar.config import SidecarConfig
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.group import GroupState, Proposal, Requirement
 from moe_sidecar.core.plan import Capacities
-from moe_sidecar.row_codec import encode_group
 from moe_sidecar.server import RunningServer, running_server
-from moe_sidecar.store import DATABASE_FILE, StateStore
+from moe_sidecar.store.row_codec import encode_group
+from moe_sidecar.store.sqlite import DATABASE_FILE, StateStore
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT
 from moe_sidecar.wire.codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb

@@ -24,10 +24,10 @@ from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.group import Growth
 from moe_sidecar.core.limits import MAX_GENERATION
 from moe_sidecar.core.plan import Capacities, Plan
-from moe_sidecar.etcd_client import EtcdRequestError
-from moe_sidecar.etcd_document import MAC_PREFIX, DocumentRules, seal_document
-from moe_sidecar.etcd_replica import group_key
-from moe_sidecar.row_codec import decode_cluster_plan, encode_cluster_plan
+from moe_sidecar.etcd.client import EtcdRequestError
+from moe_sidecar.etcd.document import MAC_PREFIX, DocumentRules, seal_document
+from moe_sidecar.etcd.replica import group_key
+from moe_sidecar.store.row_codec import decode_cluster_plan, encode_cluster_plan
 from moe_sidecar.wire.codec import plan_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.etcd_server import EtcdServer, EtcdTestClient, StartEtcd

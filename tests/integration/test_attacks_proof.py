@@ -26,9 +26,9 @@ import pytest
 from moe_sidecar.core import limits
 from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.plan import Plan
-from moe_sidecar.etcd_replica import group_key
-from moe_sidecar.row_codec import encode_cluster_plan
+from moe_sidecar.etcd.replica import group_key
 from moe_sidecar.server import RunningServer, running_server
+from moe_sidecar.store.row_codec import encode_cluster_plan
 from moe_sidecar.wire.codec import capacities_from_proto, summary_from_proto
 from moe_sidecar.wire.display import format_groups
 from moe_workspace.v1 import coordinator_pb2 as pb

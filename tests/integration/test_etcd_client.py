@@ -1,4 +1,4 @@
-"""moe_sidecar.etcd_client (and its transport and watch) against a real etcd: CAS races, prefix reads, watches
+"""moe_sidecar.etcd.client (and its transport and watch) against a real etcd: CAS races, prefix reads, watches
 that survive a restart, compaction, auth, TLS, failover and deadlines."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from moe_sidecar.etcd_client import (
+from moe_sidecar.etcd.client import (
     EtcdAuthError,
     EtcdClientClosed,
     EtcdClusterReset,

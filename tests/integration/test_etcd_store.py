@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from moe_sidecar.core.plan import Capacities, Plan, join
-from moe_sidecar.etcd_replica import group_key
+from moe_sidecar.etcd.replica import group_key
 from moe_sidecar.wire.codec import capacities_from_proto, plan_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.etcd_server import EtcdServer, EtcdTestClient

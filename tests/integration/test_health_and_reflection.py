@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from moe_sidecar.server import running_server
-from moe_sidecar.store import DATABASE_FILE
+from moe_sidecar.store.sqlite import DATABASE_FILE
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     NVFP4,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar.server import running_server
-from moe_sidecar.store import DATABASE_FILE, StoreError
+from moe_sidecar.store.sqlite import DATABASE_FILE, StoreError
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import (
     BF16,

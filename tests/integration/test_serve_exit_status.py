@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar.server import running_server
-from moe_sidecar.store import DATABASE_FILE
+from moe_sidecar.store.sqlite import DATABASE_FILE
 from tests.integration.helpers import log_records, make_config, start_sidecar_process, stop_process
 
 pytestmark = pytest.mark.timeout(60)

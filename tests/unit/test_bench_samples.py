@@ -27,7 +27,7 @@ SESSION = "CoordinatorServicer.Session (sidecar/servicer.py:250)"
         ),
         (f"{LOOP};Handle._run (asyncio/events.py:80);{SESSION}", "wire codec and servicer"),
         (
-            f"{LOOP};Handle._run (asyncio/events.py:80);{SESSION};StateStore.save (sidecar/store.py:229)",
+            f"{LOOP};Handle._run (asyncio/events.py:80);{SESSION};StateStore.save (sidecar/store/sqlite.py:229)",
             "store (SQLite",
         ),
         (f"{LOOP};EpollSelector.select (selectors.py:468)", "event loop polling"),

@@ -14,7 +14,7 @@ from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.group import GroupState
 from moe_sidecar.core.plan import Capacities, Plan
-from moe_sidecar.row_codec import (
+from moe_sidecar.store.row_codec import (
     decode_cluster_plan,
     decode_group,
     encode_cluster_plan,

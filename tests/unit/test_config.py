@@ -14,7 +14,7 @@ from moe_sidecar.config import (
     add_serve_arguments,
     config_from_flags,
 )
-from moe_sidecar.etcd_url import EtcdTarget
+from moe_sidecar.etcd.url import EtcdTarget
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,4 +1,4 @@
-"""What a node accepts of an etcd document (moe_sidecar.etcd_document), the
+"""What a node accepts of an etcd document (moe_sidecar.etcd.document), the
 backoff every etcd loop waits through, and the cluster store's flags."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.backoff import Backoff
 from moe_sidecar.config import ConfigError, SidecarConfig, add_serve_arguments, config_from_flags
 from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.limits import MAX_GENERATION
 from moe_sidecar.core.plan import Capacities, Plan
-from moe_sidecar.etcd_document import (
+from moe_sidecar.etcd.backoff import Backoff
+from moe_sidecar.etcd.document import (
     MAC_PREFIX,
     DocumentRefused,
     DocumentRules,
@@ -24,8 +24,8 @@ from moe_sidecar.etcd_document import (
     read_key_file,
     seal_document,
 )
-from moe_sidecar.etcd_replica import ReplicaSettings, replica_settings
-from moe_sidecar.row_codec import encode_cluster_plan
+from moe_sidecar.etcd.replica import ReplicaSettings, replica_settings
+from moe_sidecar.store.row_codec import encode_cluster_plan
 
 pytestmark = pytest.mark.timeout(30)
 

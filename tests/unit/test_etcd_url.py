@@ -1,4 +1,4 @@
-"""The pure parts of the etcd client (moe_sidecar.etcd_url, .etcd_errors, .etcd_transport): URL parsing, key ranges, error mapping."""
+"""The pure parts of the etcd client (moe_sidecar.etcd.url, .errors, .transport): URL parsing, key ranges, error mapping."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from moe_sidecar.config import ConfigError, SidecarConfig
-from moe_sidecar.etcd_client import (
+from moe_sidecar.etcd.client import (
     DEFAULT_PREFIX,
     DEFAULT_TIMEOUT,
     EtcdAuthError,
@@ -23,7 +23,7 @@ from moe_sidecar.etcd_client import (
     parse_etcd_url,
     prefix_range_end,
 )
-from moe_sidecar.etcd_errors import mapped_error, status_from_reason
+from moe_sidecar.etcd.errors import mapped_error, status_from_reason
 
 pytestmark = pytest.mark.timeout(30)
 

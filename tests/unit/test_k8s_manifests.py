@@ -56,7 +56,7 @@ from moe_sidecar.core.defaults import (
     ENV_TARGET,
     ENV_VLLM,
 )
-from moe_sidecar.etcd_url import EtcdTarget
+from moe_sidecar.etcd.url import EtcdTarget
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_sidecar.wire.address import is_loopback
 from tests.dockerfile import REPO, parse_dockerfile

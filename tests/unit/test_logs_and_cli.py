@@ -16,7 +16,7 @@ from moe_sidecar import cli
 from moe_sidecar.core.defaults import BOOLEAN_FORMS, parse_bool
 from moe_sidecar.core.group import summarize
 from moe_sidecar.logs import LOGGER_NAME, configure_logging, resolve_log_format
-from moe_sidecar.row_codec import decode_group
+from moe_sidecar.store.row_codec import decode_group
 from moe_sidecar.wire import display
 
 pytestmark = pytest.mark.timeout(10)

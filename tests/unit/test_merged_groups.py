@@ -13,7 +13,7 @@ from moe_sidecar.core.errors import ResourceExhausted
 from moe_sidecar.core.group import Proposal, Requirement
 from moe_sidecar.core.plan import Capacities, Plan
 from moe_sidecar.state import Coordinator
-from moe_sidecar.store import StateStore
+from moe_sidecar.store.sqlite import StateStore
 
 pytestmark = pytest.mark.timeout(10)
 

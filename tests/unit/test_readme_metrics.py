@@ -8,7 +8,7 @@ import re
 import pytest
 
 from moe_sidecar.metrics import SidecarMetrics
-from moe_sidecar.replica import StoreMetrics
+from moe_sidecar.store.replica import StoreMetrics
 from tests.dockerfile import REPO
 
 pytestmark = pytest.mark.timeout(30)

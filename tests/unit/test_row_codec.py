@@ -11,7 +11,7 @@ from moe_sidecar.core import policy
 from moe_sidecar.core.cluster import cluster_plan_of
 from moe_sidecar.core.plan import Plan
 from moe_sidecar.core.sizing import workspace_size_per_rank
-from moe_sidecar.row_codec import (
+from moe_sidecar.store.row_codec import (
     MAX_DOCUMENT_BYTES,
     ROW_VERSION,
     RowError,

@@ -16,7 +16,7 @@ from moe_sidecar.core.errors import CoordinatorUnavailable, RoundTimedOut
 from moe_sidecar.core.group import Growth, Proposal, Requirement
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.state import Coordinator
-from moe_sidecar.store import DATABASE_FILE, StateStore
+from moe_sidecar.store.sqlite import DATABASE_FILE, StateStore
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.row_codec import encode_group
-from moe_sidecar.store import DATABASE_FILE, StateStore, StoreError
+from moe_sidecar.store.row_codec import encode_group
+from moe_sidecar.store.sqlite import DATABASE_FILE, StateStore, StoreError
 from tests.unit.groups import rich_state
 
 pytestmark = pytest.mark.timeout(10)

@@ -6,7 +6,7 @@ authentication token, and the "closed" state of a client. Its
 that answered last, pass the call to the next endpoint when one is
 unavailable, try every endpoint once and then raise :class:`EtcdUnavailable`
 at once; log in again once when etcd no longer knows the token. Watches
-(:mod:`moe_sidecar.etcd_watch`) use its stubs, token and failover through the
+(:mod:`moe_sidecar.etcd.watch`) use its stubs, token and failover through the
 same public methods.
 
 Channels are created inside the running event loop on first use; a
@@ -24,14 +24,14 @@ from typing import NamedTuple, TypeVar
 import grpc
 import grpc.aio
 
-from moe_sidecar.etcd_errors import (
+from moe_sidecar.etcd.errors import (
     EtcdClientClosed,
     EtcdTimeout,
     EtcdUnavailable,
     is_invalid_token,
     mapped_error,
 )
-from moe_sidecar.etcd_url import MAX_TIMEOUT, EtcdTls
+from moe_sidecar.etcd.url import MAX_TIMEOUT, EtcdTls
 from moe_workspace.etcd.v3 import rpc_pb2, rpc_pb2_grpc
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
     "task_cancelling",
 ]
 
-_log = logging.getLogger("moe_sidecar.etcd_client")
+_log = logging.getLogger("moe_sidecar.etcd.client")
 
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 """The largest response a channel accepts (gRPC's receive limit)."""

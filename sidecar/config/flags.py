@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_sidecar.config_model import SidecarConfig
-from moe_sidecar.config_values import (
+from moe_sidecar.config.model import SidecarConfig
+from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
     DEFAULT_LISTEN,
     DEFAULT_MAX_MERGED_GROUPS,

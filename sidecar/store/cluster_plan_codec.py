@@ -2,7 +2,7 @@
 
 ``"kind": "moe-sidecar/cluster-plan"``, ``"version": 1``: written by other
 nodes, so it is untrusted input, read with the same field checks as a row
-(:mod:`moe_sidecar.row_fields`) and then checked like a request.
+(:mod:`moe_sidecar.store.row_fields`) and then checked like a request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from moe_sidecar.core import limits
 from moe_sidecar.core.cluster import MAX_HISTORY, ClusterPlan, check_cluster_plan
 from moe_sidecar.core.group import Growth
 from moe_sidecar.core.plan import Plan
-from moe_sidecar.row_fields import (
+from moe_sidecar.store.row_fields import (
     RowError,
     checked,
     encode_history,

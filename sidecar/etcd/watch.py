@@ -1,12 +1,12 @@
 """A watch on an etcd prefix that reconnects by itself and loses nothing.
 
-:class:`EtcdWatch` (made by :meth:`moe_sidecar.etcd_client.EtcdClient.watch_prefix`)
+:class:`EtcdWatch` (made by :meth:`moe_sidecar.etcd.client.EtcdClient.watch_prefix`)
 is an async iterator of :class:`WatchEvent`. Whenever its stream breaks it
-opens a new one (on the next endpoint, after a :class:`~moe_sidecar.backoff.Backoff`
+opens a new one (on the next endpoint, after a :class:`~moe_sidecar.etcd.backoff.Backoff`
 pause) from one past the last revision it delivered, so a restart of etcd
 loses nothing and repeats nothing. When it cannot catch up (etcd compacted
 the history it needs, or etcd's revision went backwards: re-created empty or
-restored from a backup) it raises :class:`~moe_sidecar.etcd_errors.EtcdStale`
+restored from a backup) it raises :class:`~moe_sidecar.etcd.errors.EtcdStale`
 and the caller re-reads.
 """
 
@@ -22,8 +22,8 @@ from types import TracebackType
 import grpc
 import grpc.aio
 
-from moe_sidecar.backoff import Backoff
-from moe_sidecar.etcd_errors import (
+from moe_sidecar.etcd.backoff import Backoff
+from moe_sidecar.etcd.errors import (
     RETRYABLE_STREAM_CODES,
     EtcdClientClosed,
     EtcdClusterReset,
@@ -35,7 +35,7 @@ from moe_sidecar.etcd_errors import (
     mapped_error,
     status_from_reason,
 )
-from moe_sidecar.etcd_transport import (
+from moe_sidecar.etcd.transport import (
     EtcdTransport,
     Metadata,
     Stubs,
@@ -46,7 +46,7 @@ from moe_workspace.etcd.v3 import kv_pb2, rpc_pb2
 
 __all__ = ["WATCH_BACKOFF_MAX", "WATCH_BACKOFF_MIN", "EtcdWatch", "EventType", "WatchEvent"]
 
-_log = logging.getLogger("moe_sidecar.etcd_client")
+_log = logging.getLogger("moe_sidecar.etcd.client")
 
 WATCH_BACKOFF_MIN = 0.05
 """Seconds before the first reconnect of a broken watch."""

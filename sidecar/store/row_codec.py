@@ -9,8 +9,8 @@ Two documents, both versioned and both read with the same field checks:
   ``"kind": "moe-sidecar/cluster-plan"``, ``"version": 1``): written by other
   nodes, so it is untrusted input, checked like a request.
 
-The cluster plan's codec is :mod:`moe_sidecar.cluster_plan_codec`, re-exported
-here; the field readers and encoders both share are :mod:`moe_sidecar.row_fields`.
+The cluster plan's codec is :mod:`moe_sidecar.store.cluster_plan_codec`, re-exported
+here; the field readers and encoders both share are :mod:`moe_sidecar.store.row_fields`.
 
 Rows are versioned documents. Every field is read,
 type-checked and range-checked (:mod:`moe_sidecar.core.limits`) explicitly: a
@@ -36,13 +36,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from moe_sidecar.cluster_plan_codec import (
-    CLUSTER_PLAN_KIND,
-    CLUSTER_PLAN_VERSION,
-    MAX_DOCUMENT_BYTES,
-    decode_cluster_plan,
-    encode_cluster_plan,
-)
 from moe_sidecar.core import limits
 from moe_sidecar.core.errors import ErrorCode
 from moe_sidecar.core.group import (
@@ -58,7 +51,14 @@ from moe_sidecar.core.group import (
 )
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.core.sizing import align, aux_data_size
-from moe_sidecar.row_fields import (
+from moe_sidecar.store.cluster_plan_codec import (
+    CLUSTER_PLAN_KIND,
+    CLUSTER_PLAN_VERSION,
+    MAX_DOCUMENT_BYTES,
+    decode_cluster_plan,
+    encode_cluster_plan,
+)
+from moe_sidecar.store.row_fields import (
     RowError,
     build_seconds_field,
     checked,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_sidecar.config_values import (
+from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
     DEFAULT_LISTEN,
     DEFAULT_MAX_MERGED_GROUPS,

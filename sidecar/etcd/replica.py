@@ -2,8 +2,8 @@
 
 Layout: one key per group, ``PREFIX + "groups/" + quote(name)``, holding the
 group's :class:`~moe_sidecar.core.cluster.ClusterPlan` as
-:func:`~moe_sidecar.row_codec.encode_cluster_plan` writes it (signed with an
-HMAC when the cluster has a key: :mod:`moe_sidecar.etcd_document`).
+:func:`~moe_sidecar.store.row_codec.encode_cluster_plan` writes it (signed with an
+HMAC when the cluster has a key: :mod:`moe_sidecar.etcd.document`).
 
 Writing (the push loop). The node's SQLite is the write-ahead record: a step
 that grew, reset or absorbed a plan recorded its group as pending in the
@@ -24,7 +24,7 @@ backwards) the replica reads the whole prefix at one revision, in pages of
 at most ``--store-page-bytes`` (merged one by one, so no prefix outgrows
 the client's receive limit or the node's memory), merges every document,
 queues every local group etcd lacks, and watches from that revision on.
-Every document read is untrusted (:func:`~moe_sidecar.etcd_document.open_document`:
+Every document read is untrusted (:func:`~moe_sidecar.etcd.document.open_document`:
 size, HMAC, decoding, the core's ranges, plausibility against the group
 here); one that fails is logged, counted
 (``moe_sidecar_store_rejected_documents``) and set aside: never merged, and
@@ -45,9 +45,8 @@ from urllib.parse import quote, unquote
 
 import grpc
 
-from moe_sidecar.backoff import Backoff
 from moe_sidecar.config import SidecarConfig
-from moe_sidecar.config_values import DEFAULT_STORE_PAGE_BYTES
+from moe_sidecar.config.values import DEFAULT_STORE_PAGE_BYTES
 from moe_sidecar.core.cluster import (
     ClusterPlan,
     LayoutMismatch,
@@ -57,7 +56,8 @@ from moe_sidecar.core.cluster import (
 )
 from moe_sidecar.core.errors import CoordinatorError, InvalidArgument, PreconditionFailed
 from moe_sidecar.core.plan import ShapeMismatch
-from moe_sidecar.etcd_client import (
+from moe_sidecar.etcd.backoff import Backoff
+from moe_sidecar.etcd.client import (
     DEFAULT_PAGE_SIZE,
     EtcdClient,
     EtcdClusterReset,
@@ -68,15 +68,15 @@ from moe_sidecar.etcd_client import (
     EventType,
     KeyValue,
 )
-from moe_sidecar.etcd_document import (
+from moe_sidecar.etcd.document import (
     DocumentRefused,
     DocumentRules,
     open_document,
     read_key_file,
     seal_document,
 )
-from moe_sidecar.replica import ReplicaHost, StoreMetrics
-from moe_sidecar.store import StoreError
+from moe_sidecar.store.replica import ReplicaHost, StoreMetrics
+from moe_sidecar.store.sqlite import StoreError
 
 __all__ = [
     "GROUPS_DIR",
@@ -89,7 +89,7 @@ __all__ = [
     "replica_settings",
 ]
 
-_log = logging.getLogger("moe_sidecar.etcd_replica")
+_log = logging.getLogger("moe_sidecar.etcd.replica")
 
 GROUPS_DIR = "groups/"
 """Under the URL's prefix, the directory of the groups' keys."""

@@ -13,7 +13,7 @@ at its end). Options, named after ``etcdctl``'s flags: ``cacert``, ``cert``,
 (the name to verify in the server's certificate; TLS only) and ``timeout``
 (seconds per call).
 
-Apart from :mod:`moe_sidecar.etcd_client` (which re-exports its names) so
+Apart from :mod:`moe_sidecar.etcd.client` (which re-exports its names) so
 that the configuration can check a URL without importing gRPC.
 """
 

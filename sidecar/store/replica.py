@@ -3,9 +3,9 @@
 ``--store`` picks one of two stores (:class:`moe_sidecar.config.StoreTarget`):
 
 * ``sqlite:///DIR`` (the default, ``--state-dir``): the node's SQLite
-  database alone (:class:`moe_sidecar.store.StateStore`); no replica runs;
+  database alone (:class:`moe_sidecar.store.sqlite.StateStore`); no replica runs;
 * ``etcd://...``: the same SQLite database stays the node's write-ahead
-  record, and a :class:`Replica` (:class:`moe_sidecar.etcd_replica.EtcdReplica`)
+  record, and a :class:`Replica` (:class:`moe_sidecar.etcd.replica.EtcdReplica`)
   keeps every group's :class:`~moe_sidecar.core.cluster.ClusterPlan` in etcd as
   the join of what every node decided, and merges what other nodes decide.
 

@@ -1,7 +1,7 @@
 """The configuration's values: its error, defaults, bounds and the parsers of addresses and stores.
 
 The pieces that :class:`moe_sidecar.config.SidecarConfig` validates with and
-that the flags of :mod:`moe_sidecar.config_flags` name in their help.
+that the flags of :mod:`moe_sidecar.config.flags` name in their help.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from moe_sidecar.core.defaults import DEFAULT_TARGET
-from moe_sidecar.etcd_url import EtcdTarget, EtcdUrlError, parse_etcd_url
+from moe_sidecar.etcd.url import EtcdTarget, EtcdUrlError, parse_etcd_url
 from moe_sidecar.wire.address import AddressError, ListenAddress
 from moe_sidecar.wire.address import parse_listen_address as _parse_address
 
@@ -120,7 +120,7 @@ StoreTarget: TypeAlias = SqliteStore | EtcdTarget
 
 
 def parse_store_url(value: str) -> StoreTarget:
-    """Parses ``sqlite:///ABSOLUTE/DIR`` or an etcd URL (:mod:`moe_sidecar.etcd_url`).
+    """Parses ``sqlite:///ABSOLUTE/DIR`` or an etcd URL (:mod:`moe_sidecar.etcd.url`).
 
     Raises:
         ConfigError: the URL is malformed (the message quotes it).

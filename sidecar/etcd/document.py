@@ -10,7 +10,7 @@ read from etcd is untrusted until it passes, in order:
    value must be ``MAC_PREFIX + hex(HMAC-SHA256(key, etcd key + "\\n" + body))
    + "\\n" + body``; the MAC binds the document to its key, so one group's
    document cannot be replayed under another group's key;
-3. its decoding and ranges (:func:`~moe_sidecar.row_codec.decode_cluster_plan`
+3. its decoding and ranges (:func:`~moe_sidecar.store.row_codec.decode_cluster_plan`
    runs the core's limits), and the key naming the group it holds;
 4. its plausibility against the group here: an epoch or generation more than
    ``max_epoch_lead`` / ``max_generation_lead`` past this node's is set
@@ -33,13 +33,13 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_sidecar.config_values import (
+from moe_sidecar.config.values import (
     DEFAULT_STORE_MAX_DOCUMENT_BYTES,
     DEFAULT_STORE_MAX_EPOCH_LEAD,
     DEFAULT_STORE_MAX_GENERATION_LEAD,
 )
 from moe_sidecar.core.cluster import ClusterPlan
-from moe_sidecar.row_codec import RowError, decode_cluster_plan, encode_cluster_plan
+from moe_sidecar.store.row_codec import RowError, decode_cluster_plan, encode_cluster_plan
 
 __all__ = [
     "MAC_PREFIX",

@@ -11,12 +11,12 @@ It speaks etcd's own gRPC API through stubs generated from etcd's protos
   ``mod_revision`` (``0`` means "the key must not exist") that answers the
   current value when it loses;
 - :meth:`EtcdClient.watch_prefix`: the events under a prefix from a revision
-  on (:mod:`moe_sidecar.etcd_watch`), reconnecting by itself.
+  on (:mod:`moe_sidecar.etcd.watch`), reconnecting by itself.
 
-The pieces: :mod:`moe_sidecar.etcd_transport` (endpoints, channels, the
-token, failover: the one unary call path), :mod:`moe_sidecar.etcd_errors`
-(the typed errors), :mod:`moe_sidecar.etcd_watch` (the watch) and
-:mod:`moe_sidecar.etcd_url` (the URL); this module re-exports what a user
+The pieces: :mod:`moe_sidecar.etcd.transport` (endpoints, channels, the
+token, failover: the one unary call path), :mod:`moe_sidecar.etcd.errors`
+(the typed errors), :mod:`moe_sidecar.etcd.watch` (the watch) and
+:mod:`moe_sidecar.etcd.url` (the URL); this module re-exports what a user
 of the client needs.
 
 Several endpoints may be given: a call goes to the endpoint that last
@@ -60,7 +60,7 @@ from typing import NamedTuple, Self
 
 import grpc
 
-from moe_sidecar.etcd_errors import (
+from moe_sidecar.etcd.errors import (
     EtcdAuthError,
     EtcdClientClosed,
     EtcdClusterReset,
@@ -73,8 +73,8 @@ from moe_sidecar.etcd_errors import (
     EtcdTimeout,
     EtcdUnavailable,
 )
-from moe_sidecar.etcd_transport import EtcdTransport, key_bytes, prefix_range_end
-from moe_sidecar.etcd_url import (
+from moe_sidecar.etcd.transport import EtcdTransport, key_bytes, prefix_range_end
+from moe_sidecar.etcd.url import (
     DEFAULT_PORT,
     DEFAULT_PREFIX,
     DEFAULT_TIMEOUT,
@@ -83,7 +83,7 @@ from moe_sidecar.etcd_url import (
     EtcdUrlError,
     parse_etcd_url,
 )
-from moe_sidecar.etcd_watch import EtcdWatch, EventType, WatchEvent
+from moe_sidecar.etcd.watch import EtcdWatch, EventType, WatchEvent
 from moe_workspace.etcd.v3 import rpc_pb2
 
 __all__ = [

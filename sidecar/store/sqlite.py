@@ -1,7 +1,7 @@
 """Durable group state: one SQLite database (WAL) in the state directory.
 
 Each group is one row holding its whole :class:`~moe_sidecar.core.group.GroupState`
-as a versioned JSON document (:mod:`moe_sidecar.row_codec`, the one codec of
+as a versioned JSON document (:mod:`moe_sidecar.store.row_codec`, the one codec of
 this boundary): the stored plan, the generation counter, the growth history, the
 ranks, the open round and the outcomes of recent closed rounds (so that a
 rank retrying after a sidecar crash gets the very decision it missed). A
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from moe_sidecar.core.errors import quote_name
 from moe_sidecar.core.group import GroupState
-from moe_sidecar.row_codec import RowError, decode_group, encode_group
+from moe_sidecar.store.row_codec import RowError, decode_group, encode_group
 
 __all__ = [
     "DATABASE_FILE",
@@ -45,7 +45,7 @@ LOCK_FILE = "sidecar.lock"
 SCHEMA_VERSION = 1
 """The table layout, stored in ``PRAGMA user_version``; bumped with every
 incompatible change of the table. Rows carry their own version
-(:data:`moe_sidecar.row_codec.ROW_VERSION`)."""
+(:data:`moe_sidecar.store.row_codec.ROW_VERSION`)."""
 
 _SCHEMA = """
 CREATE TABLE groups (

@@ -1,7 +1,7 @@
 """The stored documents' error, encoders and field readers.
 
-A group's row (:mod:`moe_sidecar.row_codec`) and a cluster plan
-(:mod:`moe_sidecar.cluster_plan_codec`) write capacities, plans and growths
+A group's row (:mod:`moe_sidecar.store.row_codec`) and a cluster plan
+(:mod:`moe_sidecar.store.cluster_plan_codec`) write capacities, plans and growths
 the same way and read every field with these checks: present, of its JSON
 type and in its range (:mod:`moe_sidecar.core.limits`), else a
 :class:`RowError` naming it. A few readers (a rank's build seconds, rank
