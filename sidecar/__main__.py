@@ -1,4 +1,5 @@
-"""``python -m moe_sidecar [flags]`` is ``moe-sidecar serve [flags]``."""
+"""``python -m moe_sidecar [flags]`` is ``moe-sidecar serve [flags]``;
+``python -m moe_sidecar --version`` is ``moe-sidecar --version``."""
 
 from __future__ import annotations
 
@@ -7,4 +8,5 @@ import sys
 from moe_sidecar.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    flags = sys.argv[1:]
+    sys.exit(main(flags if flags == ["--version"] else ["serve", *flags]))

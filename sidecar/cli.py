@@ -31,6 +31,7 @@ from moe_sidecar.config import (
     ConfigError,
     SidecarConfig,
     add_serve_arguments,
+    check_environment,
     config_from_flags,
 )
 from moe_sidecar.core.defaults import DEFAULT_TARGET, ENV_TARGET
@@ -382,10 +383,22 @@ def _installed_version() -> str:
         return "(not installed: run from a checkout without pip install)"
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subparser of ``command`` (``parser`` itself when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moe-sidecar``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The command's own usage, not the top-level one: the flag is the command's.
+        _subparser(parser, args.command or "").error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "run", None) is None:
         # No command: the commands, and how to run the sidecar, instead of
         # argparse's "the following arguments are required".
@@ -395,6 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sidecar",
             file=sys.stderr,
         )
+        return 2
+    try:
+        # Every command: a misspelt variable must not pass silently in any of them.
+        check_environment(os.environ)
+    except ConfigError as error:
+        print(f"moe-sidecar {args.command}: {error}", file=sys.stderr)
         return 2
     run: Callable[[argparse.Namespace], int] = args.run
     try:

@@ -252,7 +252,7 @@ async def start_server(config: SidecarConfig, *, clock: Clock = time.time) -> Ru
             "listen": list(addresses.listen),
             "health_port": addresses.health_port,
             "metrics_port": addresses.metrics_port,
-            "state_dir": str(config.state_dir),
+            "state_dir": str(config.state_dir.absolute()),
             "store": "sqlite" if replica is None else "etcd",
             "node": coordinator.node,
             "groups": len(coordinator.groups()),

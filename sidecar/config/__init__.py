@@ -12,7 +12,7 @@ environment).
 
 from __future__ import annotations
 
-from moe_sidecar.config.flags import add_serve_arguments, config_from_flags
+from moe_sidecar.config.flags import add_serve_arguments, check_environment, config_from_flags
 from moe_sidecar.config.model import SidecarConfig
 from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
@@ -38,6 +38,7 @@ __all__ = [
     "SqliteStore",
     "StoreTarget",
     "add_serve_arguments",
+    "check_environment",
     "config_from_flags",
     "parse_listen_address",
     "parse_store_url",

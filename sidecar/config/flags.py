@@ -10,6 +10,8 @@ must not silently run with a default), except the keys of the client library
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ from moe_sidecar.config.values import (
 from moe_sidecar.core.defaults import CLIENT_ENV_KEYS, ENV_PREFIX, parse_bool
 from moe_sidecar.core.limits import DEFAULT_MAX_WORKSPACE_BYTES
 
-__all__ = ["add_serve_arguments", "config_from_flags"]
+__all__ = ["add_serve_arguments", "check_environment", "config_from_flags"]
 
 
 def _port_or_disabled(text: str) -> int | None:
@@ -70,6 +72,13 @@ def _seconds(text: str) -> float:
 
 def _bool(text: str) -> bool:
     return parse_bool(text)
+
+
+def _path(text: str) -> Path:
+    # Path("") is Path("."): an empty value would silently mean the working directory.
+    if not str(text).strip():
+        raise ValueError("must name a path; empty would mean the working directory")
+    return Path(text)
 
 
 def _listen(texts: list[str]) -> tuple[str, ...]:
@@ -127,7 +136,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option(
         "--state-dir",
         "state_dir",
-        Path,
+        _path,
         f"directory of the SQLite state, created if missing (default {DEFAULT_STATE_DIR}, "
         "which needs root or a directory made for this user; e.g. --state-dir ./state)",
         "DIR",
@@ -289,12 +298,12 @@ _OPTIONS: tuple[_Option, ...] = (
         "0.0.0.0 for a scraper on the pod network)",
         "HOST",
     ),
-    _Option("--tls-cert", "tls_cert", Path, "PEM certificate for TCP listeners", "FILE"),
-    _Option("--tls-key", "tls_key", Path, "PEM private key for TCP listeners", "FILE"),
+    _Option("--tls-cert", "tls_cert", _path, "PEM certificate for TCP listeners", "FILE"),
+    _Option("--tls-key", "tls_key", _path, "PEM private key for TCP listeners", "FILE"),
     _Option(
         "--tls-client-ca",
         "tls_client_ca",
-        Path,
+        _path,
         "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
         "FILE",
     ),
@@ -341,7 +350,7 @@ _STORE_OPTIONS = (
     _Option(
         "--store-key-file",
         "store_key_file",
-        Path,
+        _path,
         "file holding a key (16 bytes or more) every sidecar of the cluster holds: documents "
         "written to etcd carry an HMAC-SHA256 with it, and documents without a valid one "
         "are set aside (default: none, documents are not authenticated)",
@@ -359,6 +368,29 @@ _STORE_OPTIONS = (
 )
 _OPTIONS += _STORE_OPTIONS
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
+_HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("listeners", ("--listen",)),
+    (
+        "health and metrics",
+        ("--health-port", "--health-host", "--metrics-port", "--metrics-host"),
+    ),
+    (
+        "state and store",
+        ("--state-dir", "--store", "--node-name", *(o.flag for o in _STORE_OPTIONS)),
+    ),
+    ("TLS", ("--tls-cert", "--tls-key", "--tls-client-ca", "--insecure")),
+    ("rounds, admin and shutdown", ("--round-timeout", "--enable-admin", "--grace-period")),
+    ("logs", ("--log-format", "--log-level")),
+    (
+        "limits (each bounds a resource; moe_sidecar_limit exports them)",
+        (
+            *(o.flag for o in _OPTIONS if o.flag.startswith("--max-") and o not in _STORE_OPTIONS),
+            "--idle-connection-timeout",
+            "--metrics-request-timeout",
+        ),
+    ),
+)
+"""``serve --help``'s sections, each flag in one (a test checks none is left out)."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -366,33 +398,47 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     Flags default to None so that :func:`config_from_flags` can tell a flag
     that was given from one that was not (and fall back to the environment).
+    They are listed in sections (listeners, health and metrics, state and
+    store, TLS, ...).
+
+    Raises:
+        AssertionError: a flag of the option table is in no section.
     """
-    for option in _OPTIONS:
-        env_help = f" [env {option.env_key}]"
-        if option.dest == "listen":
-            parser.add_argument(
-                option.flag,
-                dest=option.dest,
-                action="append",
-                metavar=option.metavar,
-                help=option.help + env_help,
-            )
-        elif option.convert is _bool:
-            parser.add_argument(
-                option.flag,
-                dest=option.dest,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=option.help + env_help,
-            )
-        else:
-            parser.add_argument(
-                option.flag,
-                dest=option.dest,
-                metavar=option.metavar,
-                choices=option.choices,
-                help=option.help + env_help,
-            )
+    by_flag = {o.flag: o for o in _OPTIONS}
+    for title, flags in _HELP_GROUPS:
+        group = parser.add_argument_group(title)
+        for flag in flags:
+            _add_option(group, by_flag.pop(flag))
+    if by_flag:  # a new option must be given a section
+        raise AssertionError(f"serve flags in no help section: {sorted(by_flag)}")
+
+
+def _add_option(parser: argparse._ActionsContainer, option: _Option) -> None:
+    env_help = f" [env {option.env_key}]"
+    if option.dest == "listen":
+        parser.add_argument(
+            option.flag,
+            dest=option.dest,
+            action="append",
+            metavar=option.metavar,
+            help=option.help + env_help,
+        )
+    elif option.convert is _bool:
+        parser.add_argument(
+            option.flag,
+            dest=option.dest,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=option.help + env_help,
+        )
+    else:
+        parser.add_argument(
+            option.flag,
+            dest=option.dest,
+            metavar=option.metavar,
+            choices=option.choices,
+            help=option.help + env_help,
+        )
 
 
 def _from_env(option: _Option, text: str) -> object:
@@ -423,6 +469,32 @@ def _from_flag(option: _Option, value: object) -> object:
         raise ConfigError(f"{option.flag} {value!r}: {error}") from None
 
 
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuses a ``MOE_SIDECAR_*`` key that neither the sidecar nor the client reads.
+
+    A typo must not run silently with a default, in ``serve`` or any other
+    command; the message names the first unknown key and the closest known one.
+
+    Raises:
+        ConfigError: an unknown key (the message names it and its value).
+    """
+    known = _ENV_KEYS | CLIENT_ENV_KEYS
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    if not unknown:
+        return
+    key = unknown[0]
+    # Compared without the prefix, which every key shares and would make any two close.
+    suffixes = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+    close = difflib.get_close_matches(key.removeprefix(ENV_PREFIX), suffixes, n=1, cutoff=0.7)
+    hint = (
+        f"did you mean {ENV_PREFIX}{close[0]}?"
+        if close
+        else f"each serve flag --some-flag is {ENV_PREFIX}SOME_FLAG (moe-sidecar serve --help)"
+    )
+    also = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+    raise ConfigError(f"unknown environment variable {key}={environ[key]!r}; {hint}{also}")
+
+
 def config_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> SidecarConfig:
     """Builds the config from parsed ``serve`` flags over the environment.
 
@@ -430,15 +502,7 @@ def config_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> S
         ConfigError: an unknown ``MOE_SIDECAR_*`` key, or a malformed value
             (the message names the flag or env key and the value).
     """
-    unknown = sorted(
-        k for k in environ if k.startswith(ENV_PREFIX) and k not in _ENV_KEYS | CLIENT_ENV_KEYS
-    )
-    if unknown:
-        raise ConfigError(
-            f"unknown environment variable {unknown[0]}={environ[unknown[0]]!r}; the sidecar "
-            f"reads {', '.join(sorted(_ENV_KEYS))}"
-            + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else "")
-        )
+    check_environment(environ)
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
     for option in _OPTIONS:
@@ -456,12 +520,15 @@ def config_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> S
 
 
 def _named_by_source(message: str, sources: Mapping[str, str]) -> str:
-    """``message`` (which starts ``field=value: ...``, as every check above
-    writes it) with the field spelled as the user gave it: the flag or the
-    variable to change. A field left at its default is named by its flag."""
-    field, sep, rest = message.partition("=")
-    option = next((o for o in _OPTIONS if o.dest == field), None)
-    if not sep or option is None:
+    """``message`` (which starts ``field=value: ...`` or ``field: ...``, as every
+    check above writes it) with the field spelled as the user gave it: the flag
+    or the variable to change. A field left at its default is named by its flag."""
+    match = re.match(r"([a-z_]+)(=|: )", message)
+    option = next((o for o in _OPTIONS if match and o.dest == match.group(1)), None)
+    if match is None or option is None:
         return message
-    source = sources.get(field, option.flag)
+    source = sources.get(option.dest, option.flag)
+    sep, rest = match.group(2), message[match.end() :]
+    if sep == ": ":
+        return f"{source}: {rest}"
     return f"{source}={rest}" if source.startswith(ENV_PREFIX) else f"{source} {rest}"

@@ -6,7 +6,10 @@
 * ``moe-sidecar reset GROUP`` and ``moe-sidecar remove GROUP`` /
   ``remove --idle-for SECONDS`` against a sidecar started with
   ``--enable-admin``; PERMISSION_DENIED (one line) without it.
-* ``serve --help`` says that ``--listen`` replaces the default listener.
+* ``serve --help`` says that ``--listen`` replaces the default listener, in
+  sections; a bad flag of ``serve`` prints serve's usage;
+  ``python -m moe_sidecar --version`` is the program's version.
+* Every command refuses a misspelt ``MOE_SIDECAR_*`` variable, naming the one meant.
 """
 
 from __future__ import annotations
@@ -233,3 +236,67 @@ def test_serve_help_says_listen_replaces_the_default() -> None:
     assert (
         "Any --listen replaces the default listener 127.0.0.1:50051: give it too to keep it" in text
     ), text
+
+
+def test_serve_help_is_in_sections() -> None:
+    result = moe_sidecar("serve", "--help")
+    assert result.returncode == 0
+    sections = [line[:-1] for line in result.stdout.splitlines() if line and line[0] != " "]
+    assert sections[2:] == [
+        "options",
+        "listeners",
+        "health and metrics",
+        "state and store",
+        "TLS",
+        "rounds, admin and shutdown",
+        "logs",
+        "limits (each bounds a resource; moe_sidecar_limit exports them)",
+    ], result.stdout
+
+
+@pytest.mark.parametrize("entry", ["moe-sidecar serve", "python -m moe_sidecar"])
+def test_a_bad_serve_flag_prints_serves_usage(entry: str) -> None:
+    if entry == "moe-sidecar serve":
+        result = moe_sidecar("serve", "--bogus-flag")
+    else:
+        result = subprocess.run(
+            [sys.executable, "-m", "moe_sidecar", "--bogus-flag"],
+            cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: moe-sidecar serve [-h] [--listen ADDR]"), result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "moe-sidecar serve: error: unrecognized arguments: --bogus-flag"
+    )
+
+
+def test_python_m_moe_sidecar_version_is_the_programs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_sidecar", "--version"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == moe_sidecar("--version").stdout
+    assert result.stdout.startswith("moe-sidecar ")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("serve", "--listen", "unix:relative.sock"),
+        ("groups",),
+        ("reset", "some-group"),
+        ("remove", "some-group"),
+        ("simulate", "--ranks", "2"),
+        ("size", "--ep", "2", "--tokens", "8", "--hidden", "64", "--top-k", "2",
+         "--experts", "8", "--dispatch", "bf16"),
+    ],
+)  # fmt: skip
+def test_every_command_refuses_a_misspelt_variable(argv: tuple[str, ...]) -> None:
+    # Each would otherwise start, dial a sidecar or answer: the typo is the one line.
+    result = moe_sidecar(*argv, env={"MOE_SIDECAR_STATEDIR": "/srv/state"})
+    assert result.returncode == 2
+    assert one_line(result) == (
+        f"moe-sidecar {argv[0]}: unknown environment variable MOE_SIDECAR_STATEDIR='/srv/state'; "
+        "did you mean MOE_SIDECAR_STATE_DIR?"
+    )

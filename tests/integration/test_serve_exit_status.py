@@ -19,7 +19,13 @@ import pytest
 
 from moe_sidecar.server import running_server
 from moe_sidecar.store.sqlite import DATABASE_FILE
-from tests.integration.helpers import log_records, make_config, start_sidecar_process, stop_process
+from tests.integration.helpers import (
+    log_records,
+    make_config,
+    start_sidecar_process,
+    stop_process,
+    wait_for_serving_record,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,23 +111,71 @@ def test_a_state_dir_this_user_cannot_create_names_the_flag(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(
-    os.getuid() != 0 or not shutil.which("setpriv") or Path("/var/lib/moe-sidecar").exists(),
-    reason="needs root (to run as another user), setpriv, and no /var/lib/moe-sidecar yet",
+    os.getuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"),
+    reason="needs root (to mount a private /var/lib and run as another user), setpriv, unshare",
 )
 def test_the_default_state_dir_tells_a_user_without_root_what_to_give(tmp_path: Path) -> None:
+    # The real default path, whatever this machine's /var/lib holds: in a mount
+    # namespace of its own, /var/lib is an empty tmpfs that only root may write,
+    # as on a machine where no /var/lib/moe-sidecar was made for this user.
     os.chmod(tmp_path, 0o777)
+    sidecar = [
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+        "moe_sidecar", "--listen", f"unix://{tmp_path}/s.sock", "--health-port", "0",
+        "--metrics-port", "0", "--log-format", "text",
+    ]  # fmt: skip
     done = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-         "moe_sidecar", "--listen", f"unix://{tmp_path}/s.sock", "--health-port", "0",
-         "--metrics-port", "0", "--log-format", "text"],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o mode=0755 tmpfs /var/lib && exec "$@"', "sh", *sidecar],
         capture_output=True, text=True, timeout=30, cwd="/",
         env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
-    assert "--state-dir '/var/lib/moe-sidecar': permission denied creating it (the default " in (
-        done.stderr
+    assert done.stderr.strip() == (
+        "moe-sidecar serve: cannot start: --state-dir '/var/lib/moe-sidecar': permission denied "
+        "creating it (the default needs root); give a directory this user may write (created if "
+        "missing), e.g. --state-dir ./state"
     )
-    assert "e.g. --state-dir ./state" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "named"),
+    [
+        (["--state-dir", ""], {}, "--state-dir ''"),
+        ([], {"MOE_SIDECAR_STATE_DIR": ""}, "MOE_SIDECAR_STATE_DIR=''"),
+    ],
+)
+def test_an_empty_state_dir_is_refused_and_nothing_is_written_here(
+    tmp_path: Path, flags: list[str], env: dict[str, str], named: str
+) -> None:
+    here = tmp_path / "cwd"
+    here.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_sidecar", *flags, "--listen", f"unix://{tmp_path}/s.sock",
+         "--health-port", "0", "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=30, cwd=here,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}, **env},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"moe-sidecar serve: {named}: must name a path"), done.stderr
+    assert list(here.iterdir()) == []
+
+
+def test_serve_logs_the_absolute_state_dir_of_a_relative_flag(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with log.open("ab") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moe_sidecar", "--state-dir", "state", "--listen",
+             f"unix://{tmp_path}/s.sock", "--health-port", "0", "--metrics-port", "0",
+             "--log-format", "json"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr,
+            env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+        )  # fmt: skip
+    try:
+        record = wait_for_serving_record(process, log)
+    finally:
+        stop_process(process)
+    assert record["state_dir"] == str(tmp_path / "state")
 
 
 @pytest.mark.parametrize("which", ["listen", "health", "metrics"])

@@ -12,6 +12,7 @@ from moe_sidecar.config import (
     SidecarConfig,
     SqliteStore,
     add_serve_arguments,
+    check_environment,
     config_from_flags,
 )
 from moe_sidecar.etcd.url import EtcdTarget
@@ -138,6 +139,51 @@ def test_auto_port_asks_the_os_for_one() -> None:
 def test_unknown_env_key_is_named() -> None:
     with pytest.raises(ConfigError, match="MOE_SIDECAR_ROUND_TIMOUT='5'"):
         parse([], {"MOE_SIDECAR_ROUND_TIMOUT": "5"})
+
+
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("MOE_SIDECAR_STATEDIR", "MOE_SIDECAR_STATE_DIR"),
+        ("MOE_SIDECAR_ROUND_TIMOUT", "MOE_SIDECAR_ROUND_TIMEOUT"),
+        ("MOE_SIDECAR_TARGT", "MOE_SIDECAR_TARGET"),  # a client key is a candidate too
+    ],
+)
+def test_an_unknown_env_key_gets_one_short_line_with_the_key_meant(key: str, meant: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_environment({key: "x"})
+    message = str(info.value)
+    assert message == f"unknown environment variable {key}='x'; did you mean {meant}?"
+
+
+def test_an_unknown_env_key_like_no_other_says_how_keys_are_spelled() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_environment(
+            {"MOE_SIDECAR_ZZZ": "1", "MOE_SIDECAR_YYY": "2", "MOE_SIDECAR_TARGET": ""}
+        )
+    message = str(info.value)
+    assert message.startswith("unknown environment variable MOE_SIDECAR_YYY='2'; each serve flag")
+    assert "did you mean" not in message and message.endswith("(also unknown: MOE_SIDECAR_ZZZ)")
+    assert len(message) < 200
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--state-dir", ""], {}, "--state-dir '': must name a path"),
+        (["--state-dir", " "], {}, "--state-dir ' ': must name a path"),
+        ([], {"MOE_SIDECAR_STATE_DIR": ""}, "MOE_SIDECAR_STATE_DIR='': must name a path"),
+        (["--tls-cert", ""], {}, "--tls-cert '': must name a path"),
+        ([], {"MOE_SIDECAR_STORE_KEY_FILE": ""}, "MOE_SIDECAR_STORE_KEY_FILE='': must name"),
+    ],
+)
+def test_an_empty_path_is_refused_not_read_as_the_working_directory(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(argv, env)
+    assert str(info.value).startswith(message)
+    assert "working directory" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -280,9 +326,13 @@ def test_an_etcd_store_from_the_environment() -> None:
     ],
 )
 def test_bad_store_urls_are_named(store: str, needle: str) -> None:
-    with pytest.raises(ConfigError, match="store") as info:
+    with pytest.raises(ConfigError) as info:
         parse(["--store", store])
+    assert str(info.value).startswith("--store"), info.value
     assert needle in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse([], {"MOE_SIDECAR_STORE": store})
+    assert str(info.value).startswith("MOE_SIDECAR_STORE"), info.value
 
 
 @pytest.mark.parametrize("name", [" padded", "tab\there", "n" * 254])
