@@ -12,8 +12,9 @@ import fcntl
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator
-from pathlib import Path
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -88,21 +89,49 @@ class StartupError(Exception):
     """The server cannot start: an address is taken or unusable."""
 
 
-def _prepare_socket_path(path: Path) -> None:
+def _refuse_a_file_that_is_no_socket(address: ListenAddress) -> None:
+    """Refuses a ``--listen`` path that holds something other than a socket.
+
+    Checked before the lock beside it is made, so a refused path leaves
+    nothing behind.
+
+    Raises:
+        StartupError: the path exists and is not a socket (the message names ``--listen``).
+    """
+    assert address.unix_path is not None
+    try:
+        mode = address.unix_path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise StartupError(
+            f"--listen {address.target}: cannot use the socket path: {error.strerror}; "
+            f"{_BIND_HINTS['--listen']}"
+        ) from None
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(
+            f"--listen {address.target}: {str(address.unix_path)!r} exists and is not a socket; "
+            "refusing to replace it; give --listen a path where no file is, or remove it"
+        )
+
+
+def _prepare_socket_path(address: ListenAddress) -> None:
     """Creates the socket's directory and removes a stale socket file.
 
     Raises:
         StartupError: the path is not a socket, or a live process serves on it.
     """
+    path = address.unix_path
+    assert path is not None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
     except OSError as error:
-        raise StartupError(f"cannot use socket path {str(path)!r}: {error}") from None
-    if not stat.S_ISSOCK(mode):
-        raise StartupError(f"{str(path)!r} exists and is not a socket; refusing to replace it")
+        raise StartupError(
+            f"--listen {address.target}: cannot create {str(path.parent)!r}: {error.strerror}"
+        ) from None
+    _refuse_a_file_that_is_no_socket(address)
+    if not path.exists():
+        return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
@@ -137,8 +166,9 @@ def _server_credentials(config: SidecarConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def _address_in_use(address: ListenAddress) -> bool:
-    """Whether another socket already listens on ``address`` (TCP).
+def _bind_failure(address: ListenAddress) -> tuple[str, bool] | None:
+    """Why ``address`` cannot be bound (TCP) and whether another socket holds
+    it, or None when it can be bound.
 
     Probed with a socket of our own, bound as gRPC binds (``SO_REUSEADDR``, no
     ``SO_REUSEPORT``), before gRPC is given the address: gRPC's own failure
@@ -146,24 +176,64 @@ def _address_in_use(address: ListenAddress) -> bool:
     user needs the flag to change and the cause. A port of 0 (any free
     port) is never taken.
     """
-    if address.port == 0:
-        return False
     host = address.host[1:-1] if address.host.startswith("[") else address.host
     try:
         candidates = socket.getaddrinfo(
             host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-    except OSError:
-        return False  # gRPC reports an unresolvable host itself
+    except OSError as error:
+        return f"cannot resolve {host!r}: {error.strerror or error}", False
     for family, kind, proto, _, sockaddr in candidates:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(sockaddr)
             except OSError as error:
-                if error.errno == errno.EADDRINUSE:
-                    return True
-    return False
+                if error.errno == errno.EADDRINUSE and address.port != 0:
+                    taken = "address already in use (another process, perhaps another "
+                    return taken + "moe-sidecar, listens there)", True
+                if error.errno == errno.EADDRNOTAVAIL:
+                    return f"{error.strerror} (not an address of this machine)", False
+                if error.errno != errno.EADDRINUSE:
+                    return str(error.strerror), False
+    return None
+
+
+@contextlib.contextmanager
+def _core_log_captured() -> Iterator[list[str]]:
+    """Holds what gRPC's C core writes to stderr (fd 2) while the block runs.
+
+    gRPC logs a failed bind itself, a line of its own before ours; the
+    block's caller puts that line's cause into its one error line instead.
+    The list given to the block holds the text once the block ends; text of
+    a block that ended without an error is written back to stderr, unchanged.
+    """
+    captured: list[str] = []
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        failed = False
+        try:
+            yield captured
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode(errors="replace")
+            captured.append(text)
+            if text and not failed:
+                sys.stderr.write(text)
+
+
+def _core_cause(text: str) -> str:
+    """The message of gRPC's last C-core log line (after its ``file.cc:N]`` header)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[-1].partition("] ")[2] or lines[-1]
 
 
 def _bind(
@@ -182,21 +252,22 @@ def _bind(
     """
     given = f"{flag} {value if value is not None else address.target}"
     if address.unix_path is not None:
-        _prepare_socket_path(address.unix_path)
-    elif _address_in_use(address):
+        _prepare_socket_path(address)
+    elif (failure := _bind_failure(address)) is not None:
         where = "" if value is None else f" {address.host}:{address.port}:"
-        raise StartupError(
-            f"{given}:{where} address already in use (another process, perhaps another "
-            f"moe-sidecar, listens there); {_BIND_HINTS[flag]}"
-        )
+        cause, taken = failure
+        hint = _BIND_HINTS[flag] if taken else f"give another {flag}"
+        raise StartupError(f"{given}:{where} {cause}; {hint}")
     try:
-        # Unix sockets are guarded by their file mode; TCP by TLS when configured.
-        if credentials is not None and address.unix_path is None:
-            port = server.add_secure_port(address.target, credentials)
-        else:
-            port = server.add_insecure_port(address.target)
+        with _core_log_captured() as core_log:
+            # Unix sockets are guarded by their file mode; TCP by TLS when configured.
+            if credentials is not None and address.unix_path is None:
+                port = server.add_secure_port(address.target, credentials)
+            else:
+                port = server.add_insecure_port(address.target)
     except RuntimeError as error:
-        raise StartupError(f"{given}: cannot listen on {address.target!r}: {error}") from None
+        cause = _core_cause(core_log[0]) or str(error)
+        raise StartupError(f"{given}: cannot listen on {address.target!r}: {cause}") from None
     if address.unix_path is not None:
         return address.target
     if port == 0:
@@ -215,15 +286,20 @@ def not_serving_health() -> HealthServicer:
     return servicer
 
 
-def lock_socket_path(path: Path) -> int:
+def lock_socket_path(address: ListenAddress) -> int:
     """Holds ``<socket>.lock`` for the server's life, so that no second sidecar
     probes, replaces or removes this socket while this one starts or serves
     (two sidecars started at once on one path otherwise both ran, one
     unreachable). Returns the lock's file descriptor.
 
     Raises:
-        StartupError: another sidecar holds the lock, or the directory is unusable.
+        StartupError: the path holds a file that is no socket (no lock is
+            made then), another sidecar holds the lock, or the directory is
+            unusable.
     """
+    path = address.unix_path
+    assert path is not None
+    _refuse_a_file_that_is_no_socket(address)
     lock = path.with_name(path.name + ".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -282,7 +282,7 @@ def _lock_socket_paths(config: SidecarConfig, rollback: contextlib.AsyncExitStac
     locks: list[int] = []
     for address in config.listen_addresses:
         if address.unix_path is not None:
-            locks.append(lock_socket_path(address.unix_path))
+            locks.append(lock_socket_path(address))
             rollback.callback(os.close, locks[-1])
     return locks
 

@@ -231,5 +231,29 @@ async def test_serve_exits_1_when_the_socket_path_is_a_regular_file(tmp_path: Pa
     path.write_text("keep me")
     code, error = await _serve_exit(tmp_path, "--listen", f"unix://{path}")
     assert code == 1
-    assert str(path) in error and "not a socket" in error
+    assert error == (
+        f"--listen unix://{path}: {str(path)!r} exists and is not a socket; refusing to replace "
+        "it; give --listen a path where no file is, or remove it"
+    )
     assert path.read_text() == "keep me"
+    # Nothing of the refused start is left beside it (no lock file).
+    assert not (tmp_path / "precious.lock").exists()
+
+
+def test_an_address_not_of_this_machine_is_our_one_line_with_the_cause(tmp_path: Path) -> None:
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of a machine. gRPC's
+    # own log line of the failed bind is not printed before ours.
+    log = tmp_path / "refused.log"
+    process = start_sidecar_process(
+        log, "--listen", "192.0.2.1:5000", "--insecure", "--state-dir", str(tmp_path / "state"),
+        "--health-port", "0", "--metrics-port", "0", "--log-format", "text",
+    )  # fmt: skip
+    try:
+        code = process.wait(30)
+    finally:
+        stop_process(process)
+    assert code == 1
+    assert log.read_text().splitlines() == [
+        "moe-sidecar serve: cannot start: --listen 192.0.2.1:5000: Cannot assign requested "
+        "address (not an address of this machine); give another --listen"
+    ]
