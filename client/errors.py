@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from moe_sidecar.core.defaults import DEFAULT_TARGET, ENV_TARGET
 from moe_sidecar.core.errors import (
     AdminDisabled,
     CoordinatorError,
@@ -52,6 +53,7 @@ __all__ = [
     "RpcStatus",
     "SessionStatus",
     "error_from_rpc",
+    "not_a_coordinator",
     "rpc_status",
 ]
 
@@ -192,6 +194,8 @@ def error_from_rpc(
             f"{where}: no answer{limit} (the client's deadline); the sidecar's round timeout "
             "must be shorter than the client's propose deadline"
         )
+    elif status.code is grpc.StatusCode.UNIMPLEMENTED:
+        message = f"{where}: {not_a_coordinator(target, status.details)}"
     elif status.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         message = f"{where}: {status.code.name}: {status.details}"
     elif status.code not in _CODE_BY_STATUS:
@@ -199,6 +203,17 @@ def error_from_rpc(
     else:
         message = status.details
     return error_for_code(code, message)
+
+
+def not_a_coordinator(target: str, details: str) -> str:
+    """What an UNIMPLEMENTED answer of a coordinator method means: ``target``
+    serves gRPC but not the coordinator, most likely the sidecar's health
+    port (which serves only health checks and reflection)."""
+    return (
+        f"UNIMPLEMENTED ({details}): {target} is the sidecar's health port "
+        f"(--health-port, 50052 by default) or another gRPC server, not the coordinator; "
+        f"set {ENV_TARGET} to an address the sidecar's --listen serves (default {DEFAULT_TARGET})"
+    )
 
 
 def rpc_status(error: BaseException) -> RpcStatus | None:

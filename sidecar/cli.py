@@ -26,6 +26,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.config import (
     ConfigError,
@@ -201,9 +202,27 @@ def _stub(args: argparse.Namespace) -> Iterator[tuple[str, pb_grpc.WorkspaceCoor
     except grpc.RpcError as error:
         code = error.code() if isinstance(error, grpc.Call) else None
         details = error.details() if isinstance(error, grpc.Call) else str(error)
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            raise _CliError(_not_a_coordinator(channel, target, details)) from None
         raise _CliError(f"{target}: {code.name if code else 'error'}: {details}") from None
     finally:
         channel.close()
+
+
+def _not_a_coordinator(channel: grpc.Channel, target: str, details: str) -> str:
+    """What to say of a target that answers gRPC but serves no coordinator:
+    the sidecar's health port when it answers health checks (the health
+    port serves those and reflection only), else another gRPC server."""
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    except grpc.RpcError:
+        what = "a gRPC server that is not a moe-sidecar coordinator"
+    else:
+        what = "the sidecar's health port (--health-port), which serves only health checks"
+    return (
+        f"{target}: UNIMPLEMENTED ({details}): this is {what}; give --target an address the "
+        f"sidecar's --listen serves (default {DEFAULT_TARGET})"
+    )
 
 
 def _list_all(

@@ -88,8 +88,10 @@ def test_sidecar_messages_pass_through_unchanged(channel: grpc.Channel) -> None:
 def test_transport_failures_name_method_and_target(channel: grpc.Channel) -> None:
     typed = error_from_rpc(_rpc_error(channel, "UNAVAILABLE"), method="Commit", target="t:1")
     assert typed.message.startswith("Commit to sidecar t:1: UNAVAILABLE")
-    odd = error_from_rpc(_rpc_error(channel, "UNIMPLEMENTED"), method="Propose", target="t:1")
-    assert "unexpected status UNIMPLEMENTED" in odd.message
+    odd = error_from_rpc(_rpc_error(channel, "DATA_LOSS"), method="Propose", target="t:1")
+    assert "unexpected status DATA_LOSS" in odd.message
+    health = error_from_rpc(_rpc_error(channel, "UNIMPLEMENTED"), method="Propose", target="t:1")
+    assert "t:1 is the sidecar's health port" in health.message
 
 
 def test_errors_of_embedded_mode_have_no_rpc_status() -> None:
