@@ -25,6 +25,7 @@ __all__ = [
     "add_command",
     "answer_as_json",
     "default_release",
+    "dispatch_kind",
     "format_answer",
     "run",
 ]
@@ -37,6 +38,19 @@ def default_release() -> str:
     except importlib.metadata.PackageNotFoundError:
         return RELEASES[-1]
     return installed if installed in RELEASES else RELEASES[-1]
+
+
+def dispatch_kind(text: str) -> str:
+    """A ``--dispatch`` value as ``size`` names it: a kind of :data:`DISPATCH_KINDS`
+    or the FlashInfer ``QuantFormat`` name it stands for (``NVFP4``,
+    ``FP8PerTensor``, ``QuantFormat.NVFP4``), in any case, as the library takes
+    them; anything else as given (an integer, or an error the answer names).
+    """
+    folded = text.strip().lower().removeprefix("quantformat.")
+    for kind, quant_format in DISPATCH_KINDS.items():
+        if folded in (kind, quant_format.lower()):
+            return kind
+    return text
 
 
 def add_command(subparsers: Any) -> None:
@@ -69,8 +83,10 @@ def add_command(subparsers: Any) -> None:
         "--dispatch",
         action="append",
         required=True,
+        type=dispatch_kind,
         metavar="KIND",
-        help=f"a layer kind of the model (repeat for each): {', '.join(DISPATCH_KINDS)}, or an "
+        help=f"a layer kind of the model (repeat for each): {', '.join(DISPATCH_KINDS)} or "
+        f"FlashInfer's QuantFormat name ({', '.join(DISPATCH_KINDS.values())}; any case), or an "
         "integer: the activation plus scale bytes one token sends, routing excluded",
     )
     parser.add_argument(

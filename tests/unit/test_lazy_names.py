@@ -59,3 +59,15 @@ def test_the_client_face_gives_its_light_names_without_torch() -> None:
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+@pytest.mark.parametrize("package", ["moe_sidecar.client", *PACKAGES])
+def test_dir_lists_the_lazy_names_without_loading_torch(package: str) -> None:
+    # In a fresh process: dir() shows every public name, and loads no torch for it.
+    code = (
+        f"import sys, {package} as p; "
+        "missing = sorted(set(p.__all__) - set(dir(p))); "
+        "sys.exit(f'{missing} not in dir()' if missing else 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

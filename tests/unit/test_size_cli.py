@@ -133,3 +133,22 @@ def test_subprocess_text_and_bad_flag() -> None:
     bad = _size("--flashinfer", "0.7.4", *DEEPSEEK, "--dispatch", "fp7", "--json")
     assert bad.returncode == 2
     assert "--dispatch='fp7'" in bad.stderr and json.loads(bad.stdout)["ok"] is False
+
+
+@pytest.mark.parametrize(
+    ("given", "kind"),
+    [
+        ("NVFP4", "nvfp4"),
+        ("nvfp4", "nvfp4"),
+        ("NvFp4", "nvfp4"),
+        ("FP8PerTensor", "fp8"),
+        ("QuantFormat.MXFP8", "mxfp8"),
+        ("DeepSeekFp8", "deepseek-fp8"),
+        ("BF16", "bf16"),
+        ("5000", "5000"),
+    ],
+)
+def test_dispatch_takes_the_librarys_quant_format_names_in_any_case(given: str, kind: str) -> None:
+    done = _size("--flashinfer", "0.7.4", *DEEPSEEK, "--dispatch", given, "--json")
+    assert done.returncode == 0, done.stderr
+    assert [layer["dispatch"] for layer in json.loads(done.stdout)["layers"]] == [kind]
