@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
+import platform
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ __all__ = [
     "GroupSeries",
     "MetricsEndpoint",
     "SidecarMetrics",
+    "installed_version",
     "start_metrics_endpoint",
 ]
 
@@ -99,6 +102,15 @@ class GroupSeries:
             self.waiting_ranks.set(waiting_ranks)
 
 
+def installed_version() -> str:
+    """The installed moe-sidecar's version (``unknown`` when run from a checkout
+    without ``pip install``)."""
+    try:
+        return importlib.metadata.version("moe-sidecar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 class SidecarMetrics:
     """Every series the sidecar exports; the state holder and the servers update it.
 
@@ -148,6 +160,12 @@ class SidecarMetrics:
             ("group",),
         )
         self.groups = self._gauge("moe_sidecar_groups", "Groups this sidecar knows.")
+        self.build_info = self._gauge(
+            "moe_sidecar_build_info",
+            "Always 1; its labels say which release of moe-sidecar runs, on which Python.",
+            ("version", "python"),
+        )
+        self.build_info.labels(version=installed_version(), python=platform.python_version()).set(1)
         self._define_limit_series(limits or {})
         self._groups: dict[str, GroupSeries] = {}
         self._other: GroupSeries | None = None

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import re
 
 import pytest
@@ -49,3 +51,22 @@ def test_metrics_reference_matches_the_exported_series() -> None:
     documented = _documented()
     assert documented, "no metrics table in the README"
     assert documented == _exported()
+
+
+def test_build_info_is_one_series_naming_the_release_and_python() -> None:
+    metrics = SidecarMetrics()
+    samples = [
+        s
+        for f in metrics.registry.collect()
+        if f.name == "moe_sidecar_build_info"
+        for s in f.samples
+    ]
+    assert [(s.labels, s.value) for s in samples] == [
+        (
+            {
+                "version": importlib.metadata.version("moe-sidecar"),
+                "python": platform.python_version(),
+            },
+            1.0,
+        )
+    ]
