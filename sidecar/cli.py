@@ -1,4 +1,4 @@
-"""The ``moe-sidecar`` command: ``serve``, ``groups``, ``reset``, ``remove``, and the tools.
+"""The ``moe-sidecar`` command: ``serve``, ``groups``, ``reset``, ``remove``, ``doctor``, and the tools.
 
 Each of the daemon's subcommands is one :class:`Command` in :data:`COMMANDS`:
 a name, a function that adds its arguments, and a function that runs it.
@@ -26,7 +26,6 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.config import (
     ConfigError,
@@ -38,6 +37,7 @@ from moe_sidecar.config import (
 from moe_sidecar.core.defaults import DEFAULT_TARGET, ENV_TARGET
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.group import GroupSummary
+from moe_sidecar.doctor import checks_as_json, diagnose, format_checks, not_a_coordinator
 from moe_sidecar.logs import configure_logging, resolve_log_format
 from moe_sidecar.server import StartupError, serve
 from moe_sidecar.store.sqlite import StoreError
@@ -156,8 +156,8 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _target(args: argparse.Namespace) -> str:
-    """The address to dial: --target, else $MOE_SIDECAR_TARGET, else the default.
+def _target(args: argparse.Namespace, default: str = DEFAULT_TARGET) -> str:
+    """The address to dial: --target, else $MOE_SIDECAR_TARGET, else ``default``.
 
     Raises:
         _CliError: the address is malformed (status 2).
@@ -167,21 +167,19 @@ def _target(args: argparse.Namespace) -> str:
     elif os.environ.get(ENV_TARGET, "").strip():
         source, value = ENV_TARGET, os.environ[ENV_TARGET].strip()
     else:
-        source, value = "default target", DEFAULT_TARGET
+        source, value = "default target", default
     try:
         return parse_listen_address(value, source).target
     except AddressError as error:
         raise _CliError(str(error), status=2) from None
 
 
-@contextlib.contextmanager
-def _stub(args: argparse.Namespace) -> Iterator[tuple[str, pb_grpc.WorkspaceCoordinatorStub]]:
-    """A stub of the sidecar the flags name; RPC failures become one-line errors.
+def _channel(args: argparse.Namespace, target: str) -> grpc.Channel:
+    """A channel to ``target``, with the TLS files the flags name.
 
     Raises:
-        _CliError: a malformed address, unreadable TLS files, or a failed call.
+        _CliError: a TLS file cannot be read (status 2).
     """
-    target = _target(args)
     credentials = None
     if args.tls_ca or args.tls_cert or args.tls_key:
         try:
@@ -192,37 +190,32 @@ def _stub(args: argparse.Namespace) -> Iterator[tuple[str, pb_grpc.WorkspaceCoor
             )
         except OSError as error:
             raise _CliError(f"cannot read the TLS files: {error}", status=2) from None
-    channel = (
+    return (
         grpc.secure_channel(target, credentials)
         if credentials is not None
         else grpc.insecure_channel(target)
     )
+
+
+@contextlib.contextmanager
+def _stub(args: argparse.Namespace) -> Iterator[tuple[str, pb_grpc.WorkspaceCoordinatorStub]]:
+    """A stub of the sidecar the flags name; RPC failures become one-line errors.
+
+    Raises:
+        _CliError: a malformed address, unreadable TLS files, or a failed call.
+    """
+    target = _target(args)
+    channel = _channel(args, target)
     try:
         yield target, pb_grpc.WorkspaceCoordinatorStub(channel)
     except grpc.RpcError as error:
         code = error.code() if isinstance(error, grpc.Call) else None
         details = error.details() if isinstance(error, grpc.Call) else str(error)
         if code is grpc.StatusCode.UNIMPLEMENTED:
-            raise _CliError(_not_a_coordinator(channel, target, details)) from None
+            raise _CliError(not_a_coordinator(channel, target, details)) from None
         raise _CliError(f"{target}: {code.name if code else 'error'}: {details}") from None
     finally:
         channel.close()
-
-
-def _not_a_coordinator(channel: grpc.Channel, target: str, details: str) -> str:
-    """What to say of a target that answers gRPC but serves no coordinator:
-    the sidecar's health port when it answers health checks (the health
-    port serves those and reflection only), else another gRPC server."""
-    try:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-    except grpc.RpcError:
-        what = "a gRPC server that is not a moe-sidecar coordinator"
-    else:
-        what = "the sidecar's health port (--health-port), which serves only health checks"
-    return (
-        f"{target}: UNIMPLEMENTED ({details}): this is {what}; give --target an address the "
-        f"sidecar's --listen serves (default {DEFAULT_TARGET})"
-    )
 
 
 def _list_all(
@@ -348,7 +341,58 @@ REMOVE = Command(
 )
 
 
-COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, RESET, REMOVE)
+def _add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target_arguments(parser)
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="the sidecar's state directory (default: as serve reads it, "
+        "$MOE_SIDECAR_STATE_DIR, else /var/lib/moe-sidecar)",
+    )
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="the sidecar's --store (default: as serve reads it, $MOE_SIDECAR_STORE); with "
+        "etcd:// etcd is checked too",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    config: SidecarConfig | ConfigError
+    try:
+        # As serve reads it: flags over the MOE_SIDECAR_* environment.
+        flags = argparse.Namespace(state_dir=args.state_dir, store=args.store)
+        config = config_from_flags(flags, os.environ)
+    except ConfigError as error:
+        config = error
+    # Where serve listens (its first --listen) unless told otherwise.
+    listens = config.listen_addresses[0].target if isinstance(config, SidecarConfig) else None
+    target = _target(args, listens or DEFAULT_TARGET)
+    channel = _channel(args, target)
+    try:
+        checks = diagnose(channel, target, config, args.timeout)
+    finally:
+        channel.close()
+    if args.json:
+        print(json.dumps(checks_as_json(target, checks), indent=2))
+    else:
+        sys.stdout.write(format_checks(checks))
+    return 0 if all(c.ok for c in checks) else 1
+
+
+DOCTOR = Command(
+    name="doctor",
+    help="check a sidecar in one go: it answers, is serving, its state dir is writable and "
+    "its store is up; exit status 0 only when all hold (a probe)",
+    add_arguments=_add_doctor_arguments,
+    run=_run_client_command("doctor", _doctor),
+)
+
+
+COMMANDS: tuple[Command, ...] = (SERVE, GROUPS, RESET, REMOVE, DOCTOR)
 
 
 TOOL_ENTRY_POINTS = "moe_sidecar.commands"
