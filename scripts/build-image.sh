@@ -49,9 +49,9 @@ cache_dir=${SIDECAR_IMAGE_CACHE:-/var/cache/moe-sidecar/image}
 packages=python3,python3-venv,python-is-python3,ca-certificates
 ca_bundle=/etc/ssl/certs/ca-certificates.crt
 # Seconds per step: generous for a loaded machine, short of CI's budget.
-base_limit=${MOE_SIDECAR_BASE_TIMEOUT:-900}
+base_limit=${IMAGE_BASE_TIMEOUT:-900}
 import_limit=300
-build_limit=${MOE_SIDECAR_BUILD_TIMEOUT:-900}
+build_limit=${IMAGE_BUILD_TIMEOUT:-900}
 
 fail() {
     echo "build-image: $*" >&2
