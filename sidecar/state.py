@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import TypeAlias
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import (
@@ -132,8 +133,9 @@ class Coordinator:
         self.node = node
         """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
-        self._ceiling = max_workspace_bytes
-        """The per-rank workspace ceiling (``--max-workspace-bytes``)."""
+        self._ceiling = limits.WorkspaceCeiling(max_workspace_bytes, flashinfer.workspace_size)
+        """The per-rank workspace ceiling (``--max-workspace-bytes``), measured
+        in the group's FlashInfer release (the table of ``moe_sidecar.flashinfer``)."""
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
@@ -148,7 +150,7 @@ class Coordinator:
         self._waiters = RoundWaiters()
         self._timers = RoundTimers(clock, self._on_timer)
         self._watchers = Watchers(watch_queue_limit, max_watchers)
-        self._observer = EventObserver(self.metrics, self.ep_size_of)
+        self._observer = EventObserver(self.metrics, self.sizing_of)
         self._phase = _Phase.OPEN
         self._loop: asyncio.AbstractEventLoop | None = None
         for state in self._groups.values():
@@ -423,10 +425,11 @@ class Coordinator:
             raise GroupNotFound.named(name)
         return state
 
-    def ep_size_of(self, name: str) -> int | None:
-        """The EP size of group ``name`` (None: no such group)."""
+    def sizing_of(self, name: str) -> tuple[int, str] | None:
+        """The EP size and FlashInfer release of group ``name``, what its
+        workspace bytes are derived by (None: no such group)."""
         state = self._groups.get(name)
-        return state.ep_size if state is not None else None
+        return (state.ep_size, state.release) if state is not None else None
 
     def groups(self) -> list[GroupState]:
         """Every group, by name."""
@@ -574,7 +577,9 @@ class Coordinator:
         """
         local = self._local_group_count()
         if local >= self._max_groups:
-            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
+            policy.validate_proposal(
+                proposal, ceiling=self._ceiling
+            )  # a malformed request is INVALID_ARGUMENT first
             self.metrics.refused("groups")
             raise ResourceExhausted(
                 f"group={quote_name(proposal.group)} would be group {local + 1} of this "

@@ -10,7 +10,7 @@ import pytest
 from moe_sidecar.core import policy
 from moe_sidecar.core.cluster import cluster_plan_of
 from moe_sidecar.core.plan import Plan
-from moe_sidecar.core.sizing import workspace_size_per_rank
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes, workspace_size_per_rank
 from moe_sidecar.store.row_codec import (
     MAX_DOCUMENT_BYTES,
     ROW_VERSION,
@@ -107,7 +107,7 @@ def test_a_version_1_row_of_0_1_0_loads_with_a_plan_at_least_as_big() -> None:
     capacities = plan.capacities
     assert (capacities.max_tokens, capacities.top_k, capacities.num_experts) == (128, 8, 256)
     assert plan.generation == 2 and state.generation == 2
-    workspace = capacities.workspace_bytes(2)
+    workspace = capacities_workspace_bytes(capacities, 2)
     assert workspace >= document["plan"]["workspace_bytes"] == 7_379_328
     assert workspace < document["plan"]["workspace_bytes"] + 2 * 128 + 128
     assert [g.plan.generation for g in state.history] == [1, 2]
