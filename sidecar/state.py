@@ -42,6 +42,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeAlias
 
 from moe_sidecar import flashinfer
@@ -294,6 +295,10 @@ class Coordinator:
         """
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
+        if not proposal.release:
+            # An unstated release is the default one, spelled as stored rows
+            # and the wire spell it, so the group compares one name.
+            proposal = replace(proposal, release=flashinfer.DEFAULT_RELEASE.name)
         before = self._groups.get(proposal.group)
         if before is None or _merged_only(before):
             self._check_group_budget(proposal)
