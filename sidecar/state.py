@@ -135,8 +135,7 @@ class Coordinator:
         """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
         self._ceiling = limits.WorkspaceCeiling(max_workspace_bytes, flashinfer.workspace_size)
-        """The per-rank workspace ceiling (``--max-workspace-bytes``), measured
-        in the group's FlashInfer release (the table of ``moe_sidecar.flashinfer``)."""
+        """``--max-workspace-bytes``, measured in each group's FlashInfer release."""
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock

@@ -27,7 +27,8 @@ defaults when absent (a waiting proposal's release: the default release of
 group's: none fixed yet). Version 2 is version 3 without the node of each growth (loaded as
 ``""``). Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
 load: each stored plan becomes the least capacities whose FlashInfer
-workspace (in the default release's arithmetic, the one 0.1.0 used) is at least the stored byte count at the stored token count (the
+workspace (in the default release's arithmetic, the one 0.1.0 used) is at
+least the stored byte count at the stored token count (the
 split into dispatch and combine bytes was not recorded, so the combine part
 is the minimum and the dispatch part takes the rest); retained round
 outcomes and an open round are dropped (a rank retrying across the upgrade

@@ -139,7 +139,7 @@ def test_layer_with_fewer_tokens_than_the_plan(mode: str, sidecar: Sidecar, tmp_
         workers.nvfp4_layer("model.layers.0.mlp", max_num_tokens=workers.MAX_TOKENS + 4),
         workers.bf16_layer("mtp.mlp"),
     ]
-    own = [workers.layer_capacities(EP, layer).workspace_bytes(EP) for layer in layers]
+    own = [capacities_workspace_bytes(workers.layer_capacities(EP, layer), EP) for layer in layers]
     target = sidecar.target if mode == "sidecar" else "embedded"
     results = run_ranks(
         workers.layers_worker,

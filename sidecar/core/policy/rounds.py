@@ -480,9 +480,7 @@ def decide_round(
     try:
         if grew:
             limits.check_plan("plan", plan, state.ep_size)
-        limits.check_workspace_ceiling(
-            "plan", plan.capacities, state.ep_size, ceiling, rnd.proposals[0].release
-        )
+        limits.check_workspace_ceiling("plan", plan.capacities, state.ep_size, ceiling, p.release)
     except InvalidArgument as error:
         what = "would grow the plan" if grew else "needs the stored plan, which is"
         message = (
