@@ -50,6 +50,8 @@ import grpc
 import psutil  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_sidecar import flashinfer as _flashinfer
+from moe_sidecar.core import limits as _limits
 from moe_sidecar.core import policy
 from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
 from moe_sidecar.core.plan import Action, Capacities, Plan
@@ -60,6 +62,8 @@ from moe_sidecar.store.sqlite import StateStore
 from moe_sidecar.wire.codec import capacities_to_proto, decision_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+
+CEILING = _limits.WorkspaceCeiling(_limits.DEFAULT_MAX_WORKSPACE_BYTES, _flashinfer.workspace_size)
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {
@@ -137,7 +141,7 @@ def core_rounds(ranks: int, rounds: int, warmup: int) -> Series:
         t0 = time.perf_counter()
         for rank in range(ranks):
             proposal = Proposal("core", ep_size, rank, ranks, f"core-{rank}", rnd, NEED)
-            state = policy.propose(state, proposal, time.time(), 60.0).state
+            state = policy.propose(state, proposal, time.time(), 60.0, ceiling=CEILING).state
         if rnd > warmup:
             latencies.append(time.perf_counter() - t0)
     return Series(latencies, time.perf_counter() - started, ranks * rounds)
@@ -155,7 +159,11 @@ def core_heap_of_groups(groups: int, ranks: int, rounds: int) -> int:
             need = Requirement(_grown(rnd), f"layer.{rnd}")
             for rank in range(ranks):
                 state = policy.propose(
-                    state, Proposal(name, ranks, rank, ranks, f"l{rank}", rnd, need), 0.0, 60.0
+                    state,
+                    Proposal(name, ranks, rank, ranks, f"l{rank}", rnd, need),
+                    0.0,
+                    60.0,
+                    ceiling=CEILING,
                 ).state
         assert state is not None
         states[name] = state
@@ -389,7 +397,7 @@ async def _serve_floor(path: str, ranks: int, ready: Any) -> None:
     no store, no logs: what the streams alone cost."""
     loop = asyncio.get_running_loop()
     template = decision_to_proto(
-        Decision(0, Action.REUSE, Plan(NEED.capacities, 0, 1), False, NEED.layer), ranks
+        Decision(0, Action.REUSE, Plan(NEED.capacities, 0, 1), False, NEED.layer), ranks, ""
     )
     arrived: dict[int, list[asyncio.Future[None]]] = {}
 

@@ -98,6 +98,7 @@ from bench.gpu_bench import _percentile  # noqa: E402
 from bench.gpu_cold_start import _FdTee  # noqa: E402
 from bench.uncoordinated import UncoordinatedRank  # noqa: E402
 from bench.vllm_gpu_bench import Vllm033Manager  # noqa: E402
+from moe_sidecar import flashinfer as _flashinfer  # noqa: E402
 from moe_sidecar.client.backends.base import BuildSpec  # noqa: E402
 from moe_sidecar.client.backends.reference import (  # noqa: E402
     ReferenceAlltoAll,
@@ -107,11 +108,15 @@ from moe_sidecar.client.backends.reference import (  # noqa: E402
     live_workspace_bytes,
 )
 from moe_sidecar.client.vllm_sizing import classify_call  # noqa: E402
+from moe_sidecar.core import limits as _limits  # noqa: E402
 from moe_sidecar.core.plan import Capacities, join_capacities  # noqa: E402
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes  # noqa: E402
 from tests.exchange import round_trip  # noqa: E402
 from tests.gpu import workers  # noqa: E402
 from tests.gpu.workers import world  # noqa: E402
 from tests.multiprocess.harness import Sidecar, run_ranks, running_sidecar  # noqa: E402
+
+CEILING = _limits.WorkspaceCeiling(_limits.DEFAULT_MAX_WORKSPACE_BYTES, _flashinfer.workspace_size)
 
 HIDDEN = 7168
 TOP_K = 8
@@ -157,9 +162,9 @@ def expected_sizes(ep: int, tokens: int) -> dict[str, int]:
     nvfp4 = layer_capacities(ep, tokens, "NVFP4")
     bf16 = layer_capacities(ep, tokens, "BF16")
     return {
-        "nvfp4": nvfp4.workspace_bytes(ep),
-        "bf16": bf16.workspace_bytes(ep),
-        "union": join_capacities(nvfp4, bf16).workspace_bytes(ep),
+        "nvfp4": capacities_workspace_bytes(nvfp4, ep),
+        "bf16": capacities_workspace_bytes(bf16, ep),
+        "union": capacities_workspace_bytes(join_capacities(nvfp4, bf16), ep),
     }
 
 
@@ -468,7 +473,7 @@ def _bare_rounds(cfg: RankConfig) -> dict[str, Any]:
         started = time.perf_counter()
         for r in range(cfg.ep):
             proposal = Proposal("ep-scale:bare", cfg.ep, r, cfg.ep, f"bare-{r}", n, requirement)
-            step = policy.propose(state, proposal, float(n), 60.0)
+            step = policy.propose(state, proposal, float(n), 60.0, ceiling=CEILING)
             state, reply = step.state, step.reply
         elapsed = time.perf_counter() - started
         if not isinstance(reply, Decision):
@@ -563,7 +568,7 @@ class ReferenceMoeEp:
             top_k=params.top_k,
             num_experts=params.num_experts,
         )
-        size = capacities.workspace_bytes(bootstrap.world_size)
+        size = capacities_workspace_bytes(capacities, bootstrap.world_size)
         key = (size, bootstrap.rank, bootstrap.world_size, params.max_tokens_per_rank, 0)
         if key not in self.cache:
             spec = BuildSpec(bootstrap.world_size, bootstrap.rank, capacities, size)

@@ -34,9 +34,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from moe_sidecar import flashinfer as _flashinfer  # noqa: E402
+from moe_sidecar.core import limits as _limits  # noqa: E402
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes  # noqa: E402
 from tests.gpu import workers  # noqa: E402
 from tests.gpu.workers import world  # noqa: E402
 from tests.multiprocess.harness import run_ranks, running_sidecar  # noqa: E402
+
+CEILING = _limits.WorkspaceCeiling(_limits.DEFAULT_MAX_WORKSPACE_BYTES, _flashinfer.workspace_size)
 
 GROUP = "gpu-bench:nvfp4+bf16-mtp/ep2/pp0"
 
@@ -113,7 +118,7 @@ def _bare_core_seconds(rounds: int) -> list[float]:
     for n in range(1, rounds + 1):
         proposal = Proposal("bench", 2, 0, 1, "life", n, requirement)
         started = time.perf_counter()
-        state = policy.propose(state, proposal, float(n), 60.0).state
+        state = policy.propose(state, proposal, float(n), 60.0, ceiling=CEILING).state
         samples.append(time.perf_counter() - started)
     return samples
 
@@ -138,7 +143,9 @@ def _bench_rank(rank: int, world_size: int, target: str, iterations: int, rounds
             layer.x_bytes_per_token,
             layer.x_sf_bytes_per_token,
         )
-        return BuildSpec(world_size, rank, capacities, capacities.workspace_bytes(world_size))
+        return BuildSpec(
+            world_size, rank, capacities, capacities_workspace_bytes(capacities, world_size)
+        )
 
     def load_flashinfer() -> None:
         import flashinfer.comm.trtllm_moe_alltoall  # noqa: F401

@@ -28,7 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_sidecar import coordinator_rounds  # noqa: E402
+from moe_sidecar import flashinfer as _flashinfer  # noqa: E402
+from moe_sidecar.core import limits as _limits  # noqa: E402
 from moe_sidecar.logs import configure_logging  # noqa: E402
+
+CEILING = _limits.WorkspaceCeiling(_limits.DEFAULT_MAX_WORKSPACE_BYTES, _flashinfer.workspace_size)
 
 
 def _parts(workdir: Path, ranks: int, repeats: int = 500) -> tuple[float, float, float]:
@@ -50,7 +54,7 @@ def _parts(workdir: Path, ranks: int, repeats: int = 500) -> tuple[float, float,
             core_started = time.perf_counter()
         for rank in range(ranks):
             proposal = Proposal("parts", ep_size, rank, ranks, f"p-{rank}", rnd, NEED)
-            state = policy.propose(state, proposal, float(rnd), 60.0).state
+            state = policy.propose(state, proposal, float(rnd), 60.0, ceiling=CEILING).state
     core_us = (time.perf_counter() - core_started) / repeats * 1e6
     assert state is not None
     store = StateStore(workdir)

@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from moe_sidecar.core.sizing import workspace_size_per_rank  # noqa: E402
+from moe_sidecar.flashinfer.v0_7_2_post1 import workspace_size_per_rank  # noqa: E402
 from tests.exchange import round_trip  # noqa: E402
 from tests.gpu import workers  # noqa: E402
 from tests.gpu.workers import world  # noqa: E402

@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from moe_sidecar import flashinfer
 from moe_sidecar.client.errors import InternalError
-from moe_sidecar.core import policy
+from moe_sidecar.core import limits, policy
 from moe_sidecar.core.effects import Wait
 from moe_sidecar.core.group import (
     CommitRecord,
@@ -31,6 +32,9 @@ _DECIDES_IN_THE_AGREEMENT = (
     "{method}() on the embedded transport: embedded mode decides every round at once "
     "and checks covered rounds in the ranks' agreement, so nothing is left unanswered"
 )
+
+_CEILING = limits.WorkspaceCeiling(limits.DEFAULT_MAX_WORKSPACE_BYTES, flashinfer.workspace_size)
+"""Embedded mode's ceiling: the sidecar's default, in each group's release."""
 
 
 class EmbeddedTransport:
@@ -100,7 +104,11 @@ class EmbeddedTransport:
         """
         proposal = _past_boundary(proposal)
         step = policy.propose(
-            self._groups.get(proposal.group), proposal, self._clock(), self.round_timeout
+            self._groups.get(proposal.group),
+            proposal,
+            self._clock(),
+            self.round_timeout,
+            ceiling=_CEILING,
         )
         # In-process there is nobody to answer, persist to or notify: the
         # step's state and reply are all that matter.
@@ -131,7 +139,7 @@ class EmbeddedTransport:
         record = replace(
             record, lifetime=lifetime_id(record.lifetime), proof=proof_id(record.proof)
         )
-        step = policy.commit(state, record, self._clock())
+        step = policy.commit(state, record, self._clock(), ceiling=_CEILING)
         self._groups[group] = step.state
         if isinstance(step.reply, Refusal):
             raise step.reply.error()

@@ -274,6 +274,7 @@ class WorkspaceManager:
             round=self._round,
             requirement=requirement,
             proof=self._group_proof or "",
+            release=self.backend.flashinfer_release.name,
         )
 
     def _propose(self, requirement: Requirement) -> Decision:

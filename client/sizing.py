@@ -7,11 +7,11 @@ weights of the top-k routing; the combine payload is bf16 hidden states. It
 is :func:`moe_sidecar.client.vllm_sizing.classify_call` with 0.30's keywords,
 where the other generations' rules live beside it.
 
-The byte arithmetic and the per-layer rule itself
-(:func:`dispatch_bytes_per_token`, :func:`combine_bytes_per_token`) live in
-:mod:`moe_sidecar.core.sizing` (standard library only), because the decision
-core needs them too and must not import torch through this package; they are
-re-exported here.
+The per-layer rule itself (:func:`dispatch_bytes_per_token`,
+:func:`combine_bytes_per_token`) lives in :mod:`moe_sidecar.core.sizing`,
+because the decision core needs it too; the ``MoeAlltoAll`` workspace
+arithmetic lives in its release's module,
+:mod:`moe_sidecar.flashinfer.v0_7_2_post1`. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from dataclasses import replace
 from moe_sidecar.client.vllm_sizing import classify_call
 from moe_sidecar.core.limits import check_capacities
 from moe_sidecar.core.plan import Capacities
-from moe_sidecar.core.sizing import (
+from moe_sidecar.core.sizing import combine_bytes_per_token, dispatch_bytes_per_token
+from moe_sidecar.flashinfer.v0_7_2_post1 import (
     ALIGNMENT,
     KMAX_TOP_K,
     AuxOffsets,
     align,
     aux_data_size,
     aux_offsets,
-    combine_bytes_per_token,
-    dispatch_bytes_per_token,
     workspace_size_per_rank,
 )
 

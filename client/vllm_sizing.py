@@ -39,7 +39,7 @@ Nothing here imports torch or FlashInfer: a ``QuantFormat`` is read by its
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -48,6 +48,10 @@ from moe_sidecar.core.layer import layer_capacities
 from moe_sidecar.core.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.core.sizing import bf16_row_bytes, routing_bytes_per_token
+
+# vLLM 0.33 sizes a QuantFormat by the table of the FlashInfer release it pins
+# (the room's default release); re-exported for the client's other modules.
+from moe_sidecar.flashinfer.v0_7_2_post1 import DISPATCH_FORMAT_BYTES
 
 __all__ = [
     "DISPATCH_FORMAT_BYTES",
@@ -62,26 +66,6 @@ __all__ = [
     "pr42976_activation_bytes",
     "routing_bytes_per_token",
 ]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-DISPATCH_FORMAT_BYTES: Final[Mapping[str, Callable[[int], int]]] = {
-    "BF16": lambda hidden: 2 * hidden,
-    "FP16": lambda hidden: 2 * hidden,
-    "FP8PerTensor": lambda hidden: hidden,
-    "DeepSeekFp8": lambda hidden: hidden + 4 * _ceil_div(hidden, 128),
-    "MXFP8": lambda hidden: hidden + _ceil_div(hidden, 32),
-    "NVFP4": lambda hidden: _ceil_div(hidden, 2) + _ceil_div(hidden, 16),
-    "MXFP4": lambda hidden: _ceil_div(hidden, 2) + _ceil_div(hidden, 32),
-}
-"""FlashInfer 0.7.2.post1's ``_DISPATCH_BYTES_PER_TOKEN``
-(``flashinfer/moe_ep/core/comm/communication.py:60``): the bytes one token's
-activations and their per-block scales take on the wire, by ``QuantFormat``
-name. Formats missing here (``MXINT4``, ``INT4``) FlashInfer refuses as a
-dispatch format."""
 
 
 class Generation(enum.Enum):

@@ -22,7 +22,7 @@ import tomllib
 from functools import cache
 from pathlib import Path
 
-SHARED = ("moe_sidecar.core", "moe_sidecar.wire", "moe_sidecar.client")
+SHARED = ("moe_sidecar.core", "moe_sidecar.wire", "moe_sidecar.flashinfer", "moe_sidecar.client")
 
 
 def modules(root: Path) -> dict[str, Path]:

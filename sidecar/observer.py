@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeAlias
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.effects import EventKind, GroupEvent
 from moe_sidecar.core.group import GroupState
@@ -36,13 +37,15 @@ _Handler: TypeAlias = Callable[[GroupEvent, _Fields, GroupSeries], None]
 class EventObserver:
     """Counts and logs group events; keeps the per-group gauges current.
 
-    ``ep_size_of`` tells the EP size of a group (None: unknown), which the
-    workspace bytes in a log line are derived at.
+    ``sizing_of`` tells the EP size and FlashInfer release of a group (None:
+    unknown), which the workspace bytes in a log line are derived by.
     """
 
-    def __init__(self, metrics: SidecarMetrics, ep_size_of: Callable[[str], int | None]) -> None:
+    def __init__(
+        self, metrics: SidecarMetrics, sizing_of: Callable[[str], tuple[int, str] | None]
+    ) -> None:
         self._metrics = metrics
-        self._ep_size_of = ep_size_of
+        self._sizing_of = sizing_of
         self._handlers: dict[EventKind, _Handler] = {
             EventKind.ROUND_DECIDED: self._round_decided,
             **{kind: self._round_closed_undecided for kind in CLOSED_AS},
@@ -82,21 +85,30 @@ class EventObserver:
         EP size changed.
         """
         waiting = len(state.open_round.proposals) if state.open_round is not None else 0
-        if before is not None and before.plan is state.plan and before.ep_size == state.ep_size:
+        if (
+            before is not None
+            and before.plan is state.plan
+            and (before.ep_size, before.release) == (state.ep_size, state.release)
+        ):
             before_waiting = len(before.open_round.proposals) if before.open_round else 0
             if waiting != before_waiting:
                 self._metrics.group(state.name).set_waiting(waiting)
             return
         self._metrics.group(state.name).set_sizes(
-            state.plan.capacities.workspace_bytes(state.ep_size) if state.plan is not None else 0,
+            (
+                flashinfer.workspace_size(state.release, state.plan.capacities, state.ep_size)
+                if state.plan is not None
+                else 0
+            ),
             waiting,
         )
 
     def _workspace_bytes(self, event: GroupEvent) -> int:
-        ep_size = self._ep_size_of(event.group)
-        if event.plan is None or ep_size is None:
+        sizing = self._sizing_of(event.group)
+        if event.plan is None or sizing is None:
             return 0
-        return event.plan.capacities.workspace_bytes(ep_size)
+        ep_size, release = sizing
+        return flashinfer.workspace_size(release, event.plan.capacities, ep_size)
 
     def _round_decided(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
         assert event.action is not None and event.plan is not None

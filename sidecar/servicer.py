@@ -188,27 +188,28 @@ class CoordinatorServicer:
         self._errors = errors
         self._max_page_size = max_page_size
         self._pending = _PendingResponses(max_pending_response_bytes, coordinator.metrics)
-        self._encoded: tuple[Decision, int, bytes] | None = None
+        self._encoded: tuple[Decision, int, str, bytes] | None = None
         self._sessions = _OpenSessions()
 
-    def _decision_bytes(self, decision: Decision, ep_size: int) -> bytes:
+    def _decision_bytes(self, decision: Decision, ep_size: int, release: str) -> bytes:
         """The serialized wire form of ``decision``, encoded once per round:
         every rank of a round is answered with the same Decision object, and
         these bytes go out as they are (the handlers' serializers pass bytes
         through)."""
         encoded = self._encoded
-        if encoded is None or encoded[0] is not decision or encoded[1] != ep_size:
-            wire = decision_to_proto(decision, ep_size).SerializeToString()
-            encoded = self._encoded = (decision, ep_size, wire)
-        return encoded[2]
+        if encoded is None or encoded[0] is not decision or encoded[1:3] != (ep_size, release):
+            wire = decision_to_proto(decision, ep_size, release).SerializeToString()
+            encoded = self._encoded = (decision, ep_size, release, wire)
+        return encoded[3]
 
     async def Propose(self, data: bytes, context: _Context) -> bytes:
         return await self._errors.unary(context, "Propose", self._propose(data))
 
     async def _propose(self, data: bytes) -> bytes:
         request = decode_request(pb.ProposeRequest, data)
-        decision = await self._coordinator.propose(proposal_from_proto(request))
-        return self._decision_bytes(decision, request.ep_size)
+        proposal = proposal_from_proto(request)
+        decision = await self._coordinator.propose(proposal)
+        return self._decision_bytes(decision, proposal.ep_size, proposal.release)
 
     async def Session(
         self, requests: AsyncIterator[bytes], context: _Context
@@ -286,9 +287,10 @@ class CoordinatorServicer:
         return session_committed_to_proto(request.id)
 
     async def _propose_message(self, request: pb.SessionRequest) -> bytes:
-        decision = await self._coordinator.propose(proposal_from_proto(request.propose))
+        proposal = proposal_from_proto(request.propose)
+        decision = await self._coordinator.propose(proposal)
         return session_decision_wire(
-            request.id, self._decision_bytes(decision, request.propose.ep_size)
+            request.id, self._decision_bytes(decision, proposal.ep_size, proposal.release)
         )
 
     async def Commit(self, data: bytes, context: _Context) -> pb.CommitResponse:
@@ -310,7 +312,7 @@ class CoordinatorServicer:
         subscription = self._coordinator.watch(request.group)
         try:
             async for event in subscription:
-                yield event_to_proto(event, self._coordinator.ep_size_of(event.group))
+                yield event_to_proto(event, self._coordinator.sizing_of(event.group))
         finally:
             self._coordinator.unwatch(subscription)
 

@@ -42,8 +42,10 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeAlias
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import (
@@ -132,8 +134,8 @@ class Coordinator:
         self.node = node
         """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
-        self._ceiling = max_workspace_bytes
-        """The per-rank workspace ceiling (``--max-workspace-bytes``)."""
+        self._ceiling = limits.WorkspaceCeiling(max_workspace_bytes, flashinfer.workspace_size)
+        """``--max-workspace-bytes``, measured in each group's FlashInfer release."""
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
@@ -148,7 +150,7 @@ class Coordinator:
         self._waiters = RoundWaiters()
         self._timers = RoundTimers(clock, self._on_timer)
         self._watchers = Watchers(watch_queue_limit, max_watchers)
-        self._observer = EventObserver(self.metrics, self.ep_size_of)
+        self._observer = EventObserver(self.metrics, self.sizing_of)
         self._phase = _Phase.OPEN
         self._loop: asyncio.AbstractEventLoop | None = None
         for state in self._groups.values():
@@ -292,6 +294,10 @@ class Coordinator:
         """
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
+        if not proposal.release:
+            # An unstated release is the default one, spelled as stored rows
+            # and the wire spell it, so the group compares one name.
+            proposal = replace(proposal, release=flashinfer.DEFAULT_RELEASE.name)
         before = self._groups.get(proposal.group)
         if before is None or _merged_only(before):
             self._check_group_budget(proposal)
@@ -423,10 +429,11 @@ class Coordinator:
             raise GroupNotFound.named(name)
         return state
 
-    def ep_size_of(self, name: str) -> int | None:
-        """The EP size of group ``name`` (None: no such group)."""
+    def sizing_of(self, name: str) -> tuple[int, str] | None:
+        """The EP size and FlashInfer release of group ``name``, what its
+        workspace bytes are derived by (None: no such group)."""
         state = self._groups.get(name)
-        return state.ep_size if state is not None else None
+        return (state.ep_size, state.release) if state is not None else None
 
     def groups(self) -> list[GroupState]:
         """Every group, by name."""
@@ -574,7 +581,9 @@ class Coordinator:
         """
         local = self._local_group_count()
         if local >= self._max_groups:
-            policy.validate_proposal(proposal)  # a malformed request is INVALID_ARGUMENT first
+            policy.validate_proposal(
+                proposal, ceiling=self._ceiling
+            )  # a malformed request is INVALID_ARGUMENT first
             self.metrics.refused("groups")
             raise ResourceExhausted(
                 f"group={quote_name(proposal.group)} would be group {local + 1} of this "

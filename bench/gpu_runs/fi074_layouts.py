@@ -1,7 +1,7 @@
 """Checks tests/data/flashinfer-0.7.4-layouts.csv against FlashInfer 0.7.4 itself, on a GPU machine.
 
 Two checks per row, both against the pure sizing too
-(:mod:`moe_sidecar.client.sizing_moe_ep`):
+(:mod:`moe_sidecar.flashinfer.v0_7_4`):
 
 * the op: FlashInfer's JIT op ``moe_a2a_get_workspace_layout`` (the
   ``nvlink_one_sided_alltoall`` module, compiled here on first use) given
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import flashinfer
     import torch
 
-    from moe_sidecar.client import sizing_moe_ep
+    from moe_sidecar.flashinfer import v0_7_4
 
     started = time.perf_counter()
     kernels = importlib.import_module(f"{ONE_SIDED}.kernels")
@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     assert (index.MAX_RANKS, index.MAX_TOP_K, index.MAX_PAYLOADS, index.WORKSPACE_ALIGNMENT) == (
-        sizing_moe_ep.MAX_RANKS,
-        sizing_moe_ep.MAX_TOP_K,
-        sizing_moe_ep.MAX_PAYLOADS,
-        sizing_moe_ep.WORKSPACE_ALIGNMENT,
+        v0_7_4.MAX_RANKS,
+        v0_7_4.MAX_TOP_K,
+        v0_7_4.MAX_PAYLOADS,
+        v0_7_4.WORKSPACE_ALIGNMENT,
     ), vars(index)
 
     # The stand-in for the platform vote: only here, where nothing is allocated.
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ctor_checked = 0
     for number, r in enumerate(rows):
         expected = {k: r[k] for k in FIELDS}
-        pure = sizing_moe_ep.layer_layout(
+        pure = v0_7_4.layer_layout(
             r["ep"], r["tokens"], r["top_k"], r["hidden"], r["format"], r["extra"], r["eplb"]
         )
         metainfo = torch.zeros(index.NUM_METAINFO_FIELDS, dtype=torch.int64)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if got != expected or fixed != FIXED or ours != expected:
             op_mismatches.append(f"row {number} {r}: op {got} {fixed}, pure {ours}")
 
-        if r["top_k"] not in sizing_moe_ep.SUPPORTED_TOP_K:
+        if r["top_k"] not in v0_7_4.SUPPORTED_TOP_K:
             continue
         ctor_checked += 1
         per_rank = max(1, math.ceil(max(r["top_k"], r["eplb"]) / r["ep"]))

@@ -1,12 +1,12 @@
 """All-to-all backends, one module each; :func:`backend_for` picks one by name.
 
-* ``flashinfer``: the FlashInfer backend for the installed release:
-  ``flashinfer-moe-alltoall`` up to 0.7.2.post1, ``flashinfer-moe-ep`` from
-  0.7.4 on (:func:`flashinfer_backend_name`);
-* ``flashinfer-moe-alltoall``: FlashInfer 0.7.2.post1's ``MoeAlltoAll``
+* ``flashinfer``: the FlashInfer backend for the installed release: its
+  row's backend in :data:`moe_sidecar.flashinfer.RELEASES`
+  (:func:`flashinfer_backend_name`);
+* ``flashinfer-moe-alltoall``: ``MoeAlltoAll`` of the release that has it
   (module ``flashinfer``), named explicitly;
-* ``flashinfer-moe-ep``: FlashInfer 0.7.4's ``flashinfer.moe_ep``
-  ``NVLinkOneSidedAlltoAll`` (module ``flashinfer_moe_ep``), named explicitly;
+* ``flashinfer-moe-ep``: ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` of the
+  release without ``MoeAlltoAll`` (module ``flashinfer_moe_ep``), named explicitly;
 * ``reference``: a CPU copy of the contract over gloo.
 
 An explicit name is the override (``backend=`` or ``MOE_SIDECAR_BACKEND``).
@@ -16,7 +16,6 @@ FlashInfer itself is imported only when a backend builds.
 from __future__ import annotations
 
 import importlib.metadata
-import re
 
 import torch.distributed as dist
 
@@ -26,6 +25,7 @@ from moe_sidecar.client.backends.base import (
     BuildSpec,
     CommunicationSpec,
 )
+from moe_sidecar.flashinfer import DEFAULT_RELEASE, RELEASES, release_serving
 
 __all__ = [
     "BACKENDS",
@@ -37,16 +37,19 @@ __all__ = [
     "flashinfer_backend_name",
 ]
 
-BACKENDS = ("flashinfer", "flashinfer-moe-alltoall", "flashinfer-moe-ep", "reference")
-
-_MOE_EP_FROM = (0, 7, 4)
-"""The first FlashInfer release without ``MoeAlltoAll``."""
+BACKENDS = (
+    "flashinfer",
+    *(release.backend for release in RELEASES),
+    "reference",
+)
 
 
 def flashinfer_backend_name(version: str | None = None) -> str:
     """The FlashInfer backend for ``version`` (default: the installed
-    flashinfer-python; none installed: 0.7.2.post1's, vLLM 0.33's pin and
-    the ``[flashinfer]`` extra, whose build then says what to install).
+    flashinfer-python; none installed: the default release's, vLLM 0.33's
+    pin and the ``[flashinfer]`` extra, whose build then says what to
+    install): the backend of the release whose API that version has
+    (:func:`moe_sidecar.flashinfer.release_serving`).
 
     Raises:
         ValueError: a version string that does not start with a release number.
@@ -55,12 +58,8 @@ def flashinfer_backend_name(version: str | None = None) -> str:
         try:
             version = importlib.metadata.version("flashinfer-python")
         except importlib.metadata.PackageNotFoundError:
-            return "flashinfer-moe-alltoall"
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    if match is None:
-        raise ValueError(f"flashinfer-python version {version!r}: not a release number")
-    release = tuple(int(part) for part in match.groups())
-    return "flashinfer-moe-ep" if release >= _MOE_EP_FROM else "flashinfer-moe-alltoall"
+            return DEFAULT_RELEASE.backend
+    return release_serving(version).backend
 
 
 def backend_for(name: str, group: dist.ProcessGroup) -> AlltoAllBackend:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from moe_sidecar.core.plan import Capacities
+from moe_sidecar.flashinfer import Release
 
 __all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec", "CommunicationSpec"]
 
@@ -116,8 +117,14 @@ class AlltoAllBackend(Protocol):
 
     @property
     def name(self) -> str:
-        """``"flashinfer"`` (0.7.2.post1's ``MoeAlltoAll``), ``"flashinfer-moe-ep"`` (0.7.4) or
-        ``"reference"``."""
+        """``"flashinfer"`` (``MoeAlltoAll``), ``"flashinfer-moe-ep"``
+        (``flashinfer.moe_ep``) or ``"reference"``."""
+        ...
+
+    @property
+    def flashinfer_release(self) -> Release:
+        """The FlashInfer release whose workspace this backend builds (or, for
+        the reference backend, lays out): what the rank's proposals state."""
         ...
 
     def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:

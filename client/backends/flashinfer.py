@@ -1,4 +1,4 @@
-"""FlashInfer 0.7.2.post1's ``MoeAlltoAll``, built and really released.
+"""FlashInfer's ``MoeAlltoAll`` (:data:`moe_sidecar.flashinfer.v0_7_2_post1.RELEASE`), built and really released.
 
 Building: a ``Mapping`` in which the EP group is the whole tensor-parallel
 world of one pipeline stage (``world_size = tp_size = moe_ep_size =
@@ -51,15 +51,17 @@ import torch.distributed as dist
 from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
+from moe_sidecar.client.backends.moe_ep_objects import moe_ep_objects
 from moe_sidecar.client.errors import BackendError
-from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
 from moe_sidecar.core.plan import Capacities
+from moe_sidecar.flashinfer import v0_7_2_post1
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
 
-SUPPORTED_FLASHINFER = MNNVL_MOE_ALLTOALL.flashinfer_version
-"""The release whose ``MoeAlltoAll`` this backend drives (0.7.4 removed it):
-0.7.2.post1, its entry in the table of all-to-all JIT modules."""
+RELEASE = v0_7_2_post1.RELEASE
+"""The release whose ``MoeAlltoAll`` this backend drives (the next one removed it)."""
+SUPPORTED_FLASHINFER = RELEASE.name
+"""Its name (flashinfer-python's version)."""
 
 _log = logging.getLogger(__name__)
 
@@ -81,14 +83,14 @@ class _FlashInfer:
         except ImportError as error:
             raise BackendError(
                 "backend='flashinfer' needs flashinfer-python "
-                f"{SUPPORTED_FLASHINFER} (from a moe-sidecar checkout: pip install '.[flashinfer]'); use "
-                "backend='reference' on machines without GPUs"
+                f"{SUPPORTED_FLASHINFER} (from a moe-sidecar checkout: pip install "
+                f"'.[{RELEASE.install_extra}]'); use backend='reference' on machines without GPUs"
             ) from error
         moe_alltoall = getattr(alltoall, "MoeAlltoAll", None)
         if moe_alltoall is None:
             raise BackendError(
-                "this flashinfer-python has no MoeAlltoAll (removed in 0.7.4); install "
-                f"flashinfer-python=={SUPPORTED_FLASHINFER}"
+                "this flashinfer-python has no MoeAlltoAll (removed after "
+                f"{SUPPORTED_FLASHINFER}); install flashinfer-python=={SUPPORTED_FLASHINFER}"
             )
         self.MoeAlltoAll: Any = moe_alltoall
         # FlashInfer's loader of the module behind MoeAlltoAll (cached by it).
@@ -131,6 +133,7 @@ class FlashInferBackend:
     """
 
     name = "flashinfer"
+    flashinfer_release = RELEASE
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
@@ -169,9 +172,9 @@ class FlashInferBackend:
         )
 
     def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
-        """FlashInfer 0.7.2.post1's ``moe_a2a_get_workspace_size_per_rank`` for
+        """:attr:`flashinfer_release`'s ``moe_a2a_get_workspace_size_per_rank`` for
         ``capacities`` (see :meth:`AlltoAllBackend.workspace_bytes`)."""
-        return capacities.workspace_bytes(ep_size)
+        return self.flashinfer_release.workspace_bytes(capacities, ep_size)
 
     def build(self, spec: BuildSpec) -> AlltoAll:
         """See :meth:`AlltoAllBackend.build`; returns FlashInfer's own object.
@@ -219,38 +222,23 @@ class FlashInferBackend:
                 f"NVLinkOneSidedAlltoAll requires num_experts ({spec.num_experts}) divisible by "
                 f"the EP size ({spec.ep_size})"
             )
-        # vLLM 0.33 (all2all.py, FlashInferNVLinkOneSidedManager.initialize):
-        #   params = MoEEpCommParams(num_experts=num_experts, top_k=top_k,
-        #       max_tokens_per_rank=max_num_tokens, hidden_size=hidden_size,
-        #       dtype=torch.bfloat16, dispatch_format=dispatch_format)
-        params = moe_ep.MoEEpCommParams(
+        # As vLLM 0.33 describes its layer (moe_ep_objects).
+        objects = moe_ep_objects(
+            moe_ep,
+            quant_format,
+            group=self._group,
+            ep_size=spec.ep_size,
+            ep_rank=spec.ep_rank,
             num_experts=spec.num_experts,
             top_k=spec.top_k,
             max_tokens_per_rank=spec.max_tokens_per_rank,
             hidden_size=spec.hidden_size,
-            dtype=torch.bfloat16,
-            dispatch_format=(
-                None
-                if spec.dispatch_format_name is None
-                else quant_format[spec.dispatch_format_name]
-            ),
-        )
-        #   bootstrap = BootstrapConfig(world_size=self.world_size, rank=self.rank,
-        #       device=torch.accelerator.current_device_index(), process_group=self.cpu_group)
-        bootstrap = moe_ep.BootstrapConfig(
-            world_size=spec.ep_size,
-            rank=spec.ep_rank,
-            device=torch.cuda.current_device(),
-            process_group=self._group,
-        )
-        #   config = NVLinkOneSidedConfig(extra_payload_bytes_per_token=extra_payload_bytes_per_token,
-        #       use_low_precision_combine=envs.VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE,
-        #       comm_backend=CustomCommunicator(self.cpu_group))
-        config = moe_ep.NVLinkOneSidedConfig(
+            dispatch_format_name=spec.dispatch_format_name,
             extra_payload_bytes_per_token=spec.extra_payload_bytes_per_token,
             use_low_precision_combine=spec.use_low_precision_combine,
             comm_backend=GroupCommunicator(self._group),
         )
+        config, bootstrap, params = objects.config, objects.bootstrap, objects.params
         wrapper: Any = object.__new__(moe_ep.NVLinkOneSidedAlltoAll)
         # What NVLinkOneSidedAlltoAll.__init__ (communication.py:43-102) and
         # MoEEpCommunication.__init__ (core/comm/communication.py:169-187) set,
@@ -283,7 +271,7 @@ class FlashInferBackend:
         torch.cuda.synchronize()
         cache: dict[Any, dict[str, Any]] = fi.MoeAlltoAll._WORKSPACE_CACHE
         # The entry of this allocation, found by identity: its key is a 6-tuple
-        # in 0.7.2.post1 and a 5-tuple (no backend) in 0.6.18.post1, the
+        # in this backend's release and a 5-tuple (no backend) in the older
         # FlashInfer vLLM 0.30 pins.
         key, entry = next(
             ((k, e) for k, e in cache.items() if e.get("mnnvl_mem") is mnnvl_mem), (None, None)

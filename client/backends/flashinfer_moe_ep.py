@@ -1,11 +1,11 @@
-"""FlashInfer 0.7.4's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll``, built at the union and really released.
+"""FlashInfer's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` (:data:`moe_sidecar.flashinfer.v0_7_4.RELEASE`), built at the union and really released.
 
-0.7.4 removed ``MoeAlltoAll``: the one-sided all-to-all is the ``moe_ep``
+Its release removed ``MoeAlltoAll``: the one-sided all-to-all is the ``moe_ep``
 object itself, which owns its workspace. FlashInfer shares a workspace only
 between instances of identical layout (refcounted, per process), so layers
 built separately get separate allocations; this backend builds ONE object
 per growth, at the union of every layer's capacities, expressed in what
-0.7.4 offers (:func:`moe_sidecar.client.sizing_moe_ep.describe`): the
+the release offers (:func:`moe_sidecar.flashinfer.v0_7_4.describe`): the
 hidden size of the widest combine, the largest ``QuantFormat`` whose bytes
 fit the widest dispatch row, and the rest as
 ``NVLinkOneSidedConfig.extra_payload_bytes_per_token``.
@@ -25,7 +25,7 @@ counts those that did not). The manager calls it only after the EP
 barrier that shows every rank holds the replacement.
 
 vLLM 0.33: its prepare/finalize calls ``communication.dispatch(...,
-max_tokens_per_rank=...)`` (0.7.2.post1's keyword); 0.7.4 names it
+max_tokens_per_rank=...)`` (the keyword of the release vLLM pins); this release names it
 ``runtime_max_tokens_per_rank`` and takes no ``**kwargs``, so the plain
 class raises TypeError there. The object built is an instance of a subclass
 of FlashInfer's class (:func:`vllm_compatible_class`) whose ``dispatch``
@@ -48,24 +48,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_sidecar.client import sizing_moe_ep
 from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
+from moe_sidecar.client.backends.moe_ep_objects import moe_ep_objects
 from moe_sidecar.client.errors import BackendError, InvalidArgument
 from moe_sidecar.core.defaults import VLLM_LOW_PRECISION_COMBINE
 from moe_sidecar.core.plan import Capacities
+from moe_sidecar.flashinfer import LayoutError, v0_7_4
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferMoeEpBackend", "vllm_compatible_class"]
 
-SUPPORTED_FLASHINFER = sizing_moe_ep.FLASHINFER_VERSION
+RELEASE = v0_7_4.RELEASE
 """The release whose ``NVLinkOneSidedAlltoAll`` this backend drives."""
+SUPPORTED_FLASHINFER = RELEASE.name
+"""Its name (flashinfer-python's version)."""
 
 _ONE_SIDED = "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided"
 
 _log = logging.getLogger(__name__)
 
-# The DLPack capsules of released workspaces: FlashInfer 0.7.4 still wraps
+# The DLPack capsules of released workspaces: this release still wraps
 # the workspace through a capsule attached to one tensor, whose struct the
 # storage's deleter reads when the last view dies (see backends/flashinfer.py).
 _CAPSULES_KEPT: list[object] = []
@@ -77,14 +80,14 @@ def _import(name: str) -> Any:
     except ImportError as error:
         raise BackendError(
             f"backend='flashinfer-moe-ep' needs flashinfer-python {SUPPORTED_FLASHINFER} "
-            "(from a moe-sidecar checkout: pip install '.[flashinfer074]'); use backend='reference' on machines "
-            f"without GPUs ({error})"
+            f"(from a moe-sidecar checkout: pip install '.[{RELEASE.install_extra}]'); use "
+            f"backend='reference' on machines without GPUs ({error})"
         ) from error
 
 
 @functools.cache
 def vllm_compatible_class() -> Any:
-    """FlashInfer 0.7.4's ``NVLinkOneSidedAlltoAll`` with a ``dispatch`` that
+    """This release's ``NVLinkOneSidedAlltoAll`` with a ``dispatch`` that
     also takes vLLM 0.33's ``max_tokens_per_rank=`` keyword.
 
     Raises:
@@ -96,8 +99,8 @@ def vllm_compatible_class() -> Any:
         """FlashInfer's class; ``dispatch`` takes ``max_tokens_per_rank`` too.
 
         vLLM 0.33's prepare/finalize passes ``max_tokens_per_rank=`` (the
-        keyword of FlashInfer 0.7.2.post1, the release it pins); 0.7.4
-        renamed it ``runtime_max_tokens_per_rank``. Both mean the same: the
+        keyword of the FlashInfer release it pins); this release renamed it
+        ``runtime_max_tokens_per_rank``. Both mean the same: the
         largest ``local_num_tokens`` over the ranks this step.
         """
 
@@ -150,7 +153,7 @@ def _low_precision_combine() -> bool:
 
 
 class FlashInferMoeEpBackend:
-    """Builds FlashInfer 0.7.4 ``NVLinkOneSidedAlltoAll`` objects for one EP group.
+    """Builds ``NVLinkOneSidedAlltoAll`` objects of :data:`RELEASE` for one EP group.
 
     The current CUDA device must be this rank's GPU before the first build.
 
@@ -159,6 +162,7 @@ class FlashInferMoeEpBackend:
     """
 
     name = "flashinfer-moe-ep"
+    flashinfer_release = RELEASE
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
@@ -178,14 +182,14 @@ class FlashInferMoeEpBackend:
         return self.module_load.compiled if self.module_load is not None else None
 
     def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
-        """FlashInfer 0.7.4's ``WORKSPACE_SIZE`` for the object built for ``capacities``.
+        """:attr:`flashinfer_release`'s ``WORKSPACE_SIZE`` for the object built for ``capacities``.
 
         Raises:
             BackendError: FlashInfer's layout refuses them.
         """
         try:
-            return sizing_moe_ep.capacities_workspace_bytes(capacities, ep_size)
-        except sizing_moe_ep.LayoutError as error:
+            return self.flashinfer_release.workspace_bytes(capacities, ep_size)
+        except LayoutError as error:
             raise BackendError(
                 f"FlashInfer {SUPPORTED_FLASHINFER} refuses the plan: {error}"
             ) from error
@@ -211,36 +215,34 @@ class FlashInferMoeEpBackend:
                 f"{communicator.Get_rank()} of {communicator.Get_size()}"
             )
         c = spec.capacities
-        refusals = sizing_moe_ep.object_refusals(
+        refusals = self.flashinfer_release.object_refusals(
             spec.ep_size, c.top_k, c.num_experts, c.eplb_experts
         )
         if refusals:
             raise BackendError(f"FlashInfer {SUPPORTED_FLASHINFER}: " + "; ".join(refusals))
-        d = sizing_moe_ep.describe(c)
-        params = moe_ep.MoEEpCommParams(
+        d = v0_7_4.describe(c)
+        objects = moe_ep_objects(
+            moe_ep,
+            quant_format,
+            group=self._group,
+            ep_size=spec.ep_size,
+            ep_rank=spec.ep_rank,
             num_experts=d.num_experts,
             top_k=d.top_k,
             max_tokens_per_rank=d.max_tokens_per_rank,
             hidden_size=d.hidden_size,
-            dtype=torch.bfloat16,
-            dispatch_format=quant_format[d.dispatch_format],
-        )
-        bootstrap = moe_ep.BootstrapConfig(
-            world_size=spec.ep_size,
-            rank=spec.ep_rank,
-            device=torch.cuda.current_device(),
-            process_group=self._group,
-        )
-        config = moe_ep.NVLinkOneSidedConfig(
+            dispatch_format_name=d.dispatch_format,
             extra_payload_bytes_per_token=d.extra_payload_bytes_per_token,
-            eplb_stats_num_experts=d.eplb_stats_num_experts,
             use_low_precision_combine=_low_precision_combine(),
             comm_backend=communicator,
-            # Both change the layout the pure sizing computes (SM100+ only).
-            cft=False,
-            lamport=False,
+            # cft and lamport change the layout the pure sizing computes (SM100+ only).
+            config_fields={
+                "eplb_stats_num_experts": d.eplb_stats_num_experts,
+                "cft": False,
+                "lamport": False,
+            },
         )
-        handle: Any = cls(bootstrap, params, config)
+        handle: Any = cls(objects.bootstrap, objects.params, objects.config)
         size = int(handle.metainfo[handle._index.WORKSPACE_SIZE_INDEX])
         if size != spec.workspace_size_per_rank:
             handle.destroy()

@@ -1,14 +1,14 @@
 """Health of FlashInfer's JIT cache, seen from an inference rank.
 
 Before the first all-to-all of a process is built, :func:`prepare_module`
-asks FlashInfer where it will find its all-to-all module (``mnnvl_moe_alltoall``
-in 0.7.2.post1, ``nvlink_one_sided_alltoall`` in 0.7.4: the release's entry of
-:data:`moe_sidecar.client.prewarm.install.JIT_MODULES`, what ``prewarm`` builds)
+asks FlashInfer where it will find its all-to-all module (the installed
+release's :attr:`~moe_sidecar.flashinfer.Release.jit_module` in
+:data:`moe_sidecar.flashinfer.RELEASES`, what ``prewarm`` builds)
 and logs it once per process: the cache directory, and whether the module is
 already compiled there, shipped ahead of time, or about to be compiled (about
 3 minutes; ``moe-sidecar prewarm`` does it ahead of time). It then loads the
-module through FlashInfer (``get_moe_alltoall_module()``, or 0.7.4's
-``get_nvlink_one_sided_alltoall_module()``, which compile when needed), times
+module through FlashInfer (``get_moe_alltoall_module()``, or the newer
+release's ``get_nvlink_one_sided_alltoall_module()``, which compile when needed), times
 that, and tells whether the library was written meanwhile,
 i.e. whether this start paid for a compile (its own, or another process's
 under FlashInfer's build lock). The result is kept for the life of the
@@ -31,9 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from moe_sidecar.client.prewarm.cache import JitModule
-from moe_sidecar.client.prewarm.install import JIT_MODULES
-from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
+from moe_sidecar import flashinfer
 
 __all__ = [
     "JitCacheReport",
@@ -126,7 +124,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return (st.st_mtime_ns, st.st_size)
 
 
-def inspect_jit_cache(module: JitModule | None = None) -> JitCacheReport:
+def inspect_jit_cache(module: flashinfer.JitModuleFacts | None = None) -> JitCacheReport:
     """Asks FlashInfer where its all-to-all module would come from, now.
 
     Imports FlashInfer (its JIT environment and spec) and builds the spec
@@ -136,13 +134,14 @@ def inspect_jit_cache(module: JitModule | None = None) -> JitCacheReport:
     Raises:
         ImportError: FlashInfer is not installed.
         Exception: whatever FlashInfer raises when its layout differs from
-            0.7.2.post1's (callers treat the report as unavailable).
+            the default release's (callers treat the report as unavailable).
     """
     jit_env: Any = importlib.import_module("flashinfer.jit.env")
     jit_core: Any = importlib.import_module("flashinfer.jit.core")
     if module is None:
-        # Another release is tried as 0.7.2.post1 (best effort, as documented).
-        module = JIT_MODULES.get(str(jit_env.flashinfer_version), MNNVL_MOE_ALLTOALL)
+        # A release not in the table is tried as the default (best effort, as documented).
+        release = flashinfer.release_for_version(str(jit_env.flashinfer_version))
+        module = (release or flashinfer.DEFAULT_RELEASE).jit_module
     factory_module, factory_name = module.spec_factory.split(":")
     spec = getattr(importlib.import_module(factory_module), factory_name)()
     library = Path(spec.jit_library_path)
@@ -172,7 +171,7 @@ def prepare_module(get_module: Callable[[], object]) -> ModuleLoad:
     """Reports the JIT cache, then loads (or compiles) the module, timed; once per process.
 
     ``get_module`` is FlashInfer's loader of the all-to-all module
-    (``get_moe_alltoall_module``, or 0.7.4's ``get_nvlink_one_sided_alltoall_module``;
+    (``get_moe_alltoall_module``, or ``get_nvlink_one_sided_alltoall_module``;
     cached by FlashInfer: the objects built afterwards reuse what it loaded).
     Later calls return the first call's :class:`ModuleLoad` without calling
     it again.

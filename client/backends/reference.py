@@ -27,6 +27,7 @@ from moe_sidecar.client.backends.reference_moe_ep import (
 )
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.core.plan import Capacities
+from moe_sidecar.flashinfer import v0_7_2_post1
 
 __all__ = [
     "ReferenceAlltoAll",
@@ -44,14 +45,16 @@ class ReferenceBackend:
     """Builds :class:`ReferenceAlltoAll` objects on one EP group's gloo group."""
 
     name = "reference"
+    flashinfer_release = v0_7_2_post1.RELEASE
+    """The release whose ``MoeAlltoAll`` layout the reference copy follows."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._group = group
 
     def workspace_bytes(self, capacities: Capacities, ep_size: int) -> int:
-        """FlashInfer 0.7.2.post1's ``moe_a2a_get_workspace_size_per_rank`` for
+        """:attr:`flashinfer_release`'s ``moe_a2a_get_workspace_size_per_rank`` for
         ``capacities`` (see :meth:`AlltoAllBackend.workspace_bytes`)."""
-        return capacities.workspace_bytes(ep_size)
+        return self.flashinfer_release.workspace_bytes(capacities, ep_size)
 
     def build(self, spec: BuildSpec) -> ReferenceAlltoAll:
         """See :meth:`AlltoAllBackend.build`.

@@ -18,7 +18,8 @@ import torch
 
 from moe_sidecar.client.backends.reference_alltoall import ReferenceAlltoAll
 from moe_sidecar.client.errors import BackendError
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES, dispatch_format_name
+from moe_sidecar.client.vllm_sizing import dispatch_format_name
+from moe_sidecar.flashinfer import v0_7_2_post1
 
 __all__ = [
     "ReferenceCommParams",
@@ -52,7 +53,7 @@ class ReferenceCommParams:
         name = dispatch_format_name(self.dispatch_format)
         if name is None:
             return self.hidden_size * self.token_dtype.itemsize
-        return DISPATCH_FORMAT_BYTES[name](self.hidden_size)
+        return v0_7_2_post1.DISPATCH_FORMAT_BYTES[name](self.hidden_size)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class ReferenceDispatchResult:
 
 
 class ReferenceCommunication:
-    """FlashInfer 0.7.2.post1's ``NVLinkOneSidedAlltoAll`` over a
+    """The ``NVLinkOneSidedAlltoAll`` of the reference backend's release
+    (:data:`moe_sidecar.flashinfer.v0_7_2_post1.RELEASE`) over a
     :class:`ReferenceAlltoAll`: the same ``dispatch``/``combine`` (the method
     bodies follow ``moe_ep/backends/split/comm/nvlink_one_sided/communication.py``
     line by line), ``params``, ``config``, ``alltoall`` and ``destroy()``.

@@ -6,10 +6,9 @@ will look in, on a machine with nvcc and no GPU (an image build, an init
 container). One module per job:
 
 - :mod:`.archs`: CUDA architectures as FlashInfer spells and normalises them;
-- :mod:`.cache`: the cache's paths, what makes a build found again, and
-  :class:`JitModule`, one FlashInfer release's module with its cache rule;
-- :mod:`.mnnvl_moe_alltoall`: that entry for FlashInfer 0.7.2.post1, and
-  :mod:`.nvlink_one_sided_alltoall` for 0.7.4;
+- :mod:`.cache`: the cache's paths (:func:`cache_paths`), what makes a build
+  found again, and :class:`JitModule`, one FlashInfer release's module (from
+  :data:`moe_sidecar.flashinfer.RELEASES`) with its cache rule;
 - :mod:`.install`: the installed flashinfer-python and its entry
   (:data:`JIT_MODULES`);
 - :mod:`.toolchain`: nvcc, ninja and the C++ compiler;
@@ -45,9 +44,12 @@ if TYPE_CHECKING:
     from moe_sidecar.client.prewarm.cache import (
         BUILD_ENV,
         ENV_WORKSPACE_BASE,
+        MODULE_NAME,
         CachePaths,
         JitModule,
+        cache_paths,
         flashinfer_cache_dir,
+        jit_module_of,
         workspace_base,
     )
     from moe_sidecar.client.prewarm.errors import (
@@ -59,17 +61,12 @@ if TYPE_CHECKING:
         ToolMissing,
     )
     from moe_sidecar.client.prewarm.install import (
+        DEFAULT_JIT_MODULE,
         FLASHINFER_DISTRIBUTION,
         JIT_MODULES,
         FlashInferInstall,
         find_flashinfer,
     )
-    from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import (
-        MNNVL_MOE_ALLTOALL,
-        MODULE_NAME,
-        cache_paths,
-    )
-    from moe_sidecar.client.prewarm.nvlink_one_sided_alltoall import NVLINK_ONE_SIDED_ALLTOALL
     from moe_sidecar.client.prewarm.run import run_cli
     from moe_sidecar.client.prewarm.toolchain import (
         CudaToolkit,
@@ -80,13 +77,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILD_ENV",
     "DEFAULT_ARCHS",
+    "DEFAULT_JIT_MODULE",
     "ENV_ARCH_LIST",
     "ENV_WORKSPACE_BASE",
     "FLASHINFER_DISTRIBUTION",
     "JIT_MODULES",
-    "MNNVL_MOE_ALLTOALL",
     "MODULE_NAME",
-    "NVLINK_ONE_SIDED_ALLTOALL",
     "ArchError",
     "BuildFailed",
     "BuildPlan",
@@ -108,6 +104,7 @@ __all__ = [
     "find_cuda_toolkit",
     "find_flashinfer",
     "flashinfer_cache_dir",
+    "jit_module_of",
     "make_plan",
     "normalize_capability",
     "parse_arch",
@@ -137,9 +134,12 @@ __getattr__ = lazy_names(
         "cache": (
             "BUILD_ENV",
             "ENV_WORKSPACE_BASE",
+            "MODULE_NAME",
             "CachePaths",
             "JitModule",
+            "cache_paths",
             "flashinfer_cache_dir",
+            "jit_module_of",
             "workspace_base",
         ),
         "errors": (
@@ -151,13 +151,12 @@ __getattr__ = lazy_names(
             "ToolMissing",
         ),
         "install": (
+            "DEFAULT_JIT_MODULE",
             "FLASHINFER_DISTRIBUTION",
             "JIT_MODULES",
             "FlashInferInstall",
             "find_flashinfer",
         ),
-        "mnnvl_moe_alltoall": ("MNNVL_MOE_ALLTOALL", "MODULE_NAME", "cache_paths"),
-        "nvlink_one_sided_alltoall": ("NVLINK_ONE_SIDED_ALLTOALL",),
         "run": ("run_cli",),
         "toolchain": ("CudaToolkit", "find_build_tools", "find_cuda_toolkit"),
     },

@@ -86,8 +86,8 @@ def normalize_capability(
 ) -> CudaArch:
     """The target FlashInfer builds for a GPU of compute capability ``major.minor``.
 
-    Mirrors ``CompilationContext._normalize_cuda_arch`` of FlashInfer
-    0.7.2.post1: 9.x and 10.x or newer get the arch-specific ``a`` suffix,
+    Mirrors ``CompilationContext._normalize_cuda_arch`` of the FlashInfer
+    releases of :data:`moe_sidecar.flashinfer.RELEASES`: 9.x and 10.x or newer get the arch-specific ``a`` suffix,
     12.0 gets ``f`` with CUDA 12.9+ (``a`` with 12.8), older GPUs none.
 
     Args:

@@ -13,7 +13,7 @@ from typing import Literal
 from moe_sidecar.client.prewarm.archs import CudaArch, sorted_archs
 from moe_sidecar.client.prewarm.cache import CachePaths, JitModule, flashinfer_cache_dir
 from moe_sidecar.client.prewarm.errors import ArchError
-from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
+from moe_sidecar.client.prewarm.install import DEFAULT_JIT_MODULE
 
 __all__ = ["ArchSource", "BuildPlan", "Target", "TargetStatus", "make_plan"]
 
@@ -28,7 +28,7 @@ class Target:
     archs: frozenset[CudaArch]
     paths: CachePaths
     status: TargetStatus
-    jit_module: JitModule = MNNVL_MOE_ALLTOALL
+    jit_module: JitModule = DEFAULT_JIT_MODULE
     """The module built (its JIT spec is what the build process runs)."""
 
     @property
@@ -77,7 +77,7 @@ def make_plan(
     aot_library: Path | None = None,
     ignore_aot: bool = False,
     refresh: bool = False,
-    jit_module: JitModule = MNNVL_MOE_ALLTOALL,
+    jit_module: JitModule = DEFAULT_JIT_MODULE,
     exists: Callable[[Path], bool] = Path.exists,
     warnings: Sequence[str] = (),
     package_dir: Path | None = None,

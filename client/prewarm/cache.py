@@ -2,12 +2,23 @@
 
 A FlashInfer release compiles a JIT module into a directory under
 ``$FLASHINFER_WORKSPACE_BASE`` (default ``$HOME``) that its version and the
-set of CUDA architectures the process targets name. Each release's rule is
-one :data:`CacheLayout` function; the module it is for, its sources and the
-JIT spec that builds it make one :class:`JitModule` (one per release,
-listed in :data:`moe_sidecar.client.prewarm.install.JIT_MODULES`, the one
-table of which release has which module: ``prewarm`` builds from it and an
-inference rank's JIT-cache report reads it).
+set of CUDA architectures the process targets name (``flashinfer/jit/env.py``;
+every release of :data:`moe_sidecar.flashinfer.RELEASES` lays it out alike)::
+
+    $FLASHINFER_WORKSPACE_BASE (default $HOME)
+      /.cache/flashinfer/<flashinfer version>/<archs>/cached_ops/<module>/<module>.so
+
+``<archs>`` is the *set* of CUDA architectures the process targets, sorted and
+joined: ``90a`` for a process that sees H100/H200 GPUs, ``100a`` for B200,
+``90a_100a`` only for a process that sees both at once (or whose
+``FLASHINFER_CUDA_ARCH_LIST`` says ``9.0a 10.0a``). So each architecture is
+its own build in its own directory, and a cache made for ``9.0a 10.0a``
+together would not be found by a process on an H200 node. A module copied to
+``flashinfer/data/aot/<name>/<name>.so`` is loaded instead of the cache.
+
+That rule is :func:`cache_paths` (a :data:`CacheLayout`); a release's module
+(its name, sources and JIT spec: :attr:`moe_sidecar.flashinfer.Release.jit_module`)
+with the rule makes one :class:`JitModule` (:func:`jit_module_of`).
 
 The module is found again only if the inference process regenerates the same
 build commands: FlashInfer runs ninja at every first load, which recompiles
@@ -24,15 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
-from moe_sidecar.client.prewarm.archs import CudaArch
+from moe_sidecar.client.prewarm.archs import CudaArch, arch_dir_name
+from moe_sidecar.flashinfer import DEFAULT_RELEASE, Release
 
 __all__ = [
     "BUILD_ENV",
     "ENV_WORKSPACE_BASE",
+    "MODULE_NAME",
     "CacheLayout",
     "CachePaths",
     "JitModule",
+    "cache_paths",
     "flashinfer_cache_dir",
+    "jit_module_of",
     "workspace_base",
 ]
 
@@ -118,3 +133,41 @@ class JitModule:
     def paths(self, base: Path, version: str, archs: Iterable[CudaArch]) -> CachePaths:
         """This release's paths of the module for ``archs`` under ``base``."""
         return self.layout(base, version, archs, self.name)
+
+
+MODULE_NAME = DEFAULT_RELEASE.jit_module.name
+"""The default release's all-to-all module (``cache_paths``'s default)."""
+
+
+def cache_paths(
+    base: Path, version: str, archs: Iterable[CudaArch], module: str = MODULE_NAME
+) -> CachePaths:
+    """The paths FlashInfer ``version`` uses for ``module`` built for ``archs``
+    under ``FLASHINFER_WORKSPACE_BASE=base`` (``flashinfer/jit/env.py`` and
+    ``JitSpecNvcc``; ``tests/fi074`` checks the newer release's own spec)."""
+    cache_dir = flashinfer_cache_dir(base)
+    workspace_dir = cache_dir / version / arch_dir_name(archs)
+    jit_dir = workspace_dir / "cached_ops"
+    module_dir = jit_dir / module
+    return CachePaths(
+        base=base,
+        cache_dir=cache_dir,
+        workspace_dir=workspace_dir,
+        jit_dir=jit_dir,
+        module_dir=module_dir,
+        library=module_dir / f"{module}.so",
+        lock=jit_dir / "tmp" / f"{module}.lock",
+    )
+
+
+def jit_module_of(release: Release) -> JitModule:
+    """What ``prewarm`` builds for ``release``: its all-to-all module with the cache rule."""
+    facts = release.jit_module
+    return JitModule(
+        flashinfer_version=release.name,
+        name=facts.name,
+        role=facts.role,
+        sources=facts.sources,
+        spec_factory=facts.spec_factory,
+        layout=cache_paths,
+    )

@@ -7,20 +7,26 @@ import importlib.util
 import json
 import sys
 
+from moe_sidecar import flashinfer
+
 __all__ = ["PREWARM_DEFAULT_ARCHS", "add_command"]
 
 PREWARM_DEFAULT_ARCHS = "9.0a,10.0a"
 """``archs.DEFAULT_ARCHS``, spelled here so ``--help`` imports no torch."""
 
 
+_MODULES = ", ".join(
+    f"{release.jit_module.name} with flashinfer-python {release.name}"
+    for release in flashinfer.RELEASES
+)
+_EXTRAS = " or ".join(f"'.[client,{release.install_extra}]'" for release in flashinfer.RELEASES)
+
 _DESCRIPTION = (
     "Compile FlashInfer's all-to-all module (the one the client's flashinfer backend "
-    "loads: mnnvl_moe_alltoall with flashinfer-python 0.7.2.post1, "
-    "nvlink_one_sided_alltoall with 0.7.4) into FlashInfer's JIT cache ahead of time, "
+    f"loads: {_MODULES}) into FlashInfer's JIT cache ahead of time, "
     "with nvcc and no GPU, so an inference process finds it instead of compiling it for "
     "minutes. A module already in the cache is not built again. Needs the client and a "
-    "flashinfer extra (from a checkout: pip install '.[client,flashinfer]' or "
-    "'.[client,flashinfer074]'), nvcc, ninja and "
+    f"flashinfer extra (from a checkout: pip install {_EXTRAS}), nvcc, ninja and "
     "a C++ compiler. Exit status: 0 built or already there, 1 a build failed, 2 a bad "
     "flag or a missing prerequisite, 130 interrupted."
 )
@@ -91,9 +97,9 @@ def _run(args: argparse.Namespace) -> int:
     # only fail is not started.
     if importlib.util.find_spec("torch") is None:
         message = (
-            "needs torch and flashinfer-python 0.7.2.post1 or 0.7.4, i.e. the client and a "
-            "flashinfer extra: from a checkout, pip install '.[client,flashinfer]' (or "
-            "'.[client,flashinfer074]')"
+            "needs torch and flashinfer-python "
+            + " or ".join(release.name for release in flashinfer.RELEASES)
+            + f", i.e. the client and a flashinfer extra: from a checkout, pip install {_EXTRAS}"
         )
         print(f"moe-sidecar prewarm: {message}", file=sys.stderr)
         if args.json:

@@ -1,8 +1,9 @@
 """The installed flashinfer-python, found without importing it, and the module it builds.
 
-:data:`JIT_MODULES` lists, per FlashInfer release the client drives, the
-all-to-all JIT module ``prewarm`` builds for it (with that release's cache
-rule); an installed release not listed is refused before anything is built.
+:data:`JIT_MODULES` lists, per FlashInfer release the client drives
+(:data:`moe_sidecar.flashinfer.RELEASES`), the all-to-all JIT module ``prewarm``
+builds for it (with the cache rule); an installed release not listed is
+refused before anything is built.
 """
 
 from __future__ import annotations
@@ -13,24 +14,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_sidecar.client.prewarm.cache import JitModule
+from moe_sidecar import flashinfer
+from moe_sidecar.client.prewarm.cache import JitModule, jit_module_of
 from moe_sidecar.client.prewarm.errors import FlashInferMissing, FlashInferVersionMismatch
-from moe_sidecar.client.prewarm.mnnvl_moe_alltoall import MNNVL_MOE_ALLTOALL
-from moe_sidecar.client.prewarm.nvlink_one_sided_alltoall import NVLINK_ONE_SIDED_ALLTOALL
 
-__all__ = ["FLASHINFER_DISTRIBUTION", "JIT_MODULES", "FlashInferInstall", "find_flashinfer"]
+__all__ = [
+    "DEFAULT_JIT_MODULE",
+    "FLASHINFER_DISTRIBUTION",
+    "JIT_MODULES",
+    "FlashInferInstall",
+    "find_flashinfer",
+]
 
 FLASHINFER_DISTRIBUTION = "flashinfer-python"
 
 JIT_MODULES: Mapping[str, JitModule] = {
-    m.flashinfer_version: m for m in (MNNVL_MOE_ALLTOALL, NVLINK_ONE_SIDED_ALLTOALL)
+    release.name: jit_module_of(release) for release in flashinfer.RELEASES
 }
-"""The all-to-all module of each flashinfer-python release the client drives:
-what ``prewarm`` builds, and what an inference rank's JIT-cache report
-(:mod:`moe_sidecar.client.backends.jit_cache`) looks for."""
+"""The all-to-all module of each flashinfer-python release the client drives
+(a row of :data:`moe_sidecar.flashinfer.RELEASES`): what ``prewarm`` builds."""
+DEFAULT_JIT_MODULE: JitModule = JIT_MODULES[flashinfer.DEFAULT_RELEASE.name]
 
 _RELEASES = " or ".join(JIT_MODULES)
-_INSTALL_HINT = "from a moe-sidecar checkout: pip install '.[flashinfer]' or '.[flashinfer074]'"
+_INSTALL_HINT = "from a moe-sidecar checkout: pip install " + " or ".join(
+    f"'.[{release.install_extra}]'" for release in flashinfer.RELEASES
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class FlashInferInstall:
     version: str
     package_dir: Path
     """The ``flashinfer`` package directory, resolved as FlashInfer resolves it."""
-    jit_module: JitModule = MNNVL_MOE_ALLTOALL
+    jit_module: JitModule = DEFAULT_JIT_MODULE
     """The all-to-all module this release builds, and where it keeps it."""
 
     def aot_library(self, module: str | None = None) -> Path:
@@ -73,7 +81,8 @@ def find_flashinfer() -> FlashInferInstall:
             f"distribution is installed; install flashinfer-python {_RELEASES} "
             f"({_INSTALL_HINT})"
         ) from error
-    jit_module = JIT_MODULES.get(version)
+    release = flashinfer.release_for_version(version)
+    jit_module = JIT_MODULES[release.name] if release is not None else None
     if jit_module is None:
         raise FlashInferVersionMismatch(
             f"flashinfer-python {version} is installed; the client's all-to-all backends "

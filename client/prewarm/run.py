@@ -2,8 +2,9 @@
 
 Exit status of :func:`run_cli`: 0 when every target is compiled (now or
 before) or shipped ahead of time; 1 when a build failed or timed out; 2 for a
-bad flag or a missing prerequisite (torch, flashinfer-python 0.7.2.post1 or
-0.7.4, nvcc, ninja, a C++ compiler); 130 when interrupted.
+bad flag or a missing prerequisite (torch, a flashinfer-python release of
+:data:`moe_sidecar.flashinfer.RELEASES`, nvcc, ninja, a C++ compiler); 130
+when interrupted.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_sidecar import flashinfer
 from moe_sidecar.client.simulate.records import (
     NODE_NAMES,
     NodeView,
@@ -150,7 +151,7 @@ def fetch_node_views(result: SimulationResult, targets: Sequence[str]) -> None:
                 target=target,
                 epoch=group.plan.epoch,
                 generation=group.plan.generation,
-                workspace_bytes=group.workspace_bytes(group.plan),
+                workspace_bytes=group.workspace_bytes(group.plan, flashinfer.workspace_size),
                 origin_node=origin.node if origin is not None else "",
                 origin_time=origin.at if origin is not None else 0.0,
             )

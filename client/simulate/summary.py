@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from moe_sidecar.client.simulate.presets import MODELS
 from moe_sidecar.client.simulate.records import RoundRecord, SimulationResult
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 from moe_sidecar.wire.display import format_bytes, format_time
 
 __all__ = ["format_summary", "list_models"]
@@ -100,7 +101,7 @@ def _history_lines(result: SimulationResult) -> list[str]:
         return []
     lines = [f"sidecar history of {result.group!r} ({result.sidecar_lifetimes} lifetime(s)):"]
     for growth in result.sidecar_history:
-        workspace = growth.plan.capacities.workspace_bytes(result.ranks)
+        workspace = capacities_workspace_bytes(growth.plan.capacities, result.ranks)
         lines.append(
             f"  generation {growth.plan.generation}: {format_bytes(workspace)}, "
             f"max_tokens {growth.plan.capacities.max_tokens}, caused by layer "

@@ -8,25 +8,22 @@ For each layer kind of the model (``--dispatch``), the core's one per-layer
 rule (:func:`moe_sidecar.core.layer.layer_capacities`) gives its capacities
 (dispatch bytes per token = activations + scales + extra + ``8 * top_k`` of
 routing; combine = ``2 * hidden``); the answer is the workspace of their union, in the release's own
-arithmetic: :func:`moe_sidecar.core.sizing.workspace_size_per_rank` for
-0.7.2.post1, :func:`moe_sidecar.client.sizing_moe_ep.capacities_workspace_bytes`
-for 0.7.4.
+arithmetic (its row of :data:`moe_sidecar.flashinfer.RELEASES`:
+:meth:`~moe_sidecar.flashinfer.Release.workspace_bytes`, its limits, its refusals).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import reduce
-from typing import Final
 
-from moe_sidecar.client import sizing_moe_ep
+from moe_sidecar import flashinfer
 from moe_sidecar.client.size.releases import DISPATCH_KINDS, RELEASES
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.layer import layer_capacities
 from moe_sidecar.core.limits import EP_SIZE_REASON, MAX_EP_SIZE, check_capacities
 from moe_sidecar.core.plan import Capacities, join_capacities
-from moe_sidecar.core.sizing import KMAX_TOP_K, workspace_size_per_rank
+from moe_sidecar.flashinfer import v0_7_4
 
 __all__ = [
     "LayerSize",
@@ -36,22 +33,20 @@ __all__ = [
     "plan_sizes",
 ]
 
-_MAX_RANKS: Final = {"0.7.2.post1": 64, "0.7.4": sizing_moe_ep.MAX_RANKS}
-"""Each release's ``kMaxRanks``."""
-
 
 class SizeError(ValueError):
     """An argument the answer cannot be given for; the message names it."""
 
 
-def activation_bytes(kind: str, hidden: int) -> int:
-    """Bytes one token's activations and scales take for a ``--dispatch`` value.
+def activation_bytes(kind: str, hidden: int, release: str = "") -> int:
+    """Bytes one token's activations and scales take for a ``--dispatch``
+    value, by ``release``'s byte table (empty: the default release).
 
     Raises:
         SizeError: neither a known kind nor a non-negative integer.
     """
     if kind in DISPATCH_KINDS:
-        return DISPATCH_FORMAT_BYTES[DISPATCH_KINDS[kind]](hidden)
+        return flashinfer.release_named(release).dispatch_format_bytes[DISPATCH_KINDS[kind]](hidden)
     try:
         value = int(kind)
     except ValueError:
@@ -92,8 +87,8 @@ class SizeAnswer:
     refusals: tuple[str, ...]
     """Who would refuse this configuration (the sidecar's limits, FlashInfer's
     all-to-all object, the client), and why; empty when nobody would."""
-    described_as: sizing_moe_ep.Description | None
-    """0.7.4: the parameters the client's backend builds the union with."""
+    described_as: v0_7_4.Description | None
+    """A ``moe_ep`` release: the parameters the client's backend builds the union with."""
 
     @property
     def gpu_total_bytes(self) -> int:
@@ -102,15 +97,7 @@ class SizeAnswer:
 
 
 def _workspace(release: str, capacities: Capacities, ep_size: int) -> int:
-    if release == "0.7.4":
-        return sizing_moe_ep.capacities_workspace_bytes(capacities, ep_size)
-    return workspace_size_per_rank(
-        ep_size,
-        capacities.max_tokens,
-        capacities.dispatch_bytes_per_token,
-        capacities.combine_bytes_per_token,
-        capacities.eplb_experts,
-    )
+    return flashinfer.workspace_size(release, capacities, ep_size)
 
 
 def _positive(flag: str, value: int) -> None:
@@ -144,7 +131,7 @@ def plan_sizes(
     needs: list[Capacities] = []
     refusals: list[str] = []
     for kind in dispatch:
-        activation = activation_bytes(kind, hidden)
+        activation = activation_bytes(kind, hidden, release)
         if activation < hidden // 2:
             refusals.append(
                 f"client: --dispatch={kind}: {activation} bytes per token is below hidden // 2 "
@@ -170,7 +157,7 @@ def plan_sizes(
     union = reduce(join_capacities, needs)
     try:
         workspace = _workspace(release, union, ep_size)
-    except sizing_moe_ep.LayoutError as error:
+    except flashinfer.LayoutError as error:
         raise SizeError(str(error)) from error
     refusals.extend(_plan_refusals(release, union, ep_size, top_k, experts, eplb_experts))
     return SizeAnswer(
@@ -181,7 +168,7 @@ def plan_sizes(
         layers=tuple(layers),
         kept_superseded_bytes_per_rank=_kept_bytes(release, needs, ep_size),
         refusals=tuple(refusals),
-        described_as=sizing_moe_ep.describe(union) if release == "0.7.4" else None,
+        described_as=v0_7_4.describe(union) if release == v0_7_4.RELEASE.name else None,
     )
 
 
@@ -214,12 +201,11 @@ def _check_flags(
         ("--experts", experts),
     ):
         _positive(flag, value)
-    if ep_size > _MAX_RANKS[release]:
-        raise SizeError(
-            f"--ep={ep_size}: FlashInfer {release} takes at most {_MAX_RANKS[release]} ranks"
-        )
-    if top_k > KMAX_TOP_K:
-        raise SizeError(f"--top-k={top_k}: FlashInfer takes at most {KMAX_TOP_K}")
+    row = flashinfer.release_named(release)
+    if ep_size > row.max_ranks:
+        raise SizeError(f"--ep={ep_size}: FlashInfer {release} takes at most {row.max_ranks} ranks")
+    if top_k > row.max_top_k:
+        raise SizeError(f"--top-k={top_k}: FlashInfer takes at most {row.max_top_k}")
     if top_k > experts:
         raise SizeError(f"--top-k={top_k}: exceeds --experts={experts}")
     if eplb_experts < 0:
@@ -255,13 +241,8 @@ def _plan_refusals(
         check_capacities("plan", union, min(ep_size, MAX_EP_SIZE))
     except InvalidArgument as error:
         refusals.append(f"sidecar: {error}")
-    if release == "0.7.4":
-        reasons = sizing_moe_ep.object_refusals(ep_size, top_k, experts, eplb_experts)
-    else:
-        reasons = (
-            (f"num_experts={experts} is not divisible by the EP size {ep_size}",)
-            if experts % ep_size
-            else ()
-        )
+    reasons = flashinfer.release_named(release).object_refusals(
+        ep_size, top_k, experts, eplb_experts
+    )
     refusals.extend(f"FlashInfer {release}: {reason}" for reason in reasons)
     return refusals

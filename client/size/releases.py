@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Final
 
+from moe_sidecar import flashinfer
+
 __all__ = ["DISPATCH_KINDS", "RELEASES"]
 
-RELEASES: Final = ("0.7.2.post1", "0.7.4")
-"""The FlashInfer releases the client has a backend for."""
+RELEASES: Final = tuple(release.name for release in flashinfer.RELEASES)
+"""The names of the FlashInfer releases the client has a backend for
+(:data:`moe_sidecar.flashinfer.RELEASES`)."""
 
 DISPATCH_KINDS: Final = {
     "bf16": "BF16",

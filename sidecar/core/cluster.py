@@ -198,9 +198,12 @@ def check_cluster_plan(doc: ClusterPlan) -> None:
         _check_time(f"{where}.at", g.at)
 
 
-def check_cluster_plan_ceiling(doc: ClusterPlan, ceiling: int) -> None:
+def check_cluster_plan_ceiling(
+    doc: ClusterPlan, ceiling: limits.WorkspaceCeiling, release: str
+) -> None:
     """Checks that the plan of a cluster document (and every plan of its
-    history) derives at most ``ceiling`` workspace bytes per rank
+    history) derives at most ``ceiling`` workspace bytes per rank in
+    ``release``'s arithmetic (the local group's: documents carry no release)
     (:func:`~moe_sidecar.core.limits.check_workspace_ceiling`); run after
     :func:`check_cluster_plan`.
 
@@ -208,10 +211,10 @@ def check_cluster_plan_ceiling(doc: ClusterPlan, ceiling: int) -> None:
         InvalidArgument: naming the plan, its bytes and the ceiling.
     """
     if doc.plan is not None:
-        limits.check_workspace_ceiling("plan", doc.plan.capacities, doc.ep_size, ceiling)
+        limits.check_workspace_ceiling("plan", doc.plan.capacities, doc.ep_size, ceiling, release)
     for i, g in enumerate(doc.history):
         limits.check_workspace_ceiling(
-            f"history[{i}].plan", g.plan.capacities, doc.ep_size, ceiling
+            f"history[{i}].plan", g.plan.capacities, doc.ep_size, ceiling, release
         )
 
 

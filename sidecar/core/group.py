@@ -12,6 +12,7 @@ from typing import TypeAlias
 
 from moe_sidecar.core.errors import CoordinatorError, ErrorCode, error_for_code
 from moe_sidecar.core.identity import short_id
+from moe_sidecar.core.limits import WorkspaceSize
 from moe_sidecar.core.plan import Action, Capacities, EpochPlan, Plan
 
 __all__ = [
@@ -57,6 +58,11 @@ class Proposal:
     """The group's proof: the token the group's ranks share on the client's
     side, its id (:func:`moe_sidecar.core.identity.proof_id`) past the
     sidecar's boundary; empty: none (a client older than proofs)."""
+    release: str = ""
+    """The FlashInfer release the rank builds with (a name of
+    ``moe_sidecar.flashinfer.RELEASES``; empty: a client older than the
+    field, which drove the default release). Every rank of a lifetime must
+    state the same; the group's workspace bytes are that release's."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,10 @@ class GroupState:
     proofs). Every later proposal and commit of the lifetime must carry it."""
     refused_proposals: int = 0
     """Proposals and commits refused because their proof did not match."""
+    release: str = ""
+    """The FlashInfer release the group's ranks build with: fixed by the
+    first decided round of each lifetime (empty: none decided yet, or a row
+    stored before releases were recorded; both mean the default release)."""
 
     def last_activity(self) -> float:
         """When a rank last proposed or committed, or the plan last grew (0: never)."""
@@ -261,10 +271,13 @@ class GroupSummary:
     history: tuple[Growth, ...]
     refused_proposals: int = 0
     """Proposals and commits refused because their group proof did not match."""
+    release: str = ""
+    """The FlashInfer release the group's ranks build with (empty: the default)."""
 
-    def workspace_bytes(self, plan: Plan) -> int:
-        """Per-rank FlashInfer workspace bytes of ``plan`` in this group."""
-        return plan.capacities.workspace_bytes(self.ep_size)
+    def workspace_bytes(self, plan: Plan, size: WorkspaceSize) -> int:
+        """Per-rank workspace bytes of ``plan`` in this group, by ``size`` (the
+        size function of the group's release)."""
+        return size(self.release, plan.capacities, self.ep_size)
 
 
 def summarize(state: GroupState) -> GroupSummary:
@@ -298,4 +311,5 @@ def summarize(state: GroupState) -> GroupSummary:
         ),
         history=state.history,
         refused_proposals=state.refused_proposals,
+        release=state.release,
     )

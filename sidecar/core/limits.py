@@ -9,7 +9,9 @@ input. A failed check names the field and the value.
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, TypeAlias
 
 from moe_sidecar.core.capacity_fields import (
     CAPACITY_FIELDS,
@@ -36,31 +38,37 @@ __all__ = [
     "MAX_TOP_K",
     "MAX_WORKSPACE_BYTES",
     "MIN_TIME",
+    "WorkspaceCeiling",
+    "WorkspaceSize",
     "check_capacities",
     "check_count",
     "check_name",
     "check_plan",
     "check_seconds",
     "check_workspace_ceiling",
+    "payload_bytes",
 ]
 
 MAX_EP_SIZE: Final = 64
-"""The largest EP group the sidecar holds. It is FlashInfer 0.7.2.post1's
-``kMaxRanks``, and the group size the sidecar's state and memory bounds are
-measured for (``--max-groups`` of the largest groups under 64 MiB of state
-and 256 MiB of memory, ``tests/integration/test_attacks.py``). FlashInfer
-0.7.4's one-sided all-to-all takes 256 ranks (without its Lamport transport,
-64), but the largest group's row grows from 269,380 bytes at 64 ranks to
-681,940 at 256, so 128 such groups would no longer fit 64 MiB: a larger
-limit needs those bounds re-measured first."""
+"""The largest EP group the sidecar holds. It is the ``kMaxRanks`` of the
+oldest FlashInfer release the project drives (``moe_sidecar.flashinfer``),
+and the group size the sidecar's state and memory bounds are measured for
+(``--max-groups`` of the largest groups under 64 MiB of state and 256 MiB of
+memory, ``tests/integration/test_attacks.py``). The newer release's
+one-sided all-to-all takes 256 ranks (without its Lamport transport, 64),
+but the largest group's row grows from 269,380 bytes at 64 ranks to 681,940
+at 256, so 128 such groups would no longer fit 64 MiB: a larger limit needs
+those bounds re-measured first."""
 
 EP_SIZE_REASON: Final = (
     f"the sidecar holds EP groups of at most {MAX_EP_SIZE} ranks "
-    "(FlashInfer 0.7.2.post1's limit, and what its state and memory bounds are measured for)"
+    "(the oldest FlashInfer release's limit, and what its state and memory bounds are "
+    "measured for)"
 )
 """Why :data:`MAX_EP_SIZE` is the limit, as a refusal says it."""
 MAX_WORKSPACE_BYTES: Final = 1 << 40
-"""A plan whose derived workspace exceeds 1 TiB per rank is refused as absurd."""
+"""A plan whose payloads alone exceed 1 TiB per rank is refused as absurd
+(and no ceiling may be set above it)."""
 DEFAULT_MAX_WORKSPACE_BYTES: Final = 64 << 30
 """The default per-rank workspace ceiling (the sidecar's ``--max-workspace-bytes``):
 64 GiB, which no real model's all-to-all reaches (DeepSeek-V3 shapes at EP 8
@@ -119,8 +127,16 @@ def check_name(field: str, value: str, *, allow_empty: bool) -> None:
         raise InvalidArgument.of_name(field, value, "must hold printable characters only")
 
 
+def payload_bytes(capacities: Capacities, ep_size: int) -> int:
+    """The dispatch and combine payload bytes per rank of ``capacities`` at
+    ``ep_size``: what every release's workspace holds at least (each adds its
+    own auxiliary regions and alignment)."""
+    c = capacities
+    return ep_size * c.max_tokens * (c.dispatch_bytes_per_token + c.combine_bytes_per_token)
+
+
 def check_capacities(prefix: str, capacities: Capacities, ep_size: int) -> None:
-    """Checks every field of ``capacities`` and the workspace they derive at ``ep_size``.
+    """Checks every field of ``capacities`` and the payloads they derive at ``ep_size``.
 
     Raises:
         InvalidArgument: naming the first bad field (``prefix.field``) and its value.
@@ -134,15 +150,15 @@ def check_capacities(prefix: str, capacities: Capacities, ep_size: int) -> None:
             field.high,
             field.reason(ep_size),
         )
-    workspace = c.workspace_bytes(ep_size)
-    if workspace > MAX_WORKSPACE_BYTES:
+    payload = payload_bytes(c, ep_size)
+    if payload > MAX_WORKSPACE_BYTES:
         raise InvalidArgument(
             f"{prefix}: max_tokens={c.max_tokens}, dispatch_bytes_per_token="
             f"{c.dispatch_bytes_per_token}, combine_bytes_per_token={c.combine_bytes_per_token} "
-            f"derive a workspace of {workspace} bytes per rank at ep_size={ep_size}; at most "
+            f"derive payloads of {payload} bytes per rank at ep_size={ep_size}; at most "
             f"{MAX_WORKSPACE_BYTES} (1 TiB)",
             field=prefix,
-            value=workspace,
+            value=payload,
         )
 
 
@@ -157,25 +173,62 @@ def check_plan(prefix: str, plan: Plan, ep_size: int) -> None:
     check_count(f"{prefix}.generation", plan.generation, 1, MAX_GENERATION)
 
 
-def check_workspace_ceiling(field: str, capacities: Capacities, ep_size: int, ceiling: int) -> None:
-    """Checks that ``capacities`` derive at most ``ceiling`` workspace bytes
-    per rank at ``ep_size`` (FlashInfer's size function,
-    :meth:`~moe_sidecar.core.plan.Capacities.workspace_bytes`).
+WorkspaceSize: TypeAlias = Callable[[str, Capacities, int], int]
+"""A size function: per-rank workspace bytes a FlashInfer release (by name;
+empty: the release of clients older than the name) builds for
+``(capacities, ep_size)``. It raises ``LookupError`` for an unknown release
+and ``ValueError`` for capacities the release's layout refuses. The core
+holds none; the state holder passes the one of ``moe_sidecar.flashinfer``."""
+
+
+@dataclass(frozen=True)
+class WorkspaceCeiling:
+    """The per-rank workspace ceiling (the sidecar's ``--max-workspace-bytes``)
+    and the size function a plan is measured with."""
+
+    max_bytes: int
+    size: WorkspaceSize
+
+    def workspace_bytes(self, release: str, capacities: Capacities, ep_size: int) -> int:
+        """What ``release`` builds for ``capacities`` at ``ep_size``.
+
+        Raises:
+            InvalidArgument: the size function refuses them, naming the release.
+        """
+        try:
+            return self.size(release, capacities, ep_size)
+        except (LookupError, ValueError) as error:
+            raise InvalidArgument(
+                f"FlashInfer release {release or '(default)'!r} cannot lay out {capacities} "
+                f"at ep_size={ep_size}: {error}",
+                field="release",
+                value=release,
+            ) from error
+
+
+def check_workspace_ceiling(
+    field: str, capacities: Capacities, ep_size: int, ceiling: WorkspaceCeiling, release: str
+) -> None:
+    """Checks that ``capacities`` derive at most ``ceiling.max_bytes``
+    workspace bytes per rank at ``ep_size`` in ``release``'s arithmetic
+    (``ceiling.size``).
 
     The one ceiling check: proposals, commits, decided plans, stored rows
     and cluster documents all go through it.
 
     Raises:
-        InvalidArgument: naming ``field``, the derived bytes and the ceiling.
+        InvalidArgument: naming ``field``, the derived bytes and the ceiling
+            (or the release, when its layout refuses the capacities).
     """
-    workspace = capacities.workspace_bytes(ep_size)
-    if workspace > ceiling:
+    workspace = ceiling.workspace_bytes(release, capacities, ep_size)
+    limit = ceiling.max_bytes
+    if workspace > limit:
         raise InvalidArgument(
             f"{field}: max_tokens={capacities.max_tokens}, dispatch_bytes_per_token="
             f"{capacities.dispatch_bytes_per_token}, combine_bytes_per_token="
             f"{capacities.combine_bytes_per_token} derive a workspace of {workspace} bytes "
             f"({workspace / (1 << 30):.1f} GiB) per rank at ep_size={ep_size}, above the "
-            f"per-rank workspace ceiling of {ceiling} bytes ({ceiling / (1 << 30):.1f} GiB; "
+            f"per-rank workspace ceiling of {limit} bytes ({limit / (1 << 30):.1f} GiB; "
             "the sidecar's --max-workspace-bytes)",
             field=field,
             value=workspace,

@@ -6,7 +6,9 @@ token, ``top_k``, ``num_experts`` and the experts reserved for EPLB
 statistics. A :class:`Plan` is capacities plus an ``epoch`` (moved only by
 an admin reset) and a ``generation`` (moved only by growth). Workspace bytes
 are not part of a plan: they are derived from its capacities by a backend's
-size function (:meth:`Capacities.workspace_bytes` is FlashInfer 0.7.2.post1's).
+size function, which the core takes as an argument
+(:class:`moe_sidecar.core.limits.WorkspaceCeiling`); each FlashInfer release's
+is in :mod:`moe_sidecar.flashinfer`.
 
 Plans form a lattice, and every union in the project goes through it:
 
@@ -37,11 +39,8 @@ nothing else takes a maximum of capacities.
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass, fields, replace
 from typing import Final
-
-from moe_sidecar.core.sizing import workspace_size_per_rank
 
 __all__ = [
     "SHAPE_FIELDS",
@@ -103,30 +102,6 @@ class Capacities:
         return self.shape == other.shape and all(
             getattr(self, name) >= getattr(other, name) for name in SIZE_FIELDS
         )
-
-    def workspace_bytes(self, ep_size: int) -> int:
-        """Per-rank bytes FlashInfer 0.7.2.post1's ``MoeAlltoAll`` needs for these
-        capacities in an EP group of ``ep_size`` ranks.
-
-        Raises:
-            ValueError: ``ep_size`` below 1 or a negative field.
-        """
-        return _workspace_bytes(
-            ep_size,
-            self.max_tokens,
-            self.dispatch_bytes_per_token,
-            self.combine_bytes_per_token,
-            self.eplb_experts,
-        )
-
-
-@functools.lru_cache(maxsize=1024)
-def _workspace_bytes(
-    ep_size: int, max_tokens: int, dispatch: int, combine: int, eplb_experts: int
-) -> int:
-    """:func:`~moe_sidecar.core.sizing.workspace_size_per_rank`, remembered: a round
-    asks it for the same plan many times (limits, every answer, gauges, logs)."""
-    return workspace_size_per_rank(ep_size, max_tokens, dispatch, combine, eplb_experts)
 
 
 SHAPE_FIELDS: Final = ("top_k", "num_experts")

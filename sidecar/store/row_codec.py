@@ -20,11 +20,15 @@ half-loads, and never loads a value the sidecar would refuse as input.
 Rows of earlier versions load too: a row written by one release loads in the
 next. Fields added to version 3 since it was first written (the group
 proof's id of the lifetime, of each waiting proposal and of the rank that
-opened a round, and the count of proposals refused for their proof) read as
-their defaults when absent. Version 2 is version 3 without the node of each growth (loaded as
+opened a round, the count of proposals refused for their proof, and the
+FlashInfer release of the group and of each waiting proposal) read as their
+defaults when absent (a waiting proposal's release: the default release of
+``moe_sidecar.flashinfer``, the one clients older than the field drove; the
+group's: none fixed yet). Version 2 is version 3 without the node of each growth (loaded as
 ``""``). Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
 load: each stored plan becomes the least capacities whose FlashInfer
-workspace is at least the stored byte count at the stored token count (the
+workspace (in the default release's arithmetic, the one 0.1.0 used) is at
+least the stored byte count at the stored token count (the
 split into dispatch and combine bytes was not recorded, so the combine part
 is the minimum and the dispatch part takes the rest); retained round
 outcomes and an open round are dropped (a rank retrying across the upgrade
@@ -36,6 +40,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import limits
 from moe_sidecar.core.errors import ErrorCode
 from moe_sidecar.core.group import (
@@ -50,7 +55,7 @@ from moe_sidecar.core.group import (
     Requirement,
 )
 from moe_sidecar.core.plan import Action, Capacities, Plan
-from moe_sidecar.core.sizing import align, aux_data_size
+from moe_sidecar.flashinfer.v0_7_2_post1 import align, aux_data_size
 from moe_sidecar.store.cluster_plan_codec import (
     CLUSTER_PLAN_KIND,
     CLUSTER_PLAN_VERSION,
@@ -71,6 +76,7 @@ from moe_sidecar.store.row_fields import (
     list_field,
     proof_field,
     rank_numbers_field,
+    release_field,
     str_field,
     time_field,
     typed_capacities,
@@ -128,6 +134,8 @@ def _proposal(p: Proposal) -> dict[str, Any]:
         },
         # Written only when set, so a row without proofs reads as it always did.
         **({"proof": p.proof} if p.proof else {}),
+        # The default release is what a row without the field means.
+        **({"release": p.release} if p.release != flashinfer.DEFAULT_RELEASE.name else {}),
     }
 
 
@@ -177,6 +185,7 @@ def encode_group(state: GroupState) -> str:
         "history": encode_history(state.history),
         **({"proof": state.proof} if state.proof is not None else {}),
         **({"refused_proposals": state.refused_proposals} if state.refused_proposals else {}),
+        **({"release": state.release} if state.release else {}),
     }
     return json.dumps(document, separators=(",", ":"))
 
@@ -246,6 +255,9 @@ def _decode_proposal(d: Any, ep_size: int) -> Proposal:
             layer=str_field(r, "layer"),
         ),
         proof=proof_field(d, "proof"),
+        # A proposal stored before releases were recorded came from a client
+        # older than the field: the default release.
+        release=release_field(d, "release", flashinfer.DEFAULT_RELEASE.name),
     )
 
 
@@ -306,6 +318,9 @@ def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
         # Rows written before group proofs: the lifetime's proof is not fixed yet.
         proof=proof_field(d, "proof") if d.get("proof") is not None else None,
         refused_proposals=int_field(d, "refused_proposals") if "refused_proposals" in d else 0,
+        # Rows written before releases were recorded: none fixed yet (sized
+        # as the default release; the lifetime's next decided round fixes it).
+        release=release_field(d, "release", ""),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import limits
 from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.errors import InvalidArgument
@@ -34,6 +35,7 @@ __all__ = [
     "optional_str_field",
     "proof_field",
     "rank_numbers_field",
+    "release_field",
     "str_field",
     "time_field",
     "typed_capacities",
@@ -126,6 +128,19 @@ def str_field(d: Any, key: str) -> str:
     except UnicodeEncodeError:  # JSON's "\ud800": no answer could carry it
         raise RowError(f"field {key!r} holds a lone surrogate, which is not UTF-8") from None
     return value
+
+
+def release_field(d: Any, key: str, absent: str) -> str:
+    """A FlashInfer release's name (``moe_sidecar.flashinfer``), checked to be
+    one of the table's; ``absent`` in rows written before releases were
+    recorded."""
+    if not isinstance(d, dict) or key not in d:
+        return absent
+    value = str_field(d, key)
+    try:
+        return flashinfer.release_named(value).name
+    except LookupError as error:
+        raise RowError(f"field {key!r}: {error}") from None
 
 
 def optional_str_field(d: Any, key: str) -> str:

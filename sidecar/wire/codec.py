@@ -19,6 +19,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import limits
 from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.effects import EventKind, GroupEvent
@@ -119,13 +120,17 @@ def capacities_from_proto(c: pb.Capacities) -> Capacities:
     return Capacities(**{field.name: getattr(c, field.name) for field in CAPACITY_FIELDS})
 
 
-def plan_to_proto(plan: Plan, ep_size: int | None) -> pb.Plan:
-    """The wire form of a plan; ``workspace_bytes`` derived at ``ep_size`` (None: 0)."""
+def plan_to_proto(plan: Plan, ep_size: int | None, release: str = "") -> pb.Plan:
+    """The wire form of a plan; ``workspace_bytes`` derived at ``ep_size``
+    (None: 0) in FlashInfer ``release``'s arithmetic (empty: the default
+    release's; a commit carries no bytes)."""
     return pb.Plan(
         capacities=capacities_to_proto(plan.capacities),
         epoch=plan.epoch,
         generation=plan.generation,
-        workspace_bytes=plan.capacities.workspace_bytes(ep_size) if ep_size else 0,
+        workspace_bytes=(
+            flashinfer.workspace_size(release, plan.capacities, ep_size) if ep_size else 0
+        ),
     )
 
 
@@ -222,6 +227,7 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
             layer=p.requirement.layer,
         ),
         group_proof=p.proof,
+        flashinfer_release=p.release,
     )
 
 
@@ -231,8 +237,10 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
     :func:`~moe_sidecar.core.identity.proof_id`): the sidecar never keeps a token.
 
     Raises:
-        InvalidArgument: the requirement or its capacities are missing, or
-            the lifetime or proof token is not a usable secret.
+        InvalidArgument: the requirement or its capacities are missing, the
+            lifetime or proof token is not a usable secret, or
+            ``flashinfer_release`` names no release of the table (empty is
+            the default release: a client older than the field).
     """
     if not request.HasField("requirement"):
         raise InvalidArgument.of("requirement", None, "is missing; every proposal states its need")
@@ -250,6 +258,7 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
         round=request.round,
         requirement=Requirement(capacities=capacities_from_proto(r.capacities), layer=r.layer),
         proof=proof_id(request.group_proof),
+        release=flashinfer.check_release_name("flashinfer_release", request.flashinfer_release),
     )
 
 
@@ -289,12 +298,13 @@ def commit_from_proto(request: pb.CommitRequest) -> tuple[str, CommitRecord]:
 # --- responses -----------------------------------------------------------------------
 
 
-def decision_to_proto(decision: Decision, ep_size: int) -> pb.ProposeResponse:
-    """The response every rank of a decided round gets."""
+def decision_to_proto(decision: Decision, ep_size: int, release: str) -> pb.ProposeResponse:
+    """The response every rank of a decided round gets (its plan's bytes in
+    the ranks' FlashInfer ``release``)."""
     return pb.ProposeResponse(
         round=decision.round,
         action=_ACTION_TO_PROTO[decision.action],
-        plan=plan_to_proto(decision.plan, ep_size),
+        plan=plan_to_proto(decision.plan, ep_size, release),
         grew=decision.grew,
     )
 
@@ -318,9 +328,9 @@ def decision_from_proto(response: pb.ProposeResponse, layer: str) -> Decision:
     return Decision(round=response.round, action=action, plan=plan, grew=response.grew, layer=layer)
 
 
-def _growth_to_proto(g: Growth, ep_size: int) -> pb.Growth:
+def _growth_to_proto(g: Growth, ep_size: int, release: str) -> pb.Growth:
     return pb.Growth(
-        plan=plan_to_proto(g.plan, ep_size),
+        plan=plan_to_proto(g.plan, ep_size, release),
         layer=g.layer,
         ep_rank=g.ep_rank,
         round=g.round,
@@ -356,11 +366,12 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
             )
             for r in s.ranks
         ],
-        history=[_growth_to_proto(g, s.ep_size) for g in s.history],
+        history=[_growth_to_proto(g, s.ep_size, s.release) for g in s.history],
         refused_proposals=s.refused_proposals,
+        flashinfer_release=flashinfer.release_named(s.release).name,
     )
     if s.plan is not None:
-        group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size))
+        group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size, s.release))
     return group
 
 
@@ -408,11 +419,13 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
             for h in group.history
         ),
         refused_proposals=group.refused_proposals,
+        release=group.flashinfer_release,
     )
 
 
-def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
-    """The wire form of a group event (plan bytes derived at ``ep_size``)."""
+def event_to_proto(event: GroupEvent, sizing: tuple[int, str] | None) -> pb.GroupEvent:
+    """The wire form of a group event (plan bytes derived by ``sizing``: the
+    group's EP size and FlashInfer release; None: an unknown group, 0 bytes)."""
     message = pb.GroupEvent(
         group=event.group,
         kind=_EVENT_TO_PROTO[event.kind],
@@ -426,7 +439,8 @@ def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
         node=event.node,
     )
     if event.plan is not None:
-        message.plan.CopyFrom(plan_to_proto(event.plan, ep_size))
+        ep_size, release = sizing if sizing is not None else (None, "")
+        message.plan.CopyFrom(plan_to_proto(event.plan, ep_size, release))
     return message
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.cluster import plan_origin
 from moe_sidecar.core.group import GroupSummary, Growth
@@ -55,8 +56,8 @@ def capacities_text(c: Capacities) -> str:
     )
 
 
-def _plan_line(plan: Plan, ep_size: int) -> str:
-    workspace = plan.capacities.workspace_bytes(ep_size)
+def _plan_line(plan: Plan, ep_size: int, release: str) -> str:
+    workspace = flashinfer.workspace_size(release, plan.capacities, ep_size)
     return (
         f"{format_bytes(workspace)} per rank ({workspace} B), "
         f"{capacities_text(plan.capacities)}; epoch {plan.epoch}, generation {plan.generation}"
@@ -72,8 +73,8 @@ def _origin_text(g: Growth) -> str:
     return f"{_node_text(g.node)} at {format_time(g.at)}"
 
 
-def _growth_line(g: Growth, ep_size: int) -> str:
-    workspace = g.plan.capacities.workspace_bytes(ep_size)
+def _growth_line(g: Growth, ep_size: int, release: str) -> str:
+    workspace = flashinfer.workspace_size(release, g.plan.capacities, ep_size)
     cause = (
         f"{g.layer}"
         if g.layer.startswith("(")
@@ -100,7 +101,8 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
         lines.append(f"group {g.name}")
         lines.append(
             f"  ep_size={g.ep_size} local_ranks={g.local_ranks} lifetimes={g.lifetimes} "
-            f"last_closed_round={g.last_closed_round}"
+            f"last_closed_round={g.last_closed_round} "
+            f"flashinfer={flashinfer.release_named(g.release).name}"
             + (f" open_round={g.open_round} ({g.waiting_ranks} waiting)" if g.open_round else "")
         )
         if g.refused_proposals:
@@ -109,7 +111,8 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
                 "the group's ranks')"
             )
         lines.append(
-            "  plan: " + (_plan_line(g.plan, g.ep_size) if g.plan is not None else "(none stored)")
+            "  plan: "
+            + (_plan_line(g.plan, g.ep_size, g.release) if g.plan is not None else "(none stored)")
         )
         origin = plan_origin(g.history, g.plan)
         if origin is not None:
@@ -134,14 +137,15 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
         if not g.history:
             lines.append("    (none)")
         for h in g.history:
-            lines.append("    " + _growth_line(h, g.ep_size))
+            lines.append("    " + _growth_line(h, g.ep_size, g.release))
         lines.append("")
     return "\n".join(lines)
 
 
-def plan_as_json(plan: Plan, ep_size: int) -> dict[str, Any]:
-    """A plan as plain JSON values, with its derived workspace bytes."""
-    workspace = plan.capacities.workspace_bytes(ep_size)
+def plan_as_json(plan: Plan, ep_size: int, release: str) -> dict[str, Any]:
+    """A plan as plain JSON values, with its workspace bytes derived in
+    FlashInfer ``release``'s arithmetic (empty: the default release)."""
+    workspace = flashinfer.workspace_size(release, plan.capacities, ep_size)
     c = plan.capacities
     return {
         "workspace_bytes": workspace,
@@ -155,7 +159,7 @@ def plan_as_json(plan: Plan, ep_size: int) -> dict[str, Any]:
 def _plan_with_origin(g: GroupSummary) -> dict[str, Any] | None:
     if g.plan is None:
         return None
-    document = plan_as_json(g.plan, g.ep_size)
+    document = plan_as_json(g.plan, g.ep_size, g.release)
     origin = plan_origin(g.history, g.plan)
     document["origin"] = (
         None if origin is None else {"node": origin.node, "time": format_time(origin.at)}
@@ -171,6 +175,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
             "name": g.name,
             "ep_size": g.ep_size,
             "local_ranks": g.local_ranks,
+            "flashinfer_release": flashinfer.release_named(g.release).name,
             "epoch": g.epoch,
             "plan": _plan_with_origin(g),
             "generation": g.plan.generation if g.plan is not None else None,
@@ -195,7 +200,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
             ],
             "history": [
                 {
-                    **plan_as_json(h.plan, g.ep_size),
+                    **plan_as_json(h.plan, g.ep_size, g.release),
                     "layer": h.layer,
                     "ep_rank": h.ep_rank,
                     "round": h.round,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.client import sizing_moe_ep
 from moe_sidecar.client.backends import flashinfer_backend_name
 from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
+from moe_sidecar.flashinfer import v0_7_4
 
 pytestmark = [pytest.mark.fi074, pytest.mark.timeout(120)]
 
@@ -69,7 +69,7 @@ def test_flashinfer_format_bytes_are_ours() -> None:
 
 
 def test_the_constructor_still_computes_what_the_sizing_mirrors() -> None:
-    # The two op inputs sizing_moe_ep.op_inputs writes out, in FlashInfer's own words.
+    # The two op inputs v0_7_4.op_inputs writes out, in FlashInfer's own words.
     module = importlib.import_module(f"{ONE_SIDED}.communication")
     source = inspect.getsource(module.NVLinkOneSidedAlltoAll.__init__)
     for expression in (
@@ -84,7 +84,7 @@ def test_the_constructor_still_computes_what_the_sizing_mirrors() -> None:
         "if lamport_capable:",
     ):
         assert expression in source, expression
-    assert sizing_moe_ep.SUPPORTED_TOP_K == module._SUPPORTED_TOP_K
+    assert v0_7_4.SUPPORTED_TOP_K == module._SUPPORTED_TOP_K
 
 
 def test_vllm_compatible_class_is_flashinfers() -> None:

@@ -161,7 +161,7 @@ def _growth_rank(rank: int, world_size: int, target: str, group: str) -> dict[st
     import torch.distributed as dist
 
     from moe_sidecar.client import WorkspaceManager
-    from moe_sidecar.client import sizing_moe_ep as s
+    from moe_sidecar.flashinfer import v0_7_4 as s
     from tests.gpu import workers
     from tests.gpu.workers import aligned, granularity, world
 

@@ -12,6 +12,7 @@ import itertools
 import pytest
 
 from moe_sidecar.client import sizing
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 
 pytestmark = [pytest.mark.gpu(flashinfer="0.7.2.post1"), pytest.mark.timeout(600)]
 
@@ -64,4 +65,4 @@ def test_layer_rule_matches_flashinfer() -> None:
                 theirs = moe_a2a_get_workspace_size_per_rank(
                     ep, tokens, x_bytes + x_sf + 8 * top_k, 2 * hidden
                 )
-                assert ours.workspace_bytes(ep) == int(theirs)
+                assert capacities_workspace_bytes(ours, ep) == int(theirs)

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_sidecar.config import SidecarConfig
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 from moe_sidecar.wire.codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
@@ -52,7 +53,7 @@ def capacities(
 
 def workspace_bytes(c: pb.Capacities, ep_size: int = EP_SIZE) -> int:
     """The workspace the sidecar derives for ``c`` (FlashInfer's formula)."""
-    return capacities_from_proto(c).workspace_bytes(ep_size)
+    return capacities_workspace_bytes(capacities_from_proto(c), ep_size)
 
 
 NVFP4 = pb.Requirement(capacities=capacities(), layer="l0")

@@ -40,6 +40,7 @@ from moe_sidecar.watch import WATCH_QUEUE_LIMIT
 from moe_sidecar.wire.codec import capacities_from_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.ceiling import CEILING
 from tests.integration.helpers import (
     BF16,
     NVFP4,
@@ -783,7 +784,7 @@ def _heaviest_group() -> GroupState:
             proposal = Proposal(
                 _HEAVY, ep, rank, ep, lifetimes[rank], rnd, Requirement(need, label)
             )
-            state = policy.propose(state, proposal, 1.8e9 + rnd, 3600.0).state
+            state = policy.propose(state, proposal, 1.8e9 + rnd, 3600.0, ceiling=CEILING).state
         assert state is not None
         return state
 
@@ -997,7 +998,7 @@ def _small_group(name: str) -> GroupState:
         for rank in range(2):
             requirement = Requirement(capacities_from_proto(need.capacities), need.layer)
             proposal = Proposal(name, 2, rank, 2, f"{rank:064x}", rnd, requirement)
-            state = policy.propose(state, proposal, 1.8e9 + rnd, 60.0).state
+            state = policy.propose(state, proposal, 1.8e9 + rnd, 60.0, ceiling=CEILING).state
     assert state is not None
     return state
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.core.sizing import workspace_size_per_rank
+from moe_sidecar.flashinfer.v0_7_2_post1 import workspace_size_per_rank
 from tests.multiprocess import workers
 from tests.multiprocess.harness import Sidecar, run_ranks
 

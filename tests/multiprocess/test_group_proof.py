@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.multiprocess import workers
@@ -84,7 +85,9 @@ def test_real_ranks_share_a_proof_and_a_stranger_is_refused(
     )
     thread.join(timeout=10)
     assert set(outcomes) == {1, 2}
-    own = workers.layer_capacities(RANKS, workers.nvfp4_layer("x")).workspace_bytes(RANKS)
+    own = capacities_workspace_bytes(
+        workers.layer_capacities(RANKS, workers.nvfp4_layer("x")), RANKS
+    )
     for rank, result in enumerate(results):
         for lifetime in result["lifetimes"]:
             (record,) = lifetime["records"]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from moe_sidecar.core.plan import Capacities, join_capacities
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 from tests.multiprocess import workers
 from tests.multiprocess.harness import Sidecar, run_ranks
 
@@ -32,7 +33,7 @@ def expected_workspaces() -> list[int]:
     for layer in workers.REGRESSION:
         need = workers.layer_capacities(EP, layer)
         union = need if union is None else join_capacities(union, need)
-        sizes.append(union.workspace_bytes(EP))
+        sizes.append(capacities_workspace_bytes(union, EP))
     return sizes
 
 
@@ -138,7 +139,7 @@ def test_layer_with_fewer_tokens_than_the_plan(mode: str, sidecar: Sidecar, tmp_
         workers.nvfp4_layer("model.layers.0.mlp", max_num_tokens=workers.MAX_TOKENS + 4),
         workers.bf16_layer("mtp.mlp"),
     ]
-    own = [workers.layer_capacities(EP, layer).workspace_bytes(EP) for layer in layers]
+    own = [capacities_workspace_bytes(workers.layer_capacities(EP, layer), EP) for layer in layers]
     target = sidecar.target if mode == "sidecar" else "embedded"
     results = run_ranks(
         workers.layers_worker,

@@ -16,6 +16,7 @@ import pytest
 
 from moe_sidecar.client.simulate import MODELS
 from moe_sidecar.client.sizing import layer_capacities
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 from tests.etcd_server import EtcdServer
 from tests.multiprocess.harness import Sidecar
 
@@ -48,7 +49,7 @@ def simulate(*args: str, target: str | None = None) -> subprocess.CompletedProce
 
 def _needs(layer_quant: str, ranks: int = RANKS) -> int:
     layer = next(layer for layer in DEEPSEEK.layers if layer.quant == layer_quant)
-    return layer_capacities(
+    capacities = layer_capacities(
         ranks,
         TOKENS,
         layer.top_k,
@@ -56,7 +57,8 @@ def _needs(layer_quant: str, ranks: int = RANKS) -> int:
         layer.hidden_size,
         layer.x_bytes_per_token,
         layer.x_sf_bytes_per_token,
-    ).workspace_bytes(ranks)
+    )
+    return capacities_workspace_bytes(capacities, ranks)
 
 
 def _json(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def test_the_display_shows_every_field() -> None:
     text = display.capacities_text(c)
     for field in CAPACITY_FIELDS:
         assert f"{field.label or field.name}={getattr(c, field.name)}{field.unit}" in text
-    assert display.plan_as_json(Plan(c, 0, 1), EP_SIZE)["capacities"] == {
+    assert display.plan_as_json(Plan(c, 0, 1), EP_SIZE, "")["capacities"] == {
         f.name: getattr(c, f.name) for f in CAPACITY_FIELDS
     }
     hidden = [f for f in CAPACITY_FIELDS if not f.shown_when_zero]

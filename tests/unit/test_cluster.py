@@ -28,6 +28,7 @@ from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Ste
 from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed
 from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Growth, Proposal, Requirement
 from moe_sidecar.core.plan import Capacities, Plan, ShapeMismatch
+from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,7 +61,7 @@ def grow_on(
     step: Step | None = None
     for rank in range(2):
         p = Proposal(GROUP, 2, rank, 2, f"{lifetime}-{rank}", 1, req)
-        step = policy.propose(state, p, now, 30.0, node=node)
+        step = policy.propose(state, p, now, 30.0, node=node, ceiling=CEILING)
         state = step.state
     assert step is not None and isinstance(step.reply, Decision)
     return step.state
@@ -143,7 +144,7 @@ def test_a_document_from_another_node_is_range_checked(bad: ClusterPlan, field: 
         check_cluster_plan(bad)
     assert field in raised.value.message
     with pytest.raises(InvalidArgument):
-        policy.merge(None, bad, 1.0, node="b")
+        policy.merge(None, bad, 1.0, node="b", ceiling=CEILING)
 
 
 # --- steps that replicate -----------------------------------------------------------
@@ -154,19 +155,31 @@ def test_only_growth_reset_and_absorbing_commits_replicate() -> None:
     state = None
     for rank in range(2):
         step = policy.propose(
-            state, Proposal(GROUP, 2, rank, 2, f"x{rank}", 1, nvfp4), 1.0, 30.0, node="a"
+            state,
+            Proposal(GROUP, 2, rank, 2, f"x{rank}", 1, nvfp4),
+            1.0,
+            30.0,
+            node="a",
+            ceiling=CEILING,
         )
         state = step.state
     assert step.replicates and step.effects.index(Replicate()) == 1  # right after Persist
     assert step.state.history[-1].node == "a"
     for rank in range(2):  # round 2 reuses: nothing new for the cluster
         step = policy.propose(
-            state, Proposal(GROUP, 2, rank, 2, f"x{rank}", 2, nvfp4), 2.0, 30.0, node="a"
+            state,
+            Proposal(GROUP, 2, rank, 2, f"x{rank}", 2, nvfp4),
+            2.0,
+            30.0,
+            node="a",
+            ceiling=CEILING,
         )
         state = step.state
     assert isinstance(step.reply, Decision) and not step.replicates
     assert state is not None
-    committed = policy.commit(state, CommitRecord(0, "x0", 2, step.reply.plan, 0.1), 3.0)
+    committed = policy.commit(
+        state, CommitRecord(0, "x0", 2, step.reply.plan, 0.1), 3.0, ceiling=CEILING
+    )
     assert not committed.replicates  # a node-local group: the commit moves no plan
     reset = policy.reset(state, 4.0)
     assert reset.replicates and reset.persists
@@ -178,19 +191,21 @@ def test_a_commit_from_across_nodes_absorbs_a_later_epoch() -> None:
     step = None
     for rank in range(2):
         p = Proposal(GROUP, 4, rank, 2, f"x{rank}", 1, Requirement(caps(), "l0"))
-        step = policy.propose(state, p, 1.0, 30.0, node="a")
+        step = policy.propose(state, p, 1.0, 30.0, node="a", ceiling=CEILING)
         state = step.state
     assert step is not None and isinstance(step.reply, Decision) and state is not None
     # Another node had heard of a reset: the agreed plan is of epoch 1.
     agreed = Plan(caps(tokens=512), 1, 7)
-    committed = policy.commit(state, CommitRecord(0, "x0", 1, agreed, 0.1), 2.0, node="a")
+    committed = policy.commit(
+        state, CommitRecord(0, "x0", 1, agreed, 0.1), 2.0, node="a", ceiling=CEILING
+    )
     assert committed.replicates
     assert (committed.state.epoch, committed.state.plan) == (1, agreed)
     assert committed.state.history[-1].plan == agreed
     assert committed.state.generation == 7
     # ... and an agreed plan of an epoch this node has left changes only what is built.
     reset = policy.reset(committed.state, 3.0).state
-    stale = policy.commit(reset, CommitRecord(1, "x1", 1, agreed, 0.1), 4.0)
+    stale = policy.commit(reset, CommitRecord(1, "x1", 1, agreed, 0.1), 4.0, ceiling=CEILING)
     assert stale.state.plan is None and stale.state.epoch == 2 and not stale.replicates
 
 
@@ -200,7 +215,7 @@ def test_a_commit_from_across_nodes_absorbs_a_later_epoch() -> None:
 def test_a_plan_grown_on_one_node_is_round_1_of_another() -> None:
     bf16 = Requirement(caps(dispatch=400), "mtp")
     on_a = grow_on(None, "node-a", bf16, 10.0, "a")
-    step = policy.merge(None, cluster_plan_of(on_a), 11.0, node="node-b")
+    step = policy.merge(None, cluster_plan_of(on_a), 11.0, node="node-b", ceiling=CEILING)
     assert step.persists and not step.replicates  # B holds nothing the cluster lacks
     (event,) = [e.event for e in step.effects if isinstance(e, Publish)]
     assert event.kind is EventKind.PLAN_MERGED and event.node == "node-a"
@@ -215,54 +230,57 @@ def test_a_plan_grown_on_one_node_is_round_1_of_another() -> None:
 
 def test_merging_what_is_already_held_does_nothing() -> None:
     state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a")
-    step = policy.merge(state, cluster_plan_of(state), 2.0, node="a")
+    step = policy.merge(state, cluster_plan_of(state), 2.0, node="a", ceiling=CEILING)
     assert step.effects == () and step.state == state
-    assert policy.merge(None, doc(None), 2.0, node="a").effects == ()
+    assert policy.merge(None, doc(None), 2.0, node="a", ceiling=CEILING).effects == ()
 
 
 def test_an_older_document_is_answered_with_a_replicate() -> None:
     state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a")
-    step = policy.merge(state, doc(None), 2.0, node="a")
+    step = policy.merge(state, doc(None), 2.0, node="a", ceiling=CEILING)
     assert step.effects == (Replicate(),) and step.state == state
 
 
 def test_nothing_shrinks_within_an_epoch_and_a_reset_is_not_undone() -> None:
     big = grow_on(None, "a", Requirement(caps(tokens=4096), "l0"), 1.0, "a")
     small = doc(plan(1), growth(plan(1), "b", 0.5))
-    kept = policy.merge(big, small, 2.0, node="a")
+    kept = policy.merge(big, small, 2.0, node="a", ceiling=CEILING)
     assert kept.state.plan == big.plan and kept.replicates
     # A reset on node B reaches A: epoch 1, no plan; what A's lifetime built stays.
     reset_on_b = doc(None, epoch=1, generation=0)
-    step = policy.merge(big, reset_on_b, 3.0, node="a")
+    step = policy.merge(big, reset_on_b, 3.0, node="a", ceiling=CEILING)
     assert step.state.epoch == 1 and step.state.plan is None and step.state.history == ()
     assert step.state.built == big.built and step.state.generation == big.generation
     assert Persist() in step.effects and step.replicates  # A's counter is higher
     (event,) = [e.event for e in step.effects if isinstance(e, Publish)]
     assert "reset on another node" in event.message
     # A's old epoch-0 document arriving late does not undo it.
-    late = policy.merge(step.state, cluster_plan_of(big), 4.0, node="a")
+    late = policy.merge(step.state, cluster_plan_of(big), 4.0, node="a", ceiling=CEILING)
     assert late.state == step.state and late.replicates and not late.persists
 
 
 def test_a_merge_that_cannot_join_is_refused_naming_why() -> None:
     state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a")
     with pytest.raises(PreconditionFailed, match="top_k"):
-        policy.merge(state, doc(plan(1, top_k=4)), 2.0, node="a")
+        policy.merge(state, doc(plan(1, top_k=4)), 2.0, node="a", ceiling=CEILING)
     with pytest.raises(PreconditionFailed, match="ep_size"):
-        policy.merge(state, replace(doc(None), ep_size=4), 2.0, node="a")
+        policy.merge(state, replace(doc(None), ep_size=4), 2.0, node="a", ceiling=CEILING)
 
 
 def test_an_open_round_decides_from_the_merged_plan() -> None:
     state = None
     p0 = Proposal(GROUP, 2, 0, 2, "x0", 1, Requirement(caps(), "l0"))
-    state = policy.propose(state, p0, 1.0, 30.0, node="b").state
+    state = policy.propose(state, p0, 1.0, 30.0, node="b", ceiling=CEILING).state
     assert state.open_round is not None
     merged = policy.merge(
-        state, doc(plan(4, tokens=2048), growth(plan(4, tokens=2048), "a", 1.5)), 2.0
+        state,
+        doc(plan(4, tokens=2048), growth(plan(4, tokens=2048), "a", 1.5)),
+        2.0,
+        ceiling=CEILING,
     )
     assert merged.state.open_round == state.open_round
     p1 = replace(p0, ep_rank=1, lifetime="x1")
-    closing = policy.propose(merged.state, p1, 3.0, 30.0, node="b")
+    closing = policy.propose(merged.state, p1, 3.0, 30.0, node="b", ceiling=CEILING)
     assert isinstance(closing.reply, Decision) and closing.reply.plan == plan(4, tokens=2048)
     assert not closing.reply.grew
 
@@ -285,7 +303,7 @@ class _Store:
             value = mine if remote is None else join_cluster_plans(mine, remote, node=node, now=now)
             if revision == self.revision:  # the compare-and-swap
                 self.value, self.revision = value, self.revision + 1
-                return policy.merge(state, value, now, node=node).state
+                return policy.merge(state, value, now, node=node, ceiling=CEILING).state
             seen = (self.value, self.revision)
 
 
@@ -317,7 +335,7 @@ def test_nodes_growing_and_resetting_in_any_order_converge(seed: int) -> None:
         elif unseen[node]:
             # A watch delivers an older or the latest document.
             remote = unseen[node].pop(rng.randrange(len(unseen[node])))
-            state = policy.merge(state, remote, now, node=node).state
+            state = policy.merge(state, remote, now, node=node, ceiling=CEILING).state
         states[node] = state
     # Quiesce: every node pushes, then every node hears the store's last document.
     for node in sorted(nodes):
@@ -326,7 +344,9 @@ def test_nodes_growing_and_resetting_in_any_order_converge(seed: int) -> None:
             states[node] = store.push(held, node, now + 1)
     assert store.value is not None
     for node in sorted(nodes):
-        states[node] = policy.merge(states[node], store.value, now + 2, node=node).state
+        states[node] = policy.merge(
+            states[node], store.value, now + 2, node=node, ceiling=CEILING
+        ).state
     plans = {(s.epoch, s.plan) for s in states.values() if s is not None}
     assert plans == {(store.value.epoch, store.value.plan)}, plans
     for s in states.values():
@@ -337,6 +357,8 @@ def test_a_join_out_of_range_is_not_merged() -> None:
     # Each in range; one node's tokens with the other's bytes per token are not.
     many_tokens = Plan(Capacities(1 << 27, 1, 1, 2, 16), 0, 1)
     wide = Plan(Capacities(1, 1 << 22, 1, 2, 16), 0, 1)
-    state = policy.merge(None, doc(many_tokens, growth(many_tokens, "a", 1.0)), 2.0).state
+    state = policy.merge(
+        None, doc(many_tokens, growth(many_tokens, "a", 1.0)), 2.0, ceiling=CEILING
+    ).state
     with pytest.raises(PreconditionFailed, match="out of range"):
-        policy.merge(state, doc(wide, growth(wide, "b", 1.5)), 3.0, node="a")
+        policy.merge(state, doc(wide, growth(wide, "b", 1.5)), 3.0, node="a", ceiling=CEILING)

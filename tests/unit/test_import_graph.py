@@ -93,8 +93,13 @@ def test_the_sidecar_imports_neither_torch_nor_the_client() -> None:
         assert not reached, f"{name} imports {reached}"
 
 
-def test_the_client_reaches_only_the_core_the_wire_and_itself() -> None:
-    shared = ("moe_sidecar.core", "moe_sidecar.wire", "moe_sidecar.client")
+def test_the_client_reaches_only_the_core_the_wire_the_releases_and_itself() -> None:
+    shared = (
+        "moe_sidecar.core",
+        "moe_sidecar.wire",
+        "moe_sidecar.flashinfer",
+        "moe_sidecar.client",
+    )
     for name, path in MODULES.items():
         if not name.startswith("moe_sidecar.client"):
             continue
@@ -103,13 +108,40 @@ def test_the_client_reaches_only_the_core_the_wire_and_itself() -> None:
         assert not daemon, f"{name} imports the daemon's {daemon}"
 
 
-def test_the_wire_reaches_only_the_core() -> None:
+def test_the_wire_reaches_only_the_core_and_the_releases() -> None:
+    # The releases' table gives the workspace bytes a plan shows on the wire.
+    inside = ("moe_sidecar.core", "moe_sidecar.flashinfer", "moe_sidecar.wire")
     for name, path in MODULES.items():
         if not name.startswith("moe_sidecar.wire"):
             continue
         project = {m for m in _imports(path) if m in MODULES and m != "moe_sidecar"}
-        outside = {m for m in project if not m.startswith(("moe_sidecar.core", "moe_sidecar.wire"))}
+        outside = {m for m in project if not m.startswith(inside)}
         assert not outside, f"{name} imports {outside}"
+
+
+RELEASE_ROOM = sorted(name for name in MODULES if name.startswith("moe_sidecar.flashinfer"))
+"""Each FlashInfer release's module and their table."""
+
+
+@pytest.mark.parametrize("module", RELEASE_ROOM)
+def test_the_release_room_imports_only_the_core_and_the_standard_library(module: str) -> None:
+    imported = _imports(MODULES[module])
+    project = {m for m in imported if m in MODULES and m != "moe_sidecar"}
+    outside = {
+        m for m in project if not m.startswith(("moe_sidecar.core", "moe_sidecar.flashinfer"))
+    }
+    assert not outside, f"{module} imports {outside}"
+    others = {
+        m.split(".")[0] for m in imported if m.split(".")[0] not in ("moe_sidecar", "__future__")
+    }
+    assert others <= sys.stdlib_module_names, f"{module} imports {others - sys.stdlib_module_names}"
+
+
+def test_the_core_reaches_no_release() -> None:
+    # The core takes the size function; it holds no release's arithmetic.
+    for module in PURE_CORE[1:]:
+        reached = {m for m in _imports(MODULES[module]) if m.startswith("moe_sidecar.flashinfer")}
+        assert not reached, f"{module} imports {reached}"
 
 
 @pytest.mark.parametrize(
@@ -124,7 +156,7 @@ def test_the_wire_reaches_only_the_core() -> None:
         "moe_sidecar.client.simulate.command",
         "moe_sidecar.client.size.command",
         "moe_sidecar.client.size",
-        "moe_sidecar.client.sizing_moe_ep",
+        "moe_sidecar.flashinfer",
         # The table of each release's all-to-all JIT module, which the
         # backends' cache report reads too.
         "moe_sidecar.client.prewarm.install",

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from moe_sidecar.core import sizing
 from moe_sidecar.core.plan import (
     Action,
     Capacities,
@@ -64,14 +63,6 @@ def test_shapes_must_be_equal(field: str) -> None:
         join_capacities(caps(), other)
     assert info.value.left == caps() and info.value.right == other
     assert not caps().covers(other) and not other.covers(caps())
-
-
-def test_workspace_bytes_are_derived_by_flashinfers_formula() -> None:
-    c = caps(tokens=128, dispatch=7168 // 2 + 7168 // 16 + 64, combine=2 * 7168)
-    assert c.workspace_bytes(2) == sizing.workspace_size_per_rank(
-        2, 128, c.dispatch_bytes_per_token, c.combine_bytes_per_token
-    )
-    assert caps(eplb=100).workspace_bytes(2) > caps().workspace_bytes(2)
 
 
 # --- join of decided plans ------------------------------------------------------------

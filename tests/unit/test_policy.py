@@ -24,6 +24,8 @@ from moe_sidecar.core.group import (
     Requirement,
 )
 from moe_sidecar.core.plan import Action, Capacities, Plan
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
+from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -78,7 +80,9 @@ def run_round(
     """Every local rank proposes ``rnd``; returns the state, the outcome and the closing step."""
     step: Step | None = None
     for rank, req in enumerate(reqs):
-        step = policy.propose(state, prop(rank, rnd, req, lifetime=lifetime), now, TIMEOUT)
+        step = policy.propose(
+            state, prop(rank, rnd, req, lifetime=lifetime), now, TIMEOUT, ceiling=CEILING
+        )
         state = step.state
         if isinstance(step.reply, (Decision, Refusal)):
             return state, step.reply, step
@@ -192,23 +196,26 @@ def test_a_plan_of_mixed_token_counts_serves_every_layer() -> None:
     decision = outcomes[1]
     assert isinstance(decision, Decision) and decision.action is Action.REBUILD
     assert decision.plan.capacities == caps(tokens=20, dispatch=528, combine=512)
-    built = decision.plan.capacities.workspace_bytes(2)
-    assert built > max(nvfp4.capacities.workspace_bytes(2), bf16.capacities.workspace_bytes(2))
+    built = capacities_workspace_bytes(decision.plan.capacities, 2)
+    assert built > max(
+        capacities_workspace_bytes(nvfp4.capacities, 2),
+        capacities_workspace_bytes(bf16.capacities, 2),
+    )
 
 
 # --- effects ------------------------------------------------------------------------
 
 
 def test_a_joining_proposal_opens_a_deadline_and_persists_nothing() -> None:
-    first = policy.propose(None, prop(0, 1, NVFP4), 5.0, TIMEOUT)
+    first = policy.propose(None, prop(0, 1, NVFP4), 5.0, TIMEOUT, ceiling=CEILING)
     assert first.reply == Wait(lifetime_index=1, round=1, deadline=5.0 + TIMEOUT)
     assert Deadline(5.0 + TIMEOUT) in first.effects
     assert events(first) == [EventKind.LIFETIME_STARTED]
 
 
 def test_the_closing_proposal_persists_answers_publishes_and_disarms() -> None:
-    state = policy.propose(None, prop(0, 1, NVFP4), 5.0, TIMEOUT).state
-    closing = policy.propose(state, prop(1, 1, NVFP4), 6.0, TIMEOUT)
+    state = policy.propose(None, prop(0, 1, NVFP4), 5.0, TIMEOUT, ceiling=CEILING).state
+    closing = policy.propose(state, prop(1, 1, NVFP4), 6.0, TIMEOUT, ceiling=CEILING)
     decision = closing.reply
     assert isinstance(decision, Decision)
     assert isinstance(closing.effects[0], Persist) and closing.persists
@@ -220,7 +227,7 @@ def test_the_closing_proposal_persists_answers_publishes_and_disarms() -> None:
 
 
 def test_a_one_rank_round_leaves_no_timer() -> None:
-    step = policy.propose(None, prop(0, 1, NVFP4, local_ranks=1), 0.0, TIMEOUT)
+    step = policy.propose(None, prop(0, 1, NVFP4, local_ranks=1), 0.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(step.reply, Decision)
     assert [e for e in step.effects if isinstance(e, Deadline)] == [Deadline(None)]
 
@@ -240,7 +247,7 @@ def test_heterogeneous_layer_refused_naming_both_layers(
     changed: Requirement, expected: str
 ) -> None:
     state, _ = run_sequence([NVFP4])
-    step = policy.propose(state, prop(0, 2, changed), 1.0, TIMEOUT)
+    step = policy.propose(state, prop(0, 2, changed), 1.0, TIMEOUT, ceiling=CEILING)
     refusal = step.reply
     assert isinstance(refusal, Refusal)
     assert refusal.code is ErrorCode.FAILED_PRECONDITION
@@ -251,7 +258,7 @@ def test_heterogeneous_layer_refused_naming_both_layers(
     assert events(step) == [EventKind.ROUND_REFUSED]
     # The plan is untouched, and the other rank gets the same refusal.
     assert step.state.plan is not None and step.state.plan.generation == 1
-    late = policy.propose(step.state, prop(1, 2, changed), 2.0, TIMEOUT)
+    late = policy.propose(step.state, prop(1, 2, changed), 2.0, TIMEOUT, ceiling=CEILING)
     assert late.reply == refusal and late.effects == ()
 
 
@@ -265,16 +272,16 @@ def test_heterogeneous_layer_refused_naming_both_layers(
     ids=["top_k", "num_experts", "layer"],
 )
 def test_ranks_disagreeing_inside_a_round(other: Requirement, needle: str) -> None:
-    first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT)
+    first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(first.reply, Wait)
-    second = policy.propose(first.state, prop(1, 1, other), 0.5, TIMEOUT)
+    second = policy.propose(first.state, prop(1, 1, other), 0.5, TIMEOUT, ceiling=CEILING)
     refusal = second.reply
     assert isinstance(refusal, Refusal)
     assert "ranks disagree" in refusal.message
     assert "rank 0" in refusal.message and "rank 1" in refusal.message and needle in refusal.message
     # Rank 0, waiting on round 1, is answered by the step; its retry sees the same refusal.
     assert Answer(1, 1, refusal) in second.effects
-    retry = policy.propose(second.state, prop(0, 1, NVFP4), 1.0, TIMEOUT)
+    retry = policy.propose(second.state, prop(0, 1, NVFP4), 1.0, TIMEOUT, ceiling=CEILING)
     assert retry.reply == refusal
 
 
@@ -295,18 +302,18 @@ def test_retried_proposal_for_closed_round_is_answered_identically() -> None:
     state, outcomes = run_sequence([NVFP4, BF16])
     for rank in (0, 1):
         for rnd, req in ((1, NVFP4), (2, BF16)):
-            step = policy.propose(state, prop(rank, rnd, req), 99.0, TIMEOUT)
+            step = policy.propose(state, prop(rank, rnd, req), 99.0, TIMEOUT, ceiling=CEILING)
             assert step.reply == outcomes[rnd - 1]
             assert step.state is state and step.effects == ()
 
 
 def test_retry_while_round_open_keeps_waiting() -> None:
-    first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT)
-    again = policy.propose(first.state, prop(0, 1, NVFP4), 1.0, TIMEOUT)
+    first = policy.propose(None, prop(0, 1, NVFP4), 0.0, TIMEOUT, ceiling=CEILING)
+    again = policy.propose(first.state, prop(0, 1, NVFP4), 1.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(first.reply, Wait) and again.reply == first.reply
     assert again.effects == ()
     with pytest.raises(PreconditionFailed, match="re-proposed round 1"):
-        policy.propose(again.state, prop(0, 1, BF16), 1.0, TIMEOUT)
+        policy.propose(again.state, prop(0, 1, BF16), 1.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_a_retry_of_a_closed_round_needing_more_than_its_decision_is_refused() -> None:
@@ -314,12 +321,12 @@ def test_a_retry_of_a_closed_round_needing_more_than_its_decision_is_refused() -
     # a plan that does not serve what the "retry" proposed.
     state, _ = run_sequence([NVFP4])
     with pytest.raises(PreconditionFailed, match=r"re-proposed round 1 .* does not serve it"):
-        policy.propose(state, prop(0, 1, BF16), 1.0, TIMEOUT)
+        policy.propose(state, prop(0, 1, BF16), 1.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_round_past_deadline_names_missing_ranks_and_their_last_layer() -> None:
     state, _ = run_sequence([NVFP4])
-    waiting = policy.propose(state, prop(0, 2, BF16), 10.0, TIMEOUT)
+    waiting = policy.propose(state, prop(0, 2, BF16), 10.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(waiting.reply, Wait) and waiting.reply.deadline == 10.0 + TIMEOUT
     assert policy.expire(waiting.state, 10.0 + TIMEOUT - 0.001) is None
     expired = policy.expire(waiting.state, 10.0 + TIMEOUT)
@@ -333,12 +340,14 @@ def test_round_past_deadline_names_missing_ranks_and_their_last_layer() -> None:
     assert events(expired) == [EventKind.RANK_TIMEOUT] and expired.persists
     assert expired.state.open_round is None and expired.state.last_closed_round == 2
     # The late rank gets the same timeout.
-    late = policy.propose(expired.state, prop(1, 2, BF16), 50.0, TIMEOUT)
+    late = policy.propose(expired.state, prop(1, 2, BF16), 50.0, TIMEOUT, ceiling=CEILING)
     assert late.reply == refusal
 
 
 def test_timeout_counts_ranks_never_seen() -> None:
-    state = policy.propose(None, prop(0, 1, NVFP4, ep_size=4, local_ranks=3), 0.0, TIMEOUT).state
+    state = policy.propose(
+        None, prop(0, 1, NVFP4, ep_size=4, local_ranks=3), 0.0, TIMEOUT, ceiling=CEILING
+    ).state
     expired = policy.expire(state, TIMEOUT)
     assert expired is not None and isinstance(expired.reply, Refusal)
     assert "2 of 3 local ranks missing" in expired.reply.message
@@ -351,8 +360,12 @@ def test_timeout_counts_ranks_never_seen() -> None:
 def test_new_lifetime_starts_from_the_stored_plan() -> None:
     state, _ = run_sequence([NVFP4, BF16, NVFP4])
     # Both ranks restart: new lifetime ids, round 1 again, first layer small.
-    state = policy.propose(state, prop(0, 1, NVFP4, lifetime="b0"), 100.0, TIMEOUT).state
-    decision = policy.propose(state, prop(1, 1, NVFP4, lifetime="b1"), 100.0, TIMEOUT).reply
+    state = policy.propose(
+        state, prop(0, 1, NVFP4, lifetime="b0"), 100.0, TIMEOUT, ceiling=CEILING
+    ).state
+    decision = policy.propose(
+        state, prop(1, 1, NVFP4, lifetime="b1"), 100.0, TIMEOUT, ceiling=CEILING
+    ).reply
     assert isinstance(decision, Decision)
     assert decision.action is Action.BUILD
     assert decision.plan.capacities == caps(dispatch=400)  # the historical union
@@ -365,7 +378,11 @@ def test_second_lifetime_builds_once() -> None:
     for n, req in enumerate([NVFP4, BF16, NVFP4], start=1):
         for rank in (0, 1):
             step = policy.propose(
-                state, prop(rank, n, req, lifetime=f"second-{rank}"), 200.0, TIMEOUT
+                state,
+                prop(rank, n, req, lifetime=f"second-{rank}"),
+                200.0,
+                TIMEOUT,
+                ceiling=CEILING,
             )
             state = step.state
         assert isinstance(step.reply, Decision)
@@ -376,27 +393,29 @@ def test_second_lifetime_builds_once() -> None:
 
 def _restart(state: GroupState, req: Requirement = NVFP4, now: float = 5.0) -> Step:
     """Both ranks begin new lifetimes; returns the step of the second."""
-    state = policy.propose(state, prop(0, 1, req, lifetime="new-0"), now, TIMEOUT).state
-    return policy.propose(state, prop(1, 1, req, lifetime="new-1"), now, TIMEOUT)
+    state = policy.propose(
+        state, prop(0, 1, req, lifetime="new-0"), now, TIMEOUT, ceiling=CEILING
+    ).state
+    return policy.propose(state, prop(1, 1, req, lifetime="new-1"), now, TIMEOUT, ceiling=CEILING)
 
 
 def test_rank_of_an_ended_lifetime_is_aborted() -> None:
     state, _ = run_sequence([NVFP4])
     state = _restart(state).state
     with pytest.raises(PreconditionFailed, match="restart this rank"):
-        policy.propose(state, prop(1, 2, NVFP4), 5.0, TIMEOUT)
+        policy.propose(state, prop(1, 2, NVFP4), 5.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_one_restarted_rank_waits_for_the_rest_and_ends_nothing() -> None:
     state, _ = run_sequence([NVFP4])
-    state = policy.propose(state, prop(0, 2, BF16), 5.0, TIMEOUT).state
-    step = policy.propose(state, prop(1, 1, NVFP4, lifetime="new-1"), 6.0, TIMEOUT)
+    state = policy.propose(state, prop(0, 2, BF16), 5.0, TIMEOUT, ceiling=CEILING).state
+    step = policy.propose(state, prop(1, 1, NVFP4, lifetime="new-1"), 6.0, TIMEOUT, ceiling=CEILING)
     assert step.reply == Wait(lifetime_index=2, round=1, deadline=6.0 + TIMEOUT)
     assert not step.persists and events(step) == []
     assert step.state.lifetime_index == 1 and step.state.open_round is not None
     assert step.state.pending is not None and step.state.open_round.deadline == 5.0 + TIMEOUT
     # The running lifetime goes on: its rank 1 closes round 2.
-    closing = policy.propose(step.state, prop(1, 2, BF16), 7.0, TIMEOUT)
+    closing = policy.propose(step.state, prop(1, 2, BF16), 7.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(closing.reply, Decision) and closing.reply.action is Action.REBUILD
     # The timer now follows the restart's deadline.
     assert closing.effects[-1] == Deadline(6.0 + TIMEOUT)
@@ -404,7 +423,7 @@ def test_one_restarted_rank_waits_for_the_rest_and_ends_nothing() -> None:
 
 def test_a_whole_restart_aborts_the_open_round_and_starts_from_the_stored_plan() -> None:
     state, _ = run_sequence([NVFP4, BF16])
-    state = policy.propose(state, prop(0, 3, NVFP4), 5.0, TIMEOUT).state
+    state = policy.propose(state, prop(0, 3, NVFP4), 5.0, TIMEOUT, ceiling=CEILING).state
     step = _restart(state, now=6.0)
     decision = step.reply
     assert isinstance(decision, Decision) and decision.action is Action.BUILD
@@ -430,7 +449,7 @@ def test_a_single_stranger_cannot_end_the_running_lifetime() -> None:
     state, _ = run_sequence([NVFP4])
     plan = state.plan
     stranger = prop(0, 1, Requirement(caps(dispatch=1 << 20), ""), lifetime="stranger")
-    waiting = policy.propose(state, stranger, 10.0, TIMEOUT)
+    waiting = policy.propose(state, stranger, 10.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(waiting.reply, Wait) and waiting.state.lifetime_index == 1
     # The real ranks go on undisturbed.
     state, outcome, _ = run_round(waiting.state, 2, [NVFP4, NVFP4], now=11.0)
@@ -450,32 +469,40 @@ def test_a_single_stranger_cannot_end_the_running_lifetime() -> None:
 def test_a_new_lifetime_of_another_layout_is_refused() -> None:
     state, _ = run_sequence([NVFP4])
     with pytest.raises(PreconditionFailed, match="local_ranks=1 is refused"):
-        policy.propose(state, prop(0, 1, NVFP4, lifetime="x", local_ranks=1), 5.0, TIMEOUT)
+        policy.propose(
+            state, prop(0, 1, NVFP4, lifetime="x", local_ranks=1), 5.0, TIMEOUT, ceiling=CEILING
+        )
 
 
 def test_two_lifetimes_cannot_claim_one_rank_of_a_restart() -> None:
     state, _ = run_sequence([NVFP4])
-    state = policy.propose(state, prop(0, 1, NVFP4, lifetime="first"), 5.0, TIMEOUT).state
+    state = policy.propose(
+        state, prop(0, 1, NVFP4, lifetime="first"), 5.0, TIMEOUT, ceiling=CEILING
+    ).state
     with pytest.raises(PreconditionFailed, match="two processes claim one rank"):
-        policy.propose(state, prop(0, 1, NVFP4, lifetime="second"), 5.0, TIMEOUT)
+        policy.propose(state, prop(0, 1, NVFP4, lifetime="second"), 5.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_a_restart_with_another_model_is_refused_and_the_lifetime_runs_on() -> None:
     state, _ = run_sequence([NVFP4])
     other_model = Requirement(replace(caps(), top_k=4), "l0")
-    first = policy.propose(state, prop(0, 1, other_model, lifetime="b0"), 9.0, TIMEOUT)
+    first = policy.propose(
+        state, prop(0, 1, other_model, lifetime="b0"), 9.0, TIMEOUT, ceiling=CEILING
+    )
     assert isinstance(first.reply, Refusal)
     assert "top_k=4" in first.reply.message and first.state.pending is None
     answered = next(e for e in first.effects if isinstance(e, Answer))
     assert (answered.lifetime_index, answered.round) == (2, 1)
-    second = policy.propose(first.state, prop(1, 1, other_model, lifetime="b1"), 9.5, TIMEOUT)
+    second = policy.propose(
+        first.state, prop(1, 1, other_model, lifetime="b1"), 9.5, TIMEOUT, ceiling=CEILING
+    )
     assert isinstance(second.reply, Refusal)
     assert second.state.lifetime_index == 1
 
 
 def test_newcomers_join_the_first_lifetime_while_round_one_is_open() -> None:
     state, _, _ = run_round(None, 1, [NVFP4, NVFP4])
-    step = policy.propose(state, prop(0, 1, NVFP4, lifetime="again"), 3.0, TIMEOUT)
+    step = policy.propose(state, prop(0, 1, NVFP4, lifetime="again"), 3.0, TIMEOUT, ceiling=CEILING)
     # Round 1 decided: a newcomer after it belongs to a restart.
     assert step.reply == Wait(lifetime_index=2, round=1, deadline=3.0 + TIMEOUT)
     assert EventKind.LIFETIME_STARTED not in events(step)
@@ -484,7 +511,7 @@ def test_newcomers_join_the_first_lifetime_while_round_one_is_open() -> None:
 
 def test_unknown_lifetime_must_start_at_round_one() -> None:
     with pytest.raises(PreconditionFailed, match="does not know"):
-        policy.propose(None, prop(0, 3, NVFP4), 0.0, TIMEOUT)
+        policy.propose(None, prop(0, 3, NVFP4), 0.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_reset_begins_an_epoch_but_keeps_the_generation() -> None:
@@ -516,7 +543,9 @@ def _decided(layers: list[Requirement], local_ranks: int = 2) -> tuple[GroupStat
     outcome: Outcome | None = None
     for n, req in enumerate(layers, start=1):
         for rank in range(local_ranks):
-            step = policy.propose(state, prop(rank, n, req, local_ranks=local_ranks), 0.0, TIMEOUT)
+            step = policy.propose(
+                state, prop(rank, n, req, local_ranks=local_ranks), 0.0, TIMEOUT, ceiling=CEILING
+            )
             state, outcome = step.state, step.reply  # type: ignore[assignment]
     assert state is not None and isinstance(outcome, Decision)
     return state, outcome
@@ -524,7 +553,9 @@ def _decided(layers: list[Requirement], local_ranks: int = 2) -> tuple[GroupStat
 
 def test_commit_records_the_generation() -> None:
     state, decision = _decided([NVFP4])
-    step = policy.commit(state, CommitRecord(0, "life-0", 1, decision.plan, 0.02), 3.0)
+    step = policy.commit(
+        state, CommitRecord(0, "life-0", 1, decision.plan, 0.02), 3.0, ceiling=CEILING
+    )
     rank0 = step.state.rank(0)
     assert rank0 is not None and rank0.committed_generation == 1
     assert rank0.build_seconds == 0.02
@@ -537,14 +568,16 @@ def test_a_group_spanning_nodes_commits_and_absorbs_the_agreed_plan() -> None:
     # plan bigger. The commit joins it into the stored plan and the built one.
     state, _ = _decided([NVFP4], local_ranks=1)
     agreed = Plan(caps(dispatch=900), epoch=0, generation=2)
-    step = policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 3.0)
+    step = policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 3.0, ceiling=CEILING)
     rank0 = step.state.rank(0)
     assert rank0 is not None and rank0.committed_generation == 2
     assert step.state.plan == agreed and step.state.built == agreed
     assert step.state.generation == 2
     assert step.state.history[-1].layer == "(agreed across nodes)"
     # The next round of the same size reuses what the ranks hold.
-    step = policy.propose(step.state, prop(0, 2, NVFP4, local_ranks=1), 4.0, TIMEOUT)
+    step = policy.propose(
+        step.state, prop(0, 2, NVFP4, local_ranks=1), 4.0, TIMEOUT, ceiling=CEILING
+    )
     assert isinstance(step.reply, Decision) and step.reply.action is Action.REUSE
     assert step.reply.plan == agreed
 
@@ -557,17 +590,17 @@ def test_a_commit_whose_agreed_plan_has_another_shape_than_the_stored_one_is_ref
     state = policy.reset(state, 2.0).state
     other = Plan(caps(top_k=4), epoch=1, generation=3)
     remote = ClusterPlan(GROUP, 2, epoch=1, plan=other, generation=3)
-    state = policy.merge(state, remote, 3.0).state
+    state = policy.merge(state, remote, 3.0, ceiling=CEILING).state
     agreed = Plan(caps(dispatch=900), epoch=1, generation=4)
     with pytest.raises(PreconditionFailed, match="top_k=4, num_experts=16 cannot join top_k=2"):
-        policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 4.0)
+        policy.commit(state, CommitRecord(0, "life-0", 1, agreed, 0.0), 4.0, ceiling=CEILING)
 
 
 def test_a_group_on_one_node_commits_exactly_the_decision() -> None:
     state, _ = _decided([NVFP4])
     bigger = Plan(caps(dispatch=900), epoch=0, generation=1)
     with pytest.raises(PreconditionFailed, match="the round decided"):
-        policy.commit(state, CommitRecord(0, "life-0", 1, bigger, 0.0), 3.0)
+        policy.commit(state, CommitRecord(0, "life-0", 1, bigger, 0.0), 3.0, ceiling=CEILING)
 
 
 def _commit(rnd: int = 1, plan: Plan | None = None, **changes: object) -> CommitRecord:
@@ -596,7 +629,7 @@ def test_bad_commits_change_nothing(
 ) -> None:
     state, _ = _decided([NVFP4])
     with pytest.raises(error, match=needle.replace("(", r"\(")):
-        policy.commit(state, record, 1.0)
+        policy.commit(state, record, 1.0, ceiling=CEILING)
 
 
 # --- validation -----------------------------------------------------------------
@@ -636,7 +669,7 @@ BAD = [
 def test_bad_proposals_change_nothing(proposal: Proposal, needle: str) -> None:
     state, _ = run_sequence([NVFP4])
     with pytest.raises(InvalidArgument) as info:
-        policy.propose(state, proposal, 1.0, TIMEOUT)
+        policy.propose(state, proposal, 1.0, TIMEOUT, ceiling=CEILING)
     assert needle in str(info.value)
 
 
@@ -651,4 +684,4 @@ def test_bad_proposals_change_nothing(proposal: Proposal, needle: str) -> None:
 def test_proposals_contradicting_the_group(proposal: Proposal, needle: str) -> None:
     state, _ = run_sequence([NVFP4])
     with pytest.raises(PreconditionFailed, match=needle):
-        policy.propose(state, proposal, 1.0, TIMEOUT)
+        policy.propose(state, proposal, 1.0, TIMEOUT, ceiling=CEILING)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import cluster_plan_of
 from moe_sidecar.core.effects import Dismiss, EventKind, Publish, Step, Wait
@@ -20,6 +21,7 @@ from moe_sidecar.core.group import (
     Requirement,
 )
 from moe_sidecar.core.plan import Capacities, Plan
+from tests.ceiling import CEILING, ceiling_of
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -75,7 +77,9 @@ def running(proof: str = "old", local_ranks: int = 4) -> GroupState:
     state: GroupState | None = None
     step: Step | None = None
     for rank in range(local_ranks):
-        step = policy.propose(state, prop(rank, proof, local_ranks=local_ranks), 0.0, TIMEOUT)
+        step = policy.propose(
+            state, prop(rank, proof, local_ranks=local_ranks), 0.0, TIMEOUT, ceiling=CEILING
+        )
         state = step.state
     assert step is not None and isinstance(step.reply, Decision)
     assert step.state.proof == proof
@@ -90,7 +94,11 @@ def arrive(
     for rank, proof in arrivals:
         req = BIG if proof.startswith("S") else SMALL
         step = policy.propose(
-            state, prop(rank, proof, req=req, local_ranks=local_ranks), 1.0, TIMEOUT
+            state,
+            prop(rank, proof, req=req, local_ranks=local_ranks),
+            1.0,
+            TIMEOUT,
+            ceiling=CEILING,
         )
         kinds.append(kind(step))
         steps.append(step)
@@ -174,7 +182,7 @@ def test_a_round_closes_only_with_one_proof_in_every_slot(case: str, start: str)
 def test_a_refused_proposal_leaves_the_round_untouched_and_persists_nothing() -> None:
     state, _, _ = arrive(None, [(0, "A"), (1, "A"), (2, "A")])
     assert state is not None
-    step = policy.propose(state, prop(3, "S", req=BIG), 2.0, TIMEOUT)
+    step = policy.propose(state, prop(3, "S", req=BIG), 2.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(step.reply, Refusal) and step.reply.code is ErrorCode.PERMISSION_DENIED
     assert "group 'g/ep4' rank 3: the group proof does not match" in step.reply.message
     assert "already holds 3 of the 4 local ranks" in step.reply.message
@@ -193,10 +201,10 @@ def test_a_displaced_proposal_is_answered_alone() -> None:
 def test_once_a_lifetime_has_a_proof_every_other_proof_is_refused() -> None:
     state = running("A")
     stolen = prop(0, "S", rnd=2, lifetime="A-0-4")  # the lifetime leaked, not the proof
-    step = policy.propose(state, stolen, 1.0, TIMEOUT)
+    step = policy.propose(state, stolen, 1.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(step.reply, Refusal) and step.reply.code is ErrorCode.PERMISSION_DENIED
     assert "runs with proof" in step.reply.message
-    ok = policy.propose(state, prop(0, "A", rnd=2, lifetime="A-0-4"), 1.0, TIMEOUT)
+    ok = policy.propose(state, prop(0, "A", rnd=2, lifetime="A-0-4"), 1.0, TIMEOUT, ceiling=CEILING)
     assert isinstance(ok.reply, Wait)
 
 
@@ -209,7 +217,7 @@ def test_a_commit_carries_the_lifetimes_proof(proof: str, refused: bool) -> None
     decision = state.outcome_of(1)
     assert isinstance(decision, Decision)
     record = CommitRecord(0, "A-0-4", 1, decision.plan, 1.0, proof=proof)
-    step = policy.commit(state, record, 2.0)
+    step = policy.commit(state, record, 2.0, ceiling=CEILING)
     if refused:
         assert isinstance(step.reply, Refusal) and step.reply.code is ErrorCode.PERMISSION_DENIED
         assert step.state.rank(0) == state.rank(0) and step.state.refused_proposals == 1
@@ -219,12 +227,12 @@ def test_a_commit_carries_the_lifetimes_proof(proof: str, refused: bool) -> None
 
 def test_a_strangers_other_shape_refuses_only_itself() -> None:
     state, _, _ = arrive(None, [(0, "A")])
-    both = policy.propose(state, prop(3, "S", req=OTHER_SHAPE), 1.0, TIMEOUT)
+    both = policy.propose(state, prop(3, "S", req=OTHER_SHAPE), 1.0, TIMEOUT, ceiling=CEILING)
     with pytest.raises(PreconditionFailed, match="ranks disagree"):
         # Its own proof's proposals disagree: that refuses it alone, in a mixed round.
-        policy.propose(both.state, prop(2, "S", req=SMALL), 1.0, TIMEOUT)
+        policy.propose(both.state, prop(2, "S", req=SMALL), 1.0, TIMEOUT, ceiling=CEILING)
     # Another proof's other shape does not make the real ranks' round refused.
-    mixed = policy.propose(state, prop(3, "S", req=OTHER_SHAPE), 1.0, TIMEOUT)
+    mixed = policy.propose(state, prop(3, "S", req=OTHER_SHAPE), 1.0, TIMEOUT, ceiling=CEILING)
     assert kind(mixed) == "wait"
     _, kinds, _ = arrive(mixed.state, [(1, "A"), (2, "A"), (3, "A")])
     assert kinds == ["wait", "wait", "decides+dismiss"]
@@ -245,7 +253,9 @@ def test_a_stranger_leaving_a_mixed_round_is_withdrawn_not_a_departure() -> None
 
 
 def test_the_real_ranks_take_a_squatted_group_back_without_its_plan() -> None:
-    squat = policy.propose(None, prop(0, "S", req=BIG, local_ranks=1), 0.0, TIMEOUT)
+    squat = policy.propose(
+        None, prop(0, "S", req=BIG, local_ranks=1), 0.0, TIMEOUT, ceiling=CEILING
+    )
     assert isinstance(squat.reply, Decision) and squat.state.plan is not None
     state, kinds, steps = arrive(squat.state, [(r, "A") for r in range(4)])
     assert kinds == ["wait", "wait", "wait", "decides"]
@@ -259,16 +269,20 @@ def test_the_real_ranks_take_a_squatted_group_back_without_its_plan() -> None:
 def test_fewer_local_ranks_never_end_a_lifetime_and_a_restart_keeps_one_layout() -> None:
     state = running("A")
     with pytest.raises(PreconditionFailed, match="fewer local ranks may not end"):
-        policy.propose(state, prop(0, "S", req=BIG, local_ranks=1), 1.0, TIMEOUT)
+        policy.propose(state, prop(0, "S", req=BIG, local_ranks=1), 1.0, TIMEOUT, ceiling=CEILING)
     pair = running("A", local_ranks=2)
-    opened = policy.propose(pair, prop(0, "B"), 1.0, TIMEOUT)  # a takeover by 4 local ranks
+    opened = policy.propose(
+        pair, prop(0, "B"), 1.0, TIMEOUT, ceiling=CEILING
+    )  # a takeover by 4 local ranks
     with pytest.raises(PreconditionFailed, match="restart collects local_ranks=4"):
-        policy.propose(opened.state, prop(1, "S", local_ranks=3), 1.0, TIMEOUT)
+        policy.propose(opened.state, prop(1, "S", local_ranks=3), 1.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_a_restart_with_the_same_layout_inherits_the_stored_plan() -> None:
     state = running("A")
-    grown = policy.propose(state, prop(0, "A", rnd=2, lifetime="A-0-4"), 0.0, TIMEOUT).state
+    grown = policy.propose(
+        state, prop(0, "A", rnd=2, lifetime="A-0-4"), 0.0, TIMEOUT, ceiling=CEILING
+    ).state
     _, kinds, steps = arrive(grown, [(r, "B") for r in range(4)])
     assert kinds[-1] == "decides"
     assert steps[-1].state.epoch == 0  # no takeover: the union goes on
@@ -276,7 +290,8 @@ def test_a_restart_with_the_same_layout_inherits_the_stored_plan() -> None:
 
 # --- the workspace ceiling -------------------------------------------------------------
 
-CEILING = 1 << 30
+LOW = ceiling_of(1 << 30)
+"""A ceiling of 1 GiB per rank, in the releases' own arithmetic."""
 
 
 def _stored_plan() -> Plan:
@@ -290,7 +305,7 @@ def _stored_plan() -> Plan:
     [
         (
             "a proposal",
-            lambda: policy.propose(None, prop(0, "A", req=BIG), 0.0, TIMEOUT, ceiling=CEILING),
+            lambda: policy.propose(None, prop(0, "A", req=BIG), 0.0, TIMEOUT, ceiling=LOW),
         ),
         (
             "a proposal under the default ceiling, of the reported attack's 12.5 M tokens",
@@ -299,6 +314,7 @@ def _stored_plan() -> Plan:
                 prop(0, "A", req=Requirement(Capacities(12_500_000, 4800, 200, 2, 16), "")),
                 0.0,
                 TIMEOUT,
+                ceiling=CEILING,
             ),
         ),
         (
@@ -314,7 +330,7 @@ def _stored_plan() -> Plan:
                     proof="A",
                 ),
                 1.0,
-                ceiling=CEILING,
+                ceiling=LOW,
             ),
         ),
         (
@@ -322,10 +338,12 @@ def _stored_plan() -> Plan:
             lambda: policy.merge(
                 None,
                 cluster_plan_of(
-                    policy.propose(None, prop(0, "A", req=BIG, local_ranks=1), 0.0, TIMEOUT).state
+                    policy.propose(
+                        None, prop(0, "A", req=BIG, local_ranks=1), 0.0, TIMEOUT, ceiling=CEILING
+                    ).state
                 ),
                 1.0,
-                ceiling=CEILING,
+                ceiling=LOW,
             ),
         ),
     ],
@@ -340,8 +358,10 @@ def test_a_round_whose_plan_would_pass_the_ceiling_is_refused() -> None:
     # Each layer under the ceiling alone; their union above it.
     tokens = Requirement(Capacities(1 << 18, 100, 200, 2, 16), "tokens")
     wide = Requirement(Capacities(256, 4096, 200, 2, 16), "wide")
-    ceiling = CEILING
-    first: Step = policy.propose(None, prop(0, "A", req=tokens, local_ranks=1), 0.0, TIMEOUT)
+    ceiling = LOW
+    first: Step = policy.propose(
+        None, prop(0, "A", req=tokens, local_ranks=1), 0.0, TIMEOUT, ceiling=CEILING
+    )
     step = policy.propose(
         first.state,
         prop(0, "A", req=wide, local_ranks=1, rnd=2, lifetime="A-0-1"),
@@ -351,21 +371,33 @@ def test_a_round_whose_plan_would_pass_the_ceiling_is_refused() -> None:
     )
     assert isinstance(step.reply, Refusal) and step.reply.code is ErrorCode.FAILED_PRECONDITION
     assert "would grow the plan out of range" in step.reply.message
-    assert f"workspace ceiling of {ceiling} bytes" in step.reply.message
+    assert f"workspace ceiling of {ceiling.max_bytes} bytes" in step.reply.message
     assert step.state.plan == first.state.plan
 
 
 def test_a_stored_plan_above_a_lowered_ceiling_is_never_answered() -> None:
-    state = policy.propose(None, prop(0, "A", req=BIG, local_ranks=1), 0.0, TIMEOUT).state
-    step = policy.propose(
-        state, prop(0, "B", req=SMALL, local_ranks=1), 1.0, TIMEOUT, ceiling=CEILING
-    )
+    state = policy.propose(
+        None, prop(0, "A", req=BIG, local_ranks=1), 0.0, TIMEOUT, ceiling=CEILING
+    ).state
+    step = policy.propose(state, prop(0, "B", req=SMALL, local_ranks=1), 1.0, TIMEOUT, ceiling=LOW)
     assert isinstance(step.reply, Refusal) and step.reply.code is ErrorCode.FAILED_PRECONDITION
     assert "needs the stored plan" in step.reply.message and "ResetGroup" in step.reply.message
 
 
-def test_the_ceiling_check_is_one_pure_function() -> None:
-    limits.check_workspace_ceiling("plan", SMALL.capacities, 4, SMALL.capacities.workspace_bytes(4))
+@pytest.mark.parametrize("release", [r.name for r in flashinfer.RELEASES])
+def test_the_ceiling_check_is_one_pure_function_of_the_release(release: str) -> None:
+    small = flashinfer.workspace_size(release, SMALL.capacities, 4)
+    limits.check_workspace_ceiling("plan", SMALL.capacities, 4, ceiling_of(small), release)
     with pytest.raises(InvalidArgument) as caught:
-        limits.check_workspace_ceiling("plan", BIG.capacities, 4, CEILING)
-    assert caught.value.field == "plan" and caught.value.value == BIG.capacities.workspace_bytes(4)
+        limits.check_workspace_ceiling("plan", SMALL.capacities, 4, ceiling_of(small - 1), release)
+    assert caught.value.field == "plan" and caught.value.value == small
+    with pytest.raises(InvalidArgument) as caught:
+        limits.check_workspace_ceiling("plan", BIG.capacities, 4, LOW, release)
+    big = flashinfer.workspace_size(release, BIG.capacities, 4)
+    assert caught.value.field == "plan" and caught.value.value == big
+
+
+def test_a_release_the_size_function_does_not_know_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        limits.check_workspace_ceiling("plan", SMALL.capacities, 4, CEILING, "9.9.9")
+    assert caught.value.field == "release" and "'9.9.9'" in caught.value.message

@@ -24,6 +24,7 @@ from moe_sidecar.core.group import (
 )
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.core.policy.rounds import decide_round, with_proposal
+from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -52,7 +53,9 @@ def built_then_reset(local_ranks: int) -> GroupState:
     """Round 1 of a lifetime decided (and built) top_k=2; then a reset here."""
     state: GroupState | None = None
     for rank in range(local_ranks):
-        state = policy.propose(state, prop(rank, 1, BUILT, local_ranks), 1.0, TIMEOUT).state
+        state = policy.propose(
+            state, prop(rank, 1, BUILT, local_ranks), 1.0, TIMEOUT, ceiling=CEILING
+        ).state
     assert state is not None and state.built is not None and state.open_round is None
     return policy.reset(state, 2.0).state
 
@@ -88,14 +91,18 @@ def test_a_plan_of_another_shape_merged_after_a_reset_refuses_the_round_for_ever
 ) -> None:
     state = built_then_reset(row.local_ranks)
     for rank in range(row.before_merge):
-        step = policy.propose(state, prop(rank, 2, row.proposed, row.local_ranks), 3.0, TIMEOUT)
+        step = policy.propose(
+            state, prop(rank, 2, row.proposed, row.local_ranks), 3.0, TIMEOUT, ceiling=CEILING
+        )
         assert isinstance(step.reply, Wait)
         state = step.state
-    state = policy.merge(state, remote(), 4.0).state
+    state = policy.merge(state, remote(), 4.0, ceiling=CEILING).state
     assert state.plan == MERGED and state.built is not None and state.built.capacities.top_k == 2
 
     closing = row.before_merge
-    step = policy.propose(state, prop(closing, 2, row.proposed, row.local_ranks), 5.0, TIMEOUT)
+    step = policy.propose(
+        state, prop(closing, 2, row.proposed, row.local_ranks), 5.0, TIMEOUT, ceiling=CEILING
+    )
 
     # One refusal, at once, and the round is closed: no rank waits for the timeout.
     refusal = step.reply
@@ -116,7 +123,7 @@ def test_a_plan_of_another_shape_merged_after_a_reset_refuses_the_round_for_ever
     assert step.state.plan == MERGED and step.state.generation == 3
     for rank in range(closing + 1, row.local_ranks):
         late = policy.propose(
-            step.state, prop(rank, 2, row.proposed, row.local_ranks), 6.0, TIMEOUT
+            step.state, prop(rank, 2, row.proposed, row.local_ranks), 6.0, TIMEOUT, ceiling=CEILING
         )
         assert late.reply == refusal and late.effects == ()
 
@@ -124,11 +131,11 @@ def test_a_plan_of_another_shape_merged_after_a_reset_refuses_the_round_for_ever
 def test_a_round_whose_shapes_part_at_its_decision_is_refused_for_every_rank() -> None:
     # decide_round on its own: a round that reaches its decision with a need
     # the built workspace cannot join still closes with one refusal for all.
-    state = policy.merge(built_then_reset(2), remote(), 4.0).state
+    state = policy.merge(built_then_reset(2), remote(), 4.0, ceiling=CEILING).state
     rnd = OpenRound(number=2, opened_at=3.0, deadline=3.0 + TIMEOUT)
     for rank in range(2):
         rnd = with_proposal(rnd, prop(rank, 2, OF_THE_PLAN, 2))
-    step = decide_round(state, rnd, rnd.proposals[-1], 5.0, (), "node-a")
+    step = decide_round(state, rnd, rnd.proposals[-1], 5.0, (), "node-a", ceiling=CEILING)
     refusal = step.reply
     assert isinstance(refusal, Refusal) and refusal.code is ErrorCode.FAILED_PRECONDITION
     assert "ranks 0, 1 propose" in refusal.message and "top_k=2" in refusal.message
@@ -137,9 +144,13 @@ def test_a_round_whose_shapes_part_at_its_decision_is_refused_for_every_rank() -
 
 
 def test_restarted_ranks_build_from_the_merged_plan() -> None:
-    state = policy.merge(built_then_reset(2), remote(), 4.0).state
-    state = policy.propose(state, prop(0, 1, OF_THE_PLAN, 2, "new-0"), 5.0, TIMEOUT).state
-    decision = policy.propose(state, prop(1, 1, OF_THE_PLAN, 2, "new-1"), 5.0, TIMEOUT).reply
+    state = policy.merge(built_then_reset(2), remote(), 4.0, ceiling=CEILING).state
+    state = policy.propose(
+        state, prop(0, 1, OF_THE_PLAN, 2, "new-0"), 5.0, TIMEOUT, ceiling=CEILING
+    ).state
+    decision = policy.propose(
+        state, prop(1, 1, OF_THE_PLAN, 2, "new-1"), 5.0, TIMEOUT, ceiling=CEILING
+    ).reply
     assert isinstance(decision, Decision) and decision.action is Action.BUILD
     assert decision.plan == MERGED and not decision.grew
 
@@ -149,7 +160,11 @@ def test_a_restart_after_a_reset_builds_another_model_without_the_ended_lifetime
     # of every rank with a top_k=4 model builds anew: what the ending lifetime
     # built is not the new one's.
     state = built_then_reset(2)
-    state = policy.propose(state, prop(0, 1, OF_THE_PLAN, 2, "new-0"), 5.0, TIMEOUT).state
-    decision = policy.propose(state, prop(1, 1, OF_THE_PLAN, 2, "new-1"), 5.0, TIMEOUT).reply
+    state = policy.propose(
+        state, prop(0, 1, OF_THE_PLAN, 2, "new-0"), 5.0, TIMEOUT, ceiling=CEILING
+    ).state
+    decision = policy.propose(
+        state, prop(1, 1, OF_THE_PLAN, 2, "new-1"), 5.0, TIMEOUT, ceiling=CEILING
+    ).reply
     assert isinstance(decision, Decision) and decision.action is Action.BUILD
     assert decision.plan.capacities == OF_THE_PLAN.capacities and decision.plan.epoch == 1

@@ -584,12 +584,15 @@ def test_a_build_past_its_timeout_is_stopped_with_all_it_started(
 
 def test_one_table_names_each_release_its_module() -> None:
     # The releases the backends drive, the size tool answers for and prewarm
-    # builds are one set; each entry's module is the one its backend loads.
-    from moe_sidecar.client.backends import flashinfer, flashinfer_moe_ep
+    # builds are one set (the room's table); each entry's module is the one
+    # its backend loads.
+    from moe_sidecar import flashinfer
+    from moe_sidecar.client.backends import flashinfer as moe_alltoall_backend
+    from moe_sidecar.client.backends import flashinfer_moe_ep
     from moe_sidecar.client.size.releases import RELEASES
 
-    assert tuple(JIT_MODULES) == RELEASES
-    assert JIT_MODULES[flashinfer.SUPPORTED_FLASHINFER].name == "mnnvl_moe_alltoall"
+    assert tuple(JIT_MODULES) == RELEASES == tuple(r.name for r in flashinfer.RELEASES)
+    assert JIT_MODULES[moe_alltoall_backend.SUPPORTED_FLASHINFER].name == "mnnvl_moe_alltoall"
     fi074 = JIT_MODULES[flashinfer_moe_ep.SUPPORTED_FLASHINFER]
     assert fi074.name == "nvlink_one_sided_alltoall"
     assert fi074.spec_factory == "flashinfer.jit.comm:gen_nvlink_one_sided_alltoall_module"

@@ -21,6 +21,7 @@ from moe_sidecar.core.errors import (
 )
 from moe_sidecar.core.group import CommitRecord, GroupState, Proposal, Refusal, Requirement
 from moe_sidecar.core.plan import Capacities, Plan
+from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -39,8 +40,8 @@ def prop(rank: int, rnd: int, layer: str = LAYER, capacities: Capacities = SMALL
 
 def decided() -> GroupState:
     """Round 1 decided for both ranks, at layer ``LAYER``."""
-    state = policy.propose(None, prop(0, 1), 0.0, TIMEOUT).state
-    return policy.propose(state, prop(1, 1), 0.0, TIMEOUT).state
+    state = policy.propose(None, prop(0, 1), 0.0, TIMEOUT, ceiling=CEILING).state
+    return policy.propose(state, prop(1, 1), 0.0, TIMEOUT, ceiling=CEILING).state
 
 
 def reply_text(step: Step | None) -> str:
@@ -55,50 +56,60 @@ def raised_text(call: Callable[[], object]) -> str:
 
 
 def heterogeneous() -> str:
-    return reply_text(policy.propose(decided(), prop(0, 2, OTHER_LAYER, OTHER_SHAPE), 1.0, 30.0))
+    return reply_text(
+        policy.propose(decided(), prop(0, 2, OTHER_LAYER, OTHER_SHAPE), 1.0, 30.0, ceiling=CEILING)
+    )
 
 
 def disagreeing_layers() -> str:
-    state = policy.propose(None, prop(0, 1), 0.0, TIMEOUT).state
-    return reply_text(policy.propose(state, prop(1, 1, OTHER_LAYER), 0.0, TIMEOUT))
+    state = policy.propose(None, prop(0, 1), 0.0, TIMEOUT, ceiling=CEILING).state
+    return reply_text(policy.propose(state, prop(1, 1, OTHER_LAYER), 0.0, TIMEOUT, ceiling=CEILING))
 
 
 def disagreeing_shapes() -> str:
-    state = policy.propose(None, prop(0, 1), 0.0, TIMEOUT).state
-    return reply_text(policy.propose(state, prop(1, 1, OTHER_LAYER, OTHER_SHAPE), 0.0, TIMEOUT))
+    state = policy.propose(None, prop(0, 1), 0.0, TIMEOUT, ceiling=CEILING).state
+    return reply_text(
+        policy.propose(state, prop(1, 1, OTHER_LAYER, OTHER_SHAPE), 0.0, TIMEOUT, ceiling=CEILING)
+    )
 
 
 def timed_out() -> str:
-    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT).state
+    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT, ceiling=CEILING).state
     return reply_text(policy.expire(state, 1.0 + TIMEOUT))
 
 
 def gone() -> str:
-    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT).state
+    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT, ceiling=CEILING).state
     return reply_text(policy.depart(state, 1, "life-1", "its session ended", 2.0))
 
 
 def re_proposed() -> str:
-    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT).state
-    return raised_text(lambda: policy.propose(state, prop(0, 2, OTHER_LAYER), 2.0, TIMEOUT))
+    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT, ceiling=CEILING).state
+    return raised_text(
+        lambda: policy.propose(state, prop(0, 2, OTHER_LAYER), 2.0, TIMEOUT, ceiling=CEILING)
+    )
 
 
 def another_layout() -> str:
-    return raised_text(lambda: policy.propose(decided(), replace(prop(0, 2), ep_size=4), 1.0, 30.0))
+    return raised_text(
+        lambda: policy.propose(
+            decided(), replace(prop(0, 2), ep_size=4), 1.0, 30.0, ceiling=CEILING
+        )
+    )
 
 
 def merged_shape() -> str:
     remote = ClusterPlan(GROUP, 2, epoch=0, plan=Plan(OTHER_SHAPE, 0, 5), generation=5)
-    return raised_text(lambda: policy.merge(decided(), remote, 1.0))
+    return raised_text(lambda: policy.merge(decided(), remote, 1.0, ceiling=CEILING))
 
 
 def committed_stranger() -> str:
     record = CommitRecord(0, "stranger", 1, Plan(SMALL, 0, 1), 0.0)
-    return raised_text(lambda: policy.commit(decided(), record, 1.0))
+    return raised_text(lambda: policy.commit(decided(), record, 1.0, ceiling=CEILING))
 
 
 def busy() -> str:
-    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT).state
+    state = policy.propose(decided(), prop(0, 2), 1.0, TIMEOUT, ceiling=CEILING).state
     return raised_text(lambda: policy.check_removable(state))
 
 

@@ -10,6 +10,7 @@ from moe_sidecar.core.effects import Answer, Persist, Step, Wait
 from moe_sidecar.core.errors import PreconditionFailed
 from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
 from moe_sidecar.core.plan import Action, Capacities
+from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -18,7 +19,7 @@ NEED = Requirement(Capacities(256, 4096, 14336, 8, 256), "layer")
 
 def _propose(state: GroupState | None, rank: int, rnd: int, *, recovered: bool = False) -> Step:
     p = Proposal("g", 2, rank, 2, f"life-{rank}", rnd, Requirement(NEED.capacities, f"l{rnd}"))
-    return policy.propose(state, p, float(rnd), 60.0, recovered=recovered)
+    return policy.propose(state, p, float(rnd), 60.0, recovered=recovered, ceiling=CEILING)
 
 
 def _round(state: GroupState | None, rnd: int) -> tuple[GroupState, Step]:

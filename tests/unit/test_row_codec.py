@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core import policy
 from moe_sidecar.core.cluster import cluster_plan_of
 from moe_sidecar.core.plan import Plan
-from moe_sidecar.core.sizing import workspace_size_per_rank
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes, workspace_size_per_rank
 from moe_sidecar.store.row_codec import (
     MAX_DOCUMENT_BYTES,
     ROW_VERSION,
@@ -107,7 +108,7 @@ def test_a_version_1_row_of_0_1_0_loads_with_a_plan_at_least_as_big() -> None:
     capacities = plan.capacities
     assert (capacities.max_tokens, capacities.top_k, capacities.num_experts) == (128, 8, 256)
     assert plan.generation == 2 and state.generation == 2
-    workspace = capacities.workspace_bytes(2)
+    workspace = capacities_workspace_bytes(capacities, 2)
     assert workspace >= document["plan"]["workspace_bytes"] == 7_379_328
     assert workspace < document["plan"]["workspace_bytes"] + 2 * 128 + 128
     assert [g.plan.generation for g in state.history] == [1, 2]
@@ -180,3 +181,24 @@ def test_bad_rows_are_refused_with_the_reason(text: str, needle: str) -> None:
     with pytest.raises(RowError) as info:
         decode_group(text)
     assert needle in str(info.value)
+
+
+def test_a_row_written_before_releases_reads_as_the_default_release() -> None:
+    # Rows of sidecars older than the release field: their waiting proposals
+    # came from clients that drove the default release; the group's release
+    # is not fixed yet (its next decided round fixes it), and sizes as the default.
+    state = decode_group((DATA / "group-row-v3.json").read_text())
+    assert state.release == ""
+    assert state.open_round is not None and state.open_round.proposals
+    assert {p.release for p in state.open_round.proposals} == {flashinfer.DEFAULT_RELEASE.name}
+    assert state.plan is not None
+    assert flashinfer.workspace_size(state.release, state.plan.capacities, state.ep_size) == (
+        capacities_workspace_bytes(state.plan.capacities, state.ep_size)
+    )
+
+
+def test_a_row_naming_an_unknown_release_fails_to_load_naming_the_field() -> None:
+    document = json.loads(encode_group(rich_state()))
+    document["release"] = "9.9.9"
+    with pytest.raises(RowError, match=r"field 'release'.*'9\.9\.9'"):
+        decode_group(json.dumps(document))

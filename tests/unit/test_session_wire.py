@@ -21,7 +21,7 @@ DECISION = Decision(7, Action.REUSE, Plan(Capacities(256, 4096, 14336, 8, 256), 
 
 @pytest.mark.parametrize("message_id", [0, 1, 127, 128, 300, 2**32 + 5, 2**64 - 1])
 def test_the_framed_answer_is_the_message_protobuf_serializes(message_id: int) -> None:
-    decision = decision_to_proto(DECISION, 8)
+    decision = decision_to_proto(DECISION, 8, "")
     framed = session_decision_wire(message_id, decision.SerializeToString())
     assert framed == session_decision_to_proto(message_id, decision).SerializeToString()
     parsed = pb.SessionResponse.FromString(framed)

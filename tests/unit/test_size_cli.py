@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from moe_sidecar.client import sizing_moe_ep
 from moe_sidecar.client.size.answer import SizeError, plan_sizes
-from moe_sidecar.core.sizing import workspace_size_per_rank
+from moe_sidecar.flashinfer import v0_7_4
+from moe_sidecar.flashinfer.v0_7_2_post1 import workspace_size_per_rank
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,10 +46,10 @@ def test_0_7_2_post1_deepseek_matches_the_measured_workspaces() -> None:
 def test_0_7_4_union_is_the_bf16_layout() -> None:
     answer = plan_sizes("0.7.4", 8, 8192, 7168, 8, 256, ("nvfp4", "bf16"))
     assert answer.workspace_bytes_per_rank == (
-        sizing_moe_ep.layer_layout(8, 8192, 8, 7168, "BF16").workspace_size
+        v0_7_4.layer_layout(8, 8192, 8, 7168, "BF16").workspace_size
     )
     assert answer.layers[0].workspace_bytes_per_rank == (
-        sizing_moe_ep.layer_layout(8, 8192, 8, 7168, "NVFP4").workspace_size
+        v0_7_4.layer_layout(8, 8192, 8, 7168, "NVFP4").workspace_size
     )
     assert answer.gpu_total_bytes == 8 * answer.workspace_bytes_per_rank
 
@@ -59,7 +59,7 @@ def test_integer_dispatch_extra_bytes_and_eplb() -> None:
     assert answer.capacities.dispatch_bytes_per_token == 5000 + 32 + 16
     d = answer.described_as
     assert d is not None and d.dispatch_bytes_per_token == 5000 + 32 + 16
-    layout = sizing_moe_ep.workspace_layout(
+    layout = v0_7_4.workspace_layout(
         4, 64, 4, 4 * 64 * (5000 + 32 + 16) + 1024, 4 * 64 * 4096 * 2, 64
     )
     assert answer.workspace_bytes_per_rank == layout.workspace_size
@@ -71,10 +71,10 @@ def test_beyond_the_sidecar_limits_it_answers_and_says_who_refuses() -> None:
     answer = plan_sizes("0.7.4", 256, 16384, 7168, 5, 384, ("bf16",))
     assert answer.workspace_bytes_per_rank > 0
     text = "\n".join(answer.refusals)
-    # The sidecar's limit is its own (0.7.2.post1's, and what its bounds are
-    # measured for), not 0.7.4's: the refusal says which.
+    # The sidecar's limit is its own (the oldest release's, and what its bounds
+    # are measured for), not 0.7.4's: the refusal says which.
     assert "sidecar: ep_size=256: the sidecar holds EP groups of at most 64 ranks" in text
-    assert "FlashInfer 0.7.2.post1's limit" in text
+    assert "the oldest FlashInfer release's limit" in text
     assert "top_k=5" in text and "not divisible" in text
 
 
@@ -115,7 +115,7 @@ def test_subprocess_json_without_torch_or_flashinfer(tmp_path: Path) -> None:
     answer = json.loads(done.stdout)
     assert answer["flashinfer"] == "0.7.4"
     assert answer["workspace_bytes_per_rank"] == (
-        sizing_moe_ep.layer_layout(2, 128, 8, 7168, "BF16").workspace_size
+        v0_7_4.layer_layout(2, 128, 8, 7168, "BF16").workspace_size
     )
     assert [layer["dispatch"] for layer in answer["layers"]] == ["nvfp4", "bf16"]
     assert answer["described_as"]["dispatch_format"] == "BF16"

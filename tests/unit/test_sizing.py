@@ -13,6 +13,7 @@ from moe_sidecar.client import sizing as client_sizing
 from moe_sidecar.core import sizing as core_sizing
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.layer import layer_capacities
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -38,20 +39,22 @@ def test_workspace_nvfp4_layer_hidden_4096() -> None:
     c = sizing.layer_capacities(2, 256, 2, 16, 4096, 4096 // 2, 4096 // 16)
     assert c.dispatch_bytes_per_token == 2048 + 256 + 16
     assert c.combine_bytes_per_token == 8192
-    assert c.workspace_bytes(2) == 45440 + 2 * 256 * 2320 + 2 * 256 * 8192
+    assert capacities_workspace_bytes(c, 2) == 45440 + 2 * 256 * 2320 + 2 * 256 * 8192
 
 
 def test_bf16_layer_needs_more_than_nvfp4() -> None:
     nvfp4 = sizing.layer_capacities(2, 256, 2, 16, 4096, 2048, 256)
     bf16 = sizing.layer_capacities(2, 256, 2, 16, 4096, 8192, 0)
-    assert bf16.workspace_bytes(2) > nvfp4.workspace_bytes(2)
+    assert capacities_workspace_bytes(bf16, 2) > capacities_workspace_bytes(nvfp4, 2)
     # The bf16 dispatch fits the NVFP4 workspace; its combine does not: the
     # combine payload starts after the (bigger) dispatch payloads.
     payload = sizing.aux_data_size(2, 256)
     dispatch_end = payload + 2 * 256 * bf16.dispatch_bytes_per_token
-    assert dispatch_end <= nvfp4.workspace_bytes(2)
+    assert dispatch_end <= capacities_workspace_bytes(nvfp4, 2)
     combine_offset = sizing.align(dispatch_end)
-    assert combine_offset + 2 * 256 * bf16.combine_bytes_per_token > nvfp4.workspace_bytes(2)
+    assert combine_offset + 2 * 256 * bf16.combine_bytes_per_token > capacities_workspace_bytes(
+        nvfp4, 2
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_sidecar.client import sizing_moe_ep as s
 from moe_sidecar.core.plan import Capacities, join_capacities
+from moe_sidecar.flashinfer import v0_7_4 as s
 
 pytestmark = pytest.mark.timeout(60)
 

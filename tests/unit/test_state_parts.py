@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from moe_sidecar import flashinfer
 from moe_sidecar.core.effects import EventKind, GroupEvent
 from moe_sidecar.core.errors import CoordinatorUnavailable, ResourceExhausted
 from moe_sidecar.core.group import Decision
@@ -78,9 +79,12 @@ async def test_watchers_are_bounded_filtered_and_ended() -> None:
         await anext(mine)
 
 
-def test_the_observer_counts_and_logs_each_kind(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("release", [r.name for r in flashinfer.RELEASES])
+def test_the_observer_counts_and_logs_each_kind(
+    caplog: pytest.LogCaptureFixture, release: str
+) -> None:
     metrics = SidecarMetrics()
-    observer = EventObserver(metrics, lambda group: 2)
+    observer = EventObserver(metrics, lambda group: (2, release))
     caplog.set_level(logging.INFO, logger="moe_sidecar.state")
     decided = GroupEvent(
         "g", EventKind.ROUND_DECIDED, 1.0, round=1, action=Action.REBUILD, plan=PLAN, latency=0.5
@@ -94,7 +98,8 @@ def test_the_observer_counts_and_logs_each_kind(caplog: pytest.LogCaptureFixture
         "group removed",
     ]
     logged = caplog.records[0].__dict__
-    assert logged["workspace_bytes"] == PLAN.capacities.workspace_bytes(2)
+    # In the group's own release's arithmetic.
+    assert logged["workspace_bytes"] == flashinfer.workspace_size(release, PLAN.capacities, 2)
     assert logged["eplb_experts"] == 8 and logged["max_tokens"] == 256
     assert caplog.records[1].__dict__["missing_ranks"] == [1]
     sample = metrics.registry.get_sample_value
@@ -107,7 +112,7 @@ def test_a_reuse_round_is_logged_at_debug_a_build_at_info(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     metrics = SidecarMetrics()
-    observer = EventObserver(metrics, lambda group: 2)
+    observer = EventObserver(metrics, lambda group: (2, ""))
     caplog.set_level(logging.INFO, logger="moe_sidecar.state")
     for number, action in ((1, Action.BUILD), (2, Action.REUSE)):
         observer.observe(

@@ -24,7 +24,7 @@ from moe_sidecar.client.vllm_sizing import (
     dispatch_format_name,
 )
 from moe_sidecar.core.errors import InvalidArgument
-from moe_sidecar.core.sizing import workspace_size_per_rank
+from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes, workspace_size_per_rank
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -52,7 +52,7 @@ NVFP4_B, BF16_B, FP8_SCALED_B = 4_741_504, 7_379_328, 5_601_664
 
 def workspace(positional: tuple[object, ...] = (), hidden: int = H, **keywords: object) -> int:
     call = classify_call(EP, T, K, E, hidden, positional, keywords)
-    return call.capacities.workspace_bytes(EP)
+    return capacities_workspace_bytes(call.capacities, EP)
 
 
 def pr42976(hidden: int, code: int, scale: int) -> int:
@@ -147,7 +147,7 @@ def test_call_styles(
     positional, keywords = call
     understood = classify_call(EP, T, K, E, H, positional, keywords)
     assert understood.generation is generation
-    assert understood.capacities.workspace_bytes(EP) == expected
+    assert capacities_workspace_bytes(understood.capacities, EP) == expected
 
 
 @pytest.mark.parametrize(

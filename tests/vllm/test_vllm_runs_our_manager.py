@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from moe_sidecar.core.sizing import workspace_size_per_rank
+from moe_sidecar.flashinfer.v0_7_2_post1 import workspace_size_per_rank
 from tests.multiprocess.harness import Sidecar, free_port, run_ranks, running_sidecar
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(420)]

@@ -201,6 +201,7 @@ class ProposeRequest(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     REQUIREMENT_FIELD_NUMBER: _builtins.int
     GROUP_PROOF_FIELD_NUMBER: _builtins.int
+    FLASHINFER_RELEASE_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """EP group name: model identity + parallel layout + pipeline stage,
     e.g. "deepseek-v3:fp4/tp1-ep8/pp0".
@@ -221,6 +222,13 @@ class ProposeRequest(_message.Message):
     PERMISSION_DENIED. The sidecar keeps only its digest. Empty: no proof (a
     client older than the field), which is a proof of its own.
     """
+    flashinfer_release: _builtins.str
+    """The FlashInfer release the rank builds with (flashinfer-python's version
+    as the project's release table names it, e.g. "0.7.4"). Every rank of a
+    group must state the same one (else FAILED_PRECONDITION); the group's
+    workspace bytes and ceiling are that release's. Empty: a client older
+    than the field, which drove the oldest release of the table.
+    """
     @_builtins.property
     def requirement(self) -> Global___Requirement: ...
     def __init__(
@@ -234,10 +242,11 @@ class ProposeRequest(_message.Message):
         round: _builtins.int = ...,
         requirement: Global___Requirement | None = ...,
         group_proof: _builtins.str = ...,
+        flashinfer_release: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requirement", b"requirement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "group", b"group", "group_proof", b"group_proof", "lifetime", b"lifetime", "local_ranks", b"local_ranks", "requirement", b"requirement", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "flashinfer_release", b"flashinfer_release", "group", b"group", "group_proof", b"group_proof", "lifetime", b"lifetime", "local_ranks", b"local_ranks", "requirement", b"requirement", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -260,7 +269,7 @@ class Plan(_message.Message):
     generation: _builtins.int
     """Moved only when the plan grows; never reused for a group."""
     workspace_bytes: _builtins.int
-    """Per-rank workspace bytes FlashInfer 0.7.2.post1's MoeAlltoAll needs for
+    """Per-rank workspace bytes the group's FlashInfer release builds for
     these capacities in the group; derived, for reading only (ignored in a
     request).
     """
@@ -779,6 +788,7 @@ class Group(_message.Message):
     RESTARTING_RANKS_FIELD_NUMBER: _builtins.int
     LAST_ACTIVITY_FIELD_NUMBER: _builtins.int
     REFUSED_PROPOSALS_FIELD_NUMBER: _builtins.int
+    FLASHINFER_RELEASE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -796,6 +806,10 @@ class Group(_message.Message):
     """
     refused_proposals: _builtins.int
     """Proposals and commits refused because their group proof did not match."""
+    flashinfer_release: _builtins.str
+    """The FlashInfer release the group's ranks build with (its workspace
+    bytes are that release's).
+    """
     @_builtins.property
     def plan(self) -> Global___Plan:
         """The stored plan (the union over every lifetime since the last reset);
@@ -827,10 +841,11 @@ class Group(_message.Message):
         restarting_ranks: _builtins.int = ...,
         last_activity: _timestamp_pb2.Timestamp | None = ...,
         refused_proposals: _builtins.int = ...,
+        flashinfer_release: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

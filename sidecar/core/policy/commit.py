@@ -114,7 +114,7 @@ def commit(
     now: float,
     *,
     node: str = "",
-    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+    ceiling: limits.WorkspaceCeiling,
 ) -> Step:
     """Records the plan a rank holds after building and passing the barrier.
 

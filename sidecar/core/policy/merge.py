@@ -44,7 +44,7 @@ def merge(
     now: float,
     *,
     node: str = "",
-    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+    ceiling: limits.WorkspaceCeiling,
 ) -> Step:
     """Merges a group's plan decided elsewhere (another node, the cluster store).
 
@@ -72,7 +72,7 @@ def merge(
             join with the group's would leave the ranges.
     """
     check_cluster_plan(remote)
-    check_cluster_plan_ceiling(remote, ceiling)
+    check_cluster_plan_ceiling(remote, ceiling, state.release if state is not None else "")
     if state is None:
         state = new_group(remote.name, remote.ep_size, remote.ep_size)
     local = cluster_plan_of(state)

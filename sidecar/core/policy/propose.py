@@ -122,7 +122,7 @@ def _admit_new_lifetime(
     now: float,
     round_timeout: float,
     node: str,
-    ceiling: int,
+    ceiling: limits.WorkspaceCeiling,
 ) -> _Admitted | Step:
     """A proposal from a lifetime the group has not seen for this rank.
 
@@ -213,7 +213,12 @@ def _admit_known(
 
 
 def _join_round(
-    admitted: _Admitted, p: Proposal, now: float, round_timeout: float, node: str, ceiling: int
+    admitted: _Admitted,
+    p: Proposal,
+    now: float,
+    round_timeout: float,
+    node: str,
+    ceiling: limits.WorkspaceCeiling,
 ) -> Step:
     """Adds an admitted proposal to its round (by the proof's rule); closes
     the round when every local slot holds one proof's proposals."""
@@ -284,7 +289,7 @@ def _add_proposal(
     now: float,
     effects: tuple[Effect, ...],
     node: str,
-    ceiling: int,
+    ceiling: limits.WorkspaceCeiling,
 ) -> Step:
     """Adds ``p``, which may join, to ``rnd`` (``ranks``: the group's ranks
     with ``p``'s record): it waits for the round's other ranks, or closes
@@ -313,7 +318,7 @@ def propose(
     round_timeout: float,
     *,
     node: str = "",
-    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+    ceiling: limits.WorkspaceCeiling,
     recovered: bool = False,
 ) -> Step:
     """Applies one proposal to a group.

@@ -64,7 +64,7 @@ def join_restart(
     now: float,
     round_timeout: float,
     node: str,
-    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+    ceiling: limits.WorkspaceCeiling,
 ) -> Step:
     """Adds a new lifetime's round-1 proposal to the pending restart.
 
@@ -148,7 +148,7 @@ def _restart(
     p: Proposal,
     now: float,
     node: str,
-    ceiling: int,
+    ceiling: limits.WorkspaceCeiling,
     displaced: tuple[Effect, ...],
 ) -> Step:
     """Every local rank began a new lifetime: the running one ends, round 1 of

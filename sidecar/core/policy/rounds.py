@@ -215,6 +215,9 @@ def why_cannot_join(
     of different shapes refuse every proposal (the module's shape rule).
     """
     need = p.requirement.capacities
+    release = _release_conflict(state, rnd, p, restart=restart)
+    if release is not None:
+        return release
     for q in rnd.proposals:
         if q.proof != p.proof:
             continue
@@ -250,6 +253,37 @@ def why_cannot_join(
             + ("; ResetGroup forgets the stored plan" if stored else "")
         )
     return None
+
+
+def _release_conflict(
+    state: GroupState, rnd: OpenRound, p: Proposal, *, restart: bool
+) -> str | None:
+    """Why ``p``'s FlashInfer release keeps it out of ``rnd``, or None: the
+    round's ranks (of ``p``'s proof) state another release, or (unless a
+    restart's round 1, which may bring an upgrade) the running lifetime was
+    decided with another. One workspace has one release's layout."""
+    others = [q for q in rnd.proposals if q.proof == p.proof and q.release != p.release]
+    if others:
+        ranks = ", ".join(str(q.ep_rank) for q in others)
+        return (
+            f"ranks disagree in round {p.round} of group {quote_name(p.group)}: rank(s) {ranks} "
+            f"build with FlashInfer {others[0].release!r} but rank {p.ep_rank} builds with "
+            f"FlashInfer {p.release!r}; every rank of a group must run one FlashInfer release"
+        )
+    if restart or state.built is None or not state.release or state.release == p.release:
+        # Not fixed yet (no decided round in this lifetime, or a row stored
+        # before releases were recorded): the next decided round fixes it.
+        return None
+    ranks = ", ".join(
+        str(r.ep_rank) for r in state.current_ranks() if r.ep_rank != p.ep_rank and not r.left
+    )
+    held = f"ranks {ranks} of" if ranks else "the running lifetime of"
+    return (
+        f"round {p.round} of group {quote_name(p.group)}: rank {p.ep_rank} builds with "
+        f"FlashInfer {p.release!r} but {held} the group build with FlashInfer "
+        f"{state.release!r}; every rank of a group must run one FlashInfer release "
+        "(restart every rank to change it)"
+    )
 
 
 def _split_shapes_text(
@@ -388,6 +422,8 @@ def _decided_state(
         closed=(*state.closed, decision)[-RETAINED_ROUNDS:],
         # The lifetime's first decided round fixes its proof (one for every slot).
         proof=rnd.proposals[0].proof if state.proof is None else state.proof,
+        # Every proposal of a lifetime states one release (why_cannot_join).
+        release=rnd.proposals[0].release,
         plan=plan,
         generation=plan.generation if decision.grew else state.generation,
         # REUSE keeps what the ranks hold, which may exceed the plan after a reset.
@@ -417,7 +453,7 @@ def decide_round(
     now: float,
     effects: tuple[Effect, ...],
     node: str,
-    ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+    ceiling: limits.WorkspaceCeiling,
 ) -> Step:
     """Closes a round every local rank proposed (with one proof) with one
     outcome for all: a decision, or a refusal for every rank in it.
@@ -444,7 +480,7 @@ def decide_round(
     try:
         if grew:
             limits.check_plan("plan", plan, state.ep_size)
-        limits.check_workspace_ceiling("plan", plan.capacities, state.ep_size, ceiling)
+        limits.check_workspace_ceiling("plan", plan.capacities, state.ep_size, ceiling, p.release)
     except InvalidArgument as error:
         what = "would grow the plan" if grew else "needs the stored plan, which is"
         message = (

@@ -22,9 +22,9 @@ def validate_group_name(group: str) -> None:
     limits.check_name("group", group, allow_empty=False)
 
 
-def validate_proposal(p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES) -> None:
+def validate_proposal(p: Proposal, ceiling: limits.WorkspaceCeiling) -> None:
     """Checks every field of a proposal before it touches any state, and its
-    workspace against the per-rank ``ceiling``.
+    workspace (in its release's arithmetic) against the per-rank ``ceiling``.
 
     Raises:
         InvalidArgument: naming the first bad field and its value (or the ceiling).
@@ -38,7 +38,7 @@ def validate_proposal(p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_B
 
 
 def validate_known_proposal(
-    p: Proposal, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES, *, proof_known: bool = False
+    p: Proposal, ceiling: limits.WorkspaceCeiling, *, proof_known: bool = False
 ) -> None:
     """Checks what a proposal of a lifetime the group knows can change: its
     round and its requirement (and its proof unless ``proof_known``), with
@@ -57,14 +57,13 @@ def validate_known_proposal(
     limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
     if not proof_known:
         limits.check_name("group_proof", p.proof, allow_empty=True)
+    limits.check_name("release", p.release, allow_empty=True)
     limits.check_workspace_ceiling(
-        "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling
+        "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling, p.release
     )
 
 
-def validate_commit(
-    state: GroupState, c: CommitRecord, ceiling: int = limits.DEFAULT_MAX_WORKSPACE_BYTES
-) -> None:
+def validate_commit(state: GroupState, c: CommitRecord, ceiling: limits.WorkspaceCeiling) -> None:
     """Checks every field of a commit to ``state`` before it touches it, and
     its plan's workspace against the per-rank ``ceiling``.
 
@@ -77,4 +76,6 @@ def validate_commit(
     limits.check_plan("plan", c.plan, state.ep_size)
     limits.check_seconds("build_seconds", c.build_seconds)
     limits.check_name("group_proof", c.proof, allow_empty=True)
-    limits.check_workspace_ceiling("plan.capacities", c.plan.capacities, state.ep_size, ceiling)
+    limits.check_workspace_ceiling(
+        "plan.capacities", c.plan.capacities, state.ep_size, ceiling, state.release
+    )

@@ -10,7 +10,7 @@ the project's pure modules.
 
 What is computed: the fence path, the only one on SM90 (H100/H200). CFT
 counted writes and the Lamport transport (SM100 and newer) add regions;
-the client's 0.7.4 backend turns both off (``cft=False, lamport=False``),
+the client's backend of this release turns both off (``cft=False, lamport=False``),
 so every workspace it builds has this layout on every GPU.
 
 Layout of one rank's workspace (``reserve`` aligns each region's start)::
@@ -42,7 +42,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.core.sizing import (
     BF16_BYTES,
@@ -51,13 +50,17 @@ from moe_sidecar.core.sizing import (
     dispatch_bytes_per_token,
     routing_bytes_per_token,
 )
+from moe_sidecar.flashinfer import v0_7_2_post1
+from moe_sidecar.flashinfer.release import JitModuleFacts, LayoutError, Release
 
 __all__ = [
     "CACHELINE_ALIGNMENT",
+    "DISPATCH_FORMAT_BYTES",
     "FLASHINFER_VERSION",
     "MAX_PAYLOADS",
     "MAX_RANKS",
     "MAX_TOP_K",
+    "RELEASE",
     "SUPPORTED_TOP_K",
     "WORKSPACE_ALIGNMENT",
     "Description",
@@ -72,6 +75,9 @@ __all__ = [
 ]
 
 FLASHINFER_VERSION: Final = "0.7.4"
+DISPATCH_FORMAT_BYTES: Final = v0_7_2_post1.DISPATCH_FORMAT_BYTES
+"""0.7.4's ``_DISPATCH_BYTES_PER_TOKEN``: unchanged from 0.7.2.post1's
+(``tests/fi074`` reads it from the installed 0.7.4)."""
 WORKSPACE_ALIGNMENT: Final = 256
 """``kWorkspaceAlignment`` (moeAlltoAllMeta.h): payload regions start and end on it."""
 CACHELINE_ALIGNMENT: Final = 128
@@ -91,13 +97,6 @@ _INT64_MAX: Final = 2**63 - 1
 # The formats in order of preference when describing a union: the largest
 # first, so the extra bytes that make up the rest stay small.
 _DESCRIBE_ORDER: Final = ("BF16", "DeepSeekFp8", "MXFP8", "FP8PerTensor", "NVFP4", "MXFP4")
-
-
-class LayoutError(ValueError):
-    """FlashInfer's layout (or its constructor) refuses the configuration.
-
-    The message names the argument and the value, as FlashInfer's check does.
-    """
 
 
 def _align(offset: int, alignment: int) -> int:
@@ -244,12 +243,7 @@ def _check_layout_inputs(
 
 
 def _format_bytes(dispatch_format: str, hidden_size: int) -> int:
-    try:
-        return DISPATCH_FORMAT_BYTES[dispatch_format](hidden_size)
-    except KeyError:
-        raise LayoutError(
-            f"dispatch_format={dispatch_format!r}: must be one of {', '.join(DISPATCH_FORMAT_BYTES)}"
-        ) from None
+    return RELEASE.format_bytes(dispatch_format, hidden_size)
 
 
 def op_inputs(
@@ -414,3 +408,30 @@ def object_refusals(
             f"eplb_stats_num_experts={eplb_stats_num_experts} must be in [0, num_experts={num_experts}]"
         )
     return tuple(reasons)
+
+
+RELEASE: Final = Release(
+    name=FLASHINFER_VERSION,
+    versions=(FLASHINFER_VERSION,),
+    backend="flashinfer-moe-ep",
+    api="flashinfer.moe_ep.NVLinkOneSidedAlltoAll",
+    max_ranks=MAX_RANKS,
+    max_top_k=MAX_TOP_K,
+    supported_top_k=SUPPORTED_TOP_K,
+    dispatch_format_bytes=DISPATCH_FORMAT_BYTES,
+    jit_module=JitModuleFacts(
+        name="nvlink_one_sided_alltoall",
+        sources=(
+            "data/csrc/nvlink_one_sided_alltoall.cu",
+            "data/csrc/nvlink_one_sided_lamport.cu",
+        ),
+        spec_factory="flashinfer.jit.comm:gen_nvlink_one_sided_alltoall_module",
+        role="the all-to-all of the client's flashinfer-moe-ep backend",
+    ),
+    workspace_size=capacities_workspace_bytes,
+    object_refusals=object_refusals,
+    install_extra="flashinfer074",
+)
+"""FlashInfer 0.7.4: ``MoeAlltoAll`` removed, ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll``,
+JIT module ``nvlink_one_sided_alltoall`` (83 s to compile on an H200 host; 0.7.4
+lays out the JIT cache as 0.7.2.post1 does)."""
