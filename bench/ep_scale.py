@@ -106,7 +106,7 @@ from moe_sidecar.client.backends.reference import (  # noqa: E402
     ReferenceOneSidedConfig,
     live_workspace_bytes,
 )
-from moe_sidecar.client.vllm_sizing import classify_call  # noqa: E402
+from moe_sidecar.client.engines.vllm.sizing import classify_call  # noqa: E402
 from moe_sidecar.core.plan import Capacities, join_capacities  # noqa: E402
 from tests.exchange import round_trip  # noqa: E402
 from tests.gpu import workers  # noqa: E402

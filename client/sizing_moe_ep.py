@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
+from moe_sidecar.client.engines.vllm.sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.core.sizing import (
     BF16_BYTES,

@@ -41,7 +41,6 @@ import functools
 import gc
 import importlib
 import logging
-import os
 import time
 from typing import Any
 
@@ -52,8 +51,7 @@ from moe_sidecar.client import sizing_moe_ep
 from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
-from moe_sidecar.client.errors import BackendError, InvalidArgument
-from moe_sidecar.core.defaults import VLLM_LOW_PRECISION_COMBINE
+from moe_sidecar.client.errors import BackendError
 from moe_sidecar.core.plan import Capacities
 
 __all__ = ["SUPPORTED_FLASHINFER", "FlashInferMoeEpBackend", "vllm_compatible_class"]
@@ -141,14 +139,6 @@ def vllm_compatible_class() -> Any:
     return NVLinkOneSidedAlltoAllForVllm
 
 
-def _low_precision_combine() -> bool:
-    flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
-    try:
-        return bool(int(flag))
-    except ValueError as error:
-        raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
-
-
 class FlashInferMoeEpBackend:
     """Builds FlashInfer 0.7.4 ``NVLinkOneSidedAlltoAll`` objects for one EP group.
 
@@ -234,7 +224,7 @@ class FlashInferMoeEpBackend:
         config = moe_ep.NVLinkOneSidedConfig(
             extra_payload_bytes_per_token=d.extra_payload_bytes_per_token,
             eplb_stats_num_experts=d.eplb_stats_num_experts,
-            use_low_precision_combine=_low_precision_combine(),
+            use_low_precision_combine=spec.use_low_precision_combine,
             comm_backend=communicator,
             # Both change the layout the pure sizing computes (SM100+ only).
             cft=False,

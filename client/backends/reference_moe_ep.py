@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from moe_sidecar.client.backends.reference_alltoall import ReferenceAlltoAll
+from moe_sidecar.client.engines.vllm.sizing import DISPATCH_FORMAT_BYTES, dispatch_format_name
 from moe_sidecar.client.errors import BackendError
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES, dispatch_format_name
 
 __all__ = [
     "ReferenceCommParams",

@@ -20,8 +20,8 @@ from functools import reduce
 from typing import Final
 
 from moe_sidecar.client import sizing_moe_ep
+from moe_sidecar.client.engines.vllm.sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.client.size.releases import DISPATCH_KINDS, RELEASES
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.layer import layer_capacities
 from moe_sidecar.core.limits import EP_SIZE_REASON, MAX_EP_SIZE, check_capacities

@@ -17,7 +17,7 @@ where FlashInfer aligns it)::
     | dispatch payloads (ep*runtime_tokens*bytes, one region per payload)
     | combine payload (ep*runtime_tokens*bytes)
 
-It also holds the one per-layer rule every vLLM generation follows
+It also holds the one per-layer rule every engine follows
 (:func:`dispatch_bytes_per_token`, :func:`combine_bytes_per_token`); the
 capacities of a layer are built from it in :mod:`moe_sidecar.core.layer`.
 """
@@ -167,7 +167,7 @@ INT32_BYTES = _INT32
 FLOAT32_BYTES = 4
 """A routing weight of the top-k routing (float32)."""
 BF16_BYTES = 2
-"""One element of a bf16 row (the combine payload, and vLLM's default dispatch rows)."""
+"""One element of a bf16 row (the combine payload, and an engine's default dispatch rows)."""
 
 
 def bf16_row_bytes(hidden_size: int) -> int:
@@ -189,7 +189,7 @@ def dispatch_bytes_per_token(
 ) -> int:
     """The per-layer rule for the dispatch payload per token: the hidden
     states, their scale factors, any extra payload, and the top-k routing
-    (:func:`routing_bytes_per_token`). Every vLLM generation sizes a layer so."""
+    (:func:`routing_bytes_per_token`). Every engine sizes a layer so."""
     return (
         x_bytes_per_token
         + x_sf_bytes_per_token

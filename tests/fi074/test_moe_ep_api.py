@@ -16,7 +16,7 @@ import pytest
 
 from moe_sidecar.client import sizing_moe_ep
 from moe_sidecar.client.backends import flashinfer_backend_name
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
+from moe_sidecar.client.engines.vllm.sizing import DISPATCH_FORMAT_BYTES
 
 pytestmark = [pytest.mark.fi074, pytest.mark.timeout(120)]
 
