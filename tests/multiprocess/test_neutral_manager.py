@@ -52,7 +52,7 @@ def neutral_worker(rank: int, world: int, target: str | None, group: str) -> dic
             }
         )
     communication = manager.get_communication()
-    out = {
+    out: dict[str, Any] = {
         "records": records,
         "counters": asdict(manager.counters),
         "row": (communication.params.hidden_size, communication.params.max_tokens_per_rank),

@@ -154,7 +154,7 @@ def _engine_imports(path: Path) -> set[tuple[str, str | None]]:
 
 
 def test_engines_import_the_manager_never_the_reverse() -> None:
-    borrowed: set[tuple[str, str]] = set()
+    borrowed: set[tuple[str, str | None]] = set()
     for name, path in MODULES.items():
         if name.startswith(ENGINES) or name in PACKAGE_FACES:
             continue
