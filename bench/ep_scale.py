@@ -107,7 +107,7 @@ from moe_sidecar.client.backends.reference import (  # noqa: E402
     ReferenceOneSidedConfig,
     live_workspace_bytes,
 )
-from moe_sidecar.client.vllm_sizing import classify_call  # noqa: E402
+from moe_sidecar.client.engines.vllm.sizing import classify_call  # noqa: E402
 from moe_sidecar.core import limits as _limits  # noqa: E402
 from moe_sidecar.core.plan import Capacities, join_capacities  # noqa: E402
 from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes  # noqa: E402

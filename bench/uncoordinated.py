@@ -1,7 +1,7 @@
 """A rank with no coordination at all: the baseline the benchmarks compare against.
 
 What vLLM's in-process fix does: size each layer with the same rule as the
-manager (:func:`moe_sidecar.client.vllm_sizing.classify_call`), grow to the
+manager (:func:`moe_sidecar.client.engines.vllm.sizing.classify_call`), grow to the
 union this rank has seen, build through the same backend and pass the EP
 barrier; no proposal, no agreement, no history. Its ``initialize()`` takes
 the manager's arguments, so a benchmark runs the same layers through both.
@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from moe_sidecar.client.backends import AlltoAll, BuildSpec, backend_for
-from moe_sidecar.client.vllm_sizing import KEYWORDS, classify_call
+from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, classify_call
 from moe_sidecar.core.plan import Capacities, join_capacities
 
 __all__ = ["UncoordinatedRank"]

@@ -3,11 +3,13 @@
 ``WorkspaceManager`` sizes, builds, grows and frees one EP group's FlashInfer
 MoE all-to-all workspace, deciding through the node's sidecar
 (``MOE_SIDECAR_TARGET``) or, without one, through the same decision core
-in-process. It takes the ``initialize()`` arguments of every generation of
-vLLM's ``FlashInferNVLinkOneSidedManager`` (``vllm_sizing``), and
-``vllm_plugin`` puts it in vLLM's place (the ``[vllm]`` extra's
-``vllm.general_plugins`` entry point). ``sizing`` is FlashInfer's workspace
-arithmetic in pure Python.
+in-process. It is vLLM's room's manager (``engines.vllm.manager``): it takes
+the ``initialize()`` arguments of every generation of vLLM's
+``FlashInferNVLinkOneSidedManager`` (``engines.vllm.sizing``), and
+``engines.vllm.plugin`` puts it in vLLM's place (the ``[vllm]`` extra's
+``vllm.general_plugins`` entry point). The engine-neutral round protocol it
+is built on is ``manager.AlltoAllManager``. ``sizing`` is FlashInfer's
+workspace arithmetic in pure Python.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET
 if TYPE_CHECKING:
     from moe_sidecar.client import sizing
     from moe_sidecar.client.counters import ManagerCounters
+    from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
     from moe_sidecar.client.errors import (
         AdminDisabled,
         AgreementError,
@@ -37,7 +40,6 @@ if TYPE_CHECKING:
         RoundAborted,
         RoundTimedOut,
     )
-    from moe_sidecar.client.manager import WorkspaceManager
 
 __all__ = [
     "EMBEDDED",
@@ -81,7 +83,7 @@ _NAMES = lazy_names(
             "RoundAborted",
             "RoundTimedOut",
         ),
-        "manager": ("WorkspaceManager",),
+        "engines.vllm.manager": ("WorkspaceManager",),
     },
 )
 

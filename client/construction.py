@@ -1,4 +1,4 @@
-"""What a :class:`~moe_sidecar.client.manager.WorkspaceManager` settles once,
+"""What a :class:`~moe_sidecar.client.manager.AlltoAllManager` settles once,
 at construction: its backend and how many ranks of its EP group share its
 decider."""
 

@@ -1,4 +1,4 @@
-"""What one :class:`~moe_sidecar.client.manager.WorkspaceManager` has done so far."""
+"""What one :class:`~moe_sidecar.client.manager.AlltoAllManager` has done so far."""
 
 from __future__ import annotations
 

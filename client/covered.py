@@ -41,10 +41,14 @@ local in embedded mode and agrees on nothing.
 
 from __future__ import annotations
 
-from moe_sidecar.client.errors import InternalError
-from moe_sidecar.core.plan import Capacities, Plan
+from collections.abc import Callable
 
-__all__ = ["check_reuse", "passes_as_covered"]
+from moe_sidecar.client.errors import InternalError
+from moe_sidecar.client.transport import Transport
+from moe_sidecar.core.group import Decision
+from moe_sidecar.core.plan import Action, Capacities, Plan
+
+__all__ = ["check_reuse", "passes_as_covered", "read_answers"]
 
 
 def passes_as_covered(capacities: Capacities, built: Plan | None, mode_allows: bool) -> bool:
@@ -71,3 +75,42 @@ def check_reuse(group: str, round_number: int, layer: str, plan: Plan, held: Pla
             f"answered REUSE of {plan} but this rank holds {held}; was the "
             "sidecar's state replaced while this process ran? Restart the ranks"
         )
+
+
+def read_answers(
+    transport: Transport,
+    keep: int,
+    check: Callable[[int, str, Plan], None],
+    build: Callable[[Decision], float],
+) -> tuple[int, float | None]:
+    """Reads the answers still outstanding on ``transport``, oldest first,
+    until at most ``keep`` remain, and does what they ask; returns the latest
+    round answered and the seconds of the last build (None: no build).
+
+    A REUSE needs nothing but ``check(round, layer, plan)``, that this rank
+    holds its plan. A refusal is raised. A BUILD/REBUILD (the sidecar's plan
+    rose above what was built while this rank passed the round as covered)
+    is built here by ``build(decision)``: every rank of that round got the
+    same decision and builds it, at once or when it reads it, so the build's
+    collectives meet. Then every answer still outstanding is read (more
+    builds if they ask for them), so the caller commits the plan held against
+    the latest round answered: every message sent before the commit has been
+    answered, so that round is the sidecar's latest closed one (still
+    retained), decided at the plan held.
+
+    Raises:
+        CoordinatorError: an answer is a refusal (naming the round's layers
+            and ranks), or the sidecar could not be reached.
+        InternalError: ``check`` refused a REUSE.
+        BackendError: a build an answer asked for failed.
+    """
+    build_seconds: float | None = None
+    answered = 0
+    while transport.unanswered > (0 if build_seconds is not None else keep):
+        decision = transport.next_answer()
+        answered = decision.round
+        if decision.action is Action.REUSE:
+            check(decision.round, decision.layer, decision.plan)
+            continue
+        build_seconds = build(decision)
+    return answered, build_seconds

@@ -3,18 +3,15 @@ how FlashInfer's moe_ep object describes a plan from them."""
 
 from __future__ import annotations
 
-import os
-
 from moe_sidecar.client.backends import CommunicationSpec
-from moe_sidecar.client.errors import InvalidArgument
-from moe_sidecar.client.vllm_sizing import (
-    DISPATCH_FORMAT_BYTES,
-    Layout,
-    describe_activation,
-    routing_bytes_per_token,
-)
-from moe_sidecar.core.defaults import VLLM_LOW_PRECISION_COMBINE
+
+# The 0.33 description of a row size is vLLM's call form, borrowed from its
+# room (tests/unit/test_import_graph.py lists what is borrowed).
+from moe_sidecar.client.engines.vllm.sizing import describe_activation
+from moe_sidecar.client.layer_need import Layout
 from moe_sidecar.core.plan import Plan
+from moe_sidecar.core.sizing import routing_bytes_per_token
+from moe_sidecar.flashinfer.v0_7_2_post1 import DISPATCH_FORMAT_BYTES
 
 __all__ = ["DispatchLayouts"]
 
@@ -32,15 +29,13 @@ class DispatchLayouts:
         if known is None or layout.activation_bytes > known.activation_bytes:
             self._widest[layout.hidden_size] = layout
 
-    def communication_spec(self, plan: Plan, ep_size: int, ep_rank: int) -> CommunicationSpec:
+    def communication_spec(
+        self, plan: Plan, ep_size: int, ep_rank: int, low_precision_combine: bool
+    ) -> CommunicationSpec:
         """How the moe_ep object describes ``plan``: the largest hidden size
         and the widest dispatch row asked for at it, plus the extra bytes that
         make up the plan's dispatch bytes (vLLM 0.33's own description of the
-        same union).
-
-        Raises:
-            InvalidArgument: ``VLLM_LOW_PRECISION_COMBINE`` is not 0 or 1.
-        """
+        same union), combining in FP8 when ``low_precision_combine``."""
         capacities = plan.capacities
         hidden = capacities.combine_bytes_per_token // 2
         activation = capacities.dispatch_bytes_per_token - routing_bytes_per_token(capacities.top_k)
@@ -55,11 +50,6 @@ class DispatchLayouts:
             name, _ = describe_activation(hidden, activation)
             described = name
             format_bytes = 2 * hidden if name is None else DISPATCH_FORMAT_BYTES[name](hidden)
-        flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
-        try:
-            low_precision = bool(int(flag))
-        except ValueError as error:
-            raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
         return CommunicationSpec(
             ep_size=ep_size,
             ep_rank=ep_rank,
@@ -70,5 +60,5 @@ class DispatchLayouts:
             dispatch_format=described,
             dispatch_format_name=name,
             extra_payload_bytes_per_token=max(activation - format_bytes, 0),
-            use_low_precision_combine=low_precision,
+            use_low_precision_combine=low_precision_combine,
         )

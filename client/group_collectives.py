@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend
 from moe_sidecar.client.construction import local_ranks_of
-from moe_sidecar.client.errors import BackendError, RankLost
+from moe_sidecar.client.errors import BackendError, InternalError, RankLost
 from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport
 from moe_sidecar.core.plan import Action, Plan
@@ -83,6 +83,25 @@ class GroupCollectives:
         except BaseException:
             self.count += 1  # the all_gather_object naming who failed
             raise
+
+    def agree_on_held(self, ep_rank: int, layer: str, held: Plan | None, round_number: int) -> None:
+        """Embedded: one agreement on what is held (``held``, after round
+        ``round_number`` of ``layer``), after rounds passed as covered; it
+        finds ranks out of step (see :mod:`moe_sidecar.client.agreement`).
+
+        Raises:
+            AgreementError: the ranks passed different rounds as covered.
+            RankLost: a peer died in the all-gather.
+            InternalError: the ranks hold different plans.
+        """
+        _, agreed = self.agree(
+            LocalOutcome(ep_rank=ep_rank, layer=layer, plan=held, round=round_number, settling=True)
+        )
+        if held is None or not held.covers(agreed.capacities):
+            raise InternalError(
+                f"EP group {self._group!r} after round {round_number}: this rank holds {held} "
+                f"but the ranks' plans join to {agreed}; restart the ranks"
+            )
 
     def barrier_after_build(self, backend: AlltoAllBackend, handle: AlltoAll) -> None:
         """Waits until every rank holds its new workspace ``handle`` (built by

@@ -4,98 +4,36 @@ A manager's group name, first match wins:
 
 1. the ``group=`` argument, when the caller passes one;
 2. ``MOE_SIDECAR_GROUP``, when set and not empty;
-3. inside vLLM (its model-parallel groups exist in this process): the model,
-   its quantization, the TP/PP/DP/EP sizes and this rank's pipeline stage,
-   ``<model>:<quantization>/tp<T>-pp<P>-dp<D>-ep<E>/pp<stage>`` (``-pcp<C>``
-   is added when prefill context parallelism is on), e.g.
-   ``deepseek-ai/DeepSeek-V3:fp8/tp1-pp1-dp8-ep8/pp0``;
+3. inside an engine whose room names groups (vLLM's:
+   :mod:`moe_sidecar.client.engines.vllm.naming`), the name the engine's own
+   config gives: model, quantization, parallel layout and pipeline stage;
 4. embedded mode only: the EP group's global ranks,
    ``embedded/ep<E>/ranks<first>-<last>``.
 
 In sidecar mode with none of 1-3 the manager refuses to start
 (:class:`InvalidArgument` naming ``MOE_SIDECAR_GROUP``): a sidecar keeps each
 group's plan across restarts, so two deployments must not share a name by
-accident. vLLM's name is the same on every rank and node of one EP group
-and across restarts of the same deployment, which is what makes a warm
-restart find its plan; two vLLM servers with the same model and layout behind
-one sidecar need distinct ``MOE_SIDECAR_GROUP`` values.
+accident. An engine's name is the same on every rank and node of one EP
+group and across restarts of the same deployment, which is what makes a
+warm restart find its plan; two servers with the same model and layout
+behind one sidecar need distinct ``MOE_SIDECAR_GROUP`` values.
 
-Names longer than the sidecar accepts (256 characters) keep the end of the
-model path and a hash of all of it; characters the sidecar refuses (not
-printable) become ``?``. So nothing vLLM passes is refused.
-
-vLLM is read only when it is already imported (never imported to find out).
+The engine's rule is asked only when rules 1 and 2 give no name.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from moe_sidecar.core.defaults import ENV_GROUP
 from moe_sidecar.core.errors import InvalidArgument
-from moe_sidecar.core.limits import MAX_NAME_LENGTH
 
-__all__ = [
-    "VllmLayout",
-    "group_name",
-    "ranks_group_name",
-    "resolve",
-    "vllm_group_name",
-    "vllm_layout",
-]
+__all__ = ["EngineGroupName", "group_name", "ranks_group_name", "resolve"]
 
-
-@dataclass(frozen=True)
-class VllmLayout:
-    """What names an EP group inside vLLM."""
-
-    model: str | None
-    """``model_config.model`` (a Hugging Face id or a path); None when vLLM's
-    config is not current or has no model."""
-    quantization: str | None
-    """``model_config.quantization`` (None: unquantized)."""
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    data_parallel_size: int
-    expert_parallel_size: int
-    """The EP group's size (its CPU group's)."""
-    pipeline_stage: int
-    """This rank's pipeline stage: one EP group per stage."""
-    prefill_context_parallel_size: int = 1
-
-
-def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
-def vllm_group_name(layout: VllmLayout) -> str:
-    """The group name of rule 3 (see the module docstring); at most
-    ``MAX_NAME_LENGTH`` characters, printable."""
-    pcp = (
-        f"-pcp{layout.prefill_context_parallel_size}"
-        if layout.prefill_context_parallel_size > 1
-        else ""
-    )
-    suffix = (
-        f":{_printable(layout.quantization or 'unquantized')}"
-        f"/tp{layout.tensor_parallel_size}-pp{layout.pipeline_parallel_size}"
-        f"-dp{layout.data_parallel_size}-ep{layout.expert_parallel_size}{pcp}"
-        f"/pp{layout.pipeline_stage}"
-    )
-    model = _printable(layout.model or "unknown-model")
-    room = MAX_NAME_LENGTH - len(suffix)
-    if len(model) > room:
-        # The end of a model path names it best; the hash keeps two long
-        # paths with the same end apart.
-        digest = hashlib.sha256((layout.model or "").encode()).hexdigest()[:12]
-        keep = max(room - len(digest) - 4, 0)
-        model = f"...{model[len(model) - keep :]}#{digest}"
-    return (model + suffix)[:MAX_NAME_LENGTH]
+EngineGroupName = Callable[[], str | None]
+"""Rule 3 of an engine's room: the group's name from the engine's config,
+None when this process runs no such engine (or its config is not current)."""
 
 
 def ranks_group_name(global_ranks: Sequence[int]) -> str:
@@ -106,7 +44,7 @@ def ranks_group_name(global_ranks: Sequence[int]) -> str:
 def group_name(
     explicit: str | None,
     environ: Mapping[str, str],
-    layout: VllmLayout | None,
+    engine_name: str | None,
     global_ranks: Sequence[int],
     *,
     embedded: bool,
@@ -116,7 +54,7 @@ def group_name(
     Args:
         explicit: the ``group=`` argument (None or empty: not given).
         environ: the environment (``MOE_SIDECAR_GROUP``).
-        layout: vLLM's layout when inside vLLM, else None.
+        engine_name: the engine's name of the group (rule 3), else None.
         global_ranks: the EP group's global ranks.
         embedded: whether the manager runs without a sidecar.
 
@@ -128,8 +66,8 @@ def group_name(
     from_env = environ.get(ENV_GROUP, "").strip()
     if from_env:
         return from_env
-    if layout is not None:
-        return vllm_group_name(layout)
+    if engine_name is not None:
+        return engine_name
     if embedded:
         return ranks_group_name(global_ranks)
     raise InvalidArgument(
@@ -141,57 +79,20 @@ def group_name(
     )
 
 
-def vllm_layout(cpu_group: Any) -> VllmLayout | None:
-    """vLLM's layout for the EP group ``cpu_group``, when this process runs
-    vLLM's distributed state (rule 3); None otherwise.
-
-    Reads vLLM's process groups (TP, PP, DP, and PCP where it has one) and,
-    when vLLM's config is current (inside a vLLM worker it is, while the
-    groups are built), the model and quantization. Never imports vLLM.
-    """
-    if "vllm.distributed.parallel_state" not in sys.modules:
-        return None
-    parallel_state: Any = sys.modules["vllm.distributed.parallel_state"]
-    try:
-        tp_size = int(parallel_state.get_tp_group().world_size)
-        pp = parallel_state.get_pp_group()
-        pp_size, stage = int(pp.world_size), int(pp.rank_in_group)
-        dp_size = int(parallel_state.get_dp_group().world_size)
-    except (AssertionError, AttributeError):
-        return None  # vLLM is imported but its groups are not built here
-    try:
-        pcp_size = int(parallel_state.get_pcp_group().world_size)
-    except (AssertionError, AttributeError):
-        pcp_size = 1
-    model: str | None = None
-    quantization: str | None = None
-    config_module = sys.modules.get("vllm.config")
-    current = getattr(config_module, "get_current_vllm_config_or_none", None)
-    config = current() if callable(current) else None
-    model_config = getattr(config, "model_config", None)
-    if model_config is not None:
-        model = str(model_config.model)
-        quantization = getattr(model_config, "quantization", None)
-    return VllmLayout(
-        model=model,
-        quantization=None if quantization is None else str(quantization),
-        tensor_parallel_size=tp_size,
-        pipeline_parallel_size=pp_size,
-        data_parallel_size=dp_size,
-        expert_parallel_size=int(cpu_group.size()),
-        pipeline_stage=stage,
-        prefill_context_parallel_size=pcp_size,
-    )
-
-
 def resolve(
-    explicit: str | None, cpu_group: Any, global_ranks: Sequence[int], *, embedded: bool
+    explicit: str | None,
+    engine_rule: EngineGroupName | None,
+    global_ranks: Sequence[int],
+    *,
+    embedded: bool,
 ) -> str:
-    """:func:`group_name` with this process's environment and vLLM state.
+    """:func:`group_name` with this process's environment and the engine's
+    rule (None: the manager runs in no engine that names groups).
 
     Raises:
         InvalidArgument: see :func:`group_name`.
     """
     named = explicit or os.environ.get(ENV_GROUP, "").strip()
-    layout = None if named else vllm_layout(cpu_group)  # vLLM is read only when needed
-    return group_name(explicit, os.environ, layout, global_ranks, embedded=embedded)
+    # The engine's config is read only when needed.
+    engine_name = None if named or engine_rule is None else engine_rule()
+    return group_name(explicit, os.environ, engine_name, global_ranks, embedded=embedded)

@@ -1,11 +1,12 @@
 """What one MoE layer needs, as capacities; FlashInfer's arithmetic, as the client names it.
 
-:func:`layer_capacities` is the per-layer rule, for the
-arguments vLLM 0.30's manager takes: the dispatch payload per token is the
-hidden states, their scale factors and the int32 expert ids plus float32
-weights of the top-k routing; the combine payload is bf16 hidden states. It
-is :func:`moe_sidecar.client.vllm_sizing.classify_call` with 0.30's keywords,
-where the other generations' rules live beside it.
+:func:`layer_capacities` is the per-layer rule, for a layer stated in
+bytes per token (the arguments vLLM 0.30's manager takes): the dispatch
+payload per token is the hidden states, their scale factors and the int32
+expert ids plus float32 weights of the top-k routing; the combine payload is
+bf16 hidden states. Each engine's own argument forms are its room's
+(vLLM's: :func:`moe_sidecar.client.engines.vllm.sizing.classify_call`, which
+gives the same capacities for 0.30's keywords).
 
 The per-layer rule itself (:func:`dispatch_bytes_per_token`,
 :func:`combine_bytes_per_token`) lives in :mod:`moe_sidecar.core.sizing`,
@@ -16,10 +17,8 @@ arithmetic lives in its release's module,
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from moe_sidecar.client.vllm_sizing import classify_call
-from moe_sidecar.core.limits import check_capacities
+from moe_sidecar.core import layer
+from moe_sidecar.core.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.core.sizing import combine_bytes_per_token, dispatch_bytes_per_token
 from moe_sidecar.flashinfer.v0_7_2_post1 import (
@@ -63,15 +62,22 @@ def layer_capacities(
             derived workspace at ``ep_size`` would be absurd, or when
             ``x_bytes_per_token`` is below ``hidden_size // 2``).
     """
-    call = classify_call(
-        ep_size,
+    check_count("hidden_size", hidden_size, 1, MAX_BYTES_PER_TOKEN)
+    check_count(
+        "x_bytes_per_token",
+        x_bytes_per_token,
+        max(hidden_size // 2, 1),
+        MAX_BYTES_PER_TOKEN,
+        "at least hidden_size // 2, the fewest bytes a token's activations take (4-bit)",
+    )
+    check_count("x_sf_bytes_per_token", x_sf_bytes_per_token, 0, MAX_BYTES_PER_TOKEN)
+    capacities = layer.layer_capacities(
         max_num_tokens,
         top_k,
         num_experts,
         hidden_size,
-        (),
-        {"x_bytes_per_token": x_bytes_per_token, "x_sf_bytes_per_token": x_sf_bytes_per_token},
+        x_bytes_per_token + x_sf_bytes_per_token,
+        eplb_experts,
     )
-    capacities = replace(call.capacities, eplb_experts=eplb_experts)
     check_capacities("layer", capacities, ep_size)
     return capacities

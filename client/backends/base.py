@@ -30,6 +30,9 @@ class BuildSpec:
     capacities: Capacities
     workspace_size_per_rank: int
     """Derived from ``capacities`` by the backend's :meth:`AlltoAllBackend.workspace_bytes`."""
+    use_low_precision_combine: bool = False
+    """Whether the engine combines in FP8 (the engine room's rule): for a
+    backend whose built object is the ``moe_ep`` one."""
 
     @property
     def max_num_tokens(self) -> int:

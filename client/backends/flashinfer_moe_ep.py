@@ -41,7 +41,6 @@ import functools
 import gc
 import importlib
 import logging
-import os
 import time
 from typing import Any
 
@@ -52,8 +51,7 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.backends.moe_ep_objects import moe_ep_objects
-from moe_sidecar.client.errors import BackendError, InvalidArgument
-from moe_sidecar.core.defaults import VLLM_LOW_PRECISION_COMBINE
+from moe_sidecar.client.errors import BackendError
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.flashinfer import LayoutError, v0_7_4
 
@@ -144,14 +142,6 @@ def vllm_compatible_class() -> Any:
     return NVLinkOneSidedAlltoAllForVllm
 
 
-def _low_precision_combine() -> bool:
-    flag = os.environ.get(VLLM_LOW_PRECISION_COMBINE, "0").strip() or "0"
-    try:
-        return bool(int(flag))
-    except ValueError as error:
-        raise InvalidArgument.of(VLLM_LOW_PRECISION_COMBINE, flag, "must be 0 or 1") from error
-
-
 class FlashInferMoeEpBackend:
     """Builds ``NVLinkOneSidedAlltoAll`` objects of :data:`RELEASE` for one EP group.
 
@@ -233,7 +223,7 @@ class FlashInferMoeEpBackend:
             hidden_size=d.hidden_size,
             dispatch_format_name=d.dispatch_format,
             extra_payload_bytes_per_token=d.extra_payload_bytes_per_token,
-            use_low_precision_combine=_low_precision_combine(),
+            use_low_precision_combine=spec.use_low_precision_combine,
             comm_backend=communicator,
             # cft and lamport change the layout the pure sizing computes (SM100+ only).
             config_fields={

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from moe_sidecar.client.backends.reference_alltoall import ReferenceAlltoAll
+from moe_sidecar.client.engines.vllm.sizing import dispatch_format_name
 from moe_sidecar.client.errors import BackendError
-from moe_sidecar.client.vllm_sizing import dispatch_format_name
 from moe_sidecar.flashinfer import v0_7_2_post1
 
 __all__ = [

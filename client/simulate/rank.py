@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_sidecar.client import WorkspaceManager
 from moe_sidecar.client.backends.reference import expert_owner
 from moe_sidecar.client.errors import CoordinatorError
-from moe_sidecar.client.manager import WorkspaceManager
 from moe_sidecar.client.simulate.presets import MoeLayer
 from moe_sidecar.client.simulate.records import (
     RankReport,

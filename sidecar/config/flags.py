@@ -4,7 +4,8 @@ Every ``serve`` flag ``--some-flag`` can also come from the environment as
 ``MOE_SIDECAR_SOME_FLAG``; a flag given on the command line wins over the
 environment. An unknown ``MOE_SIDECAR_*`` key is an error naming it (a typo
 must not silently run with a default), except the keys of the client library
-(:data:`CLIENT_ENV_KEYS`, e.g. ``MOE_SIDECAR_TARGET``).
+(:data:`CLIENT_ENV_KEYS`, e.g. ``MOE_SIDECAR_TARGET``) and of its engines'
+rooms (:data:`ENGINE_ENV_KEYS`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from moe_sidecar.config.model import SidecarConfig
 from moe_sidecar.config.values import (
@@ -37,7 +38,14 @@ from moe_sidecar.config.values import (
 from moe_sidecar.core.defaults import CLIENT_ENV_KEYS, ENV_PREFIX, parse_bool
 from moe_sidecar.core.limits import DEFAULT_MAX_WORKSPACE_BYTES
 
-__all__ = ["add_serve_arguments", "check_environment", "config_from_flags"]
+__all__ = ["ENGINE_ENV_KEYS", "add_serve_arguments", "check_environment", "config_from_flags"]
+
+ENGINE_ENV_KEYS: Final = frozenset({"MOE_SIDECAR_VLLM"})
+"""The keys with the project's prefix that the client's engine rooms read
+(``moe_sidecar.client.engines``: vLLM's plugin switch), which the sidecar
+leaves to them. The daemon imports no client module, so the names are
+spelled here; ``tests/unit/test_engine_env_keys.py`` checks them against
+each room's ``settings.ENV_KEYS``."""
 
 
 def _port_or_disabled(text: str) -> int | None:
@@ -478,7 +486,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
     Raises:
         ConfigError: an unknown key (the message names it and its value).
     """
-    known = _ENV_KEYS | CLIENT_ENV_KEYS
+    known = _ENV_KEYS | CLIENT_ENV_KEYS | ENGINE_ENV_KEYS
     unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
     if not unknown:
         return

@@ -19,8 +19,6 @@ __all__ = [
     "ENV_PREFIX",
     "ENV_PROPOSE_TIMEOUT",
     "ENV_TARGET",
-    "ENV_VLLM",
-    "VLLM_LOW_PRECISION_COMBINE",
     "parse_bool",
 ]
 
@@ -34,29 +32,22 @@ ENV_LOCAL_RANKS: Final = "MOE_SIDECAR_LOCAL_RANKS"
 ENV_PROPOSE_TIMEOUT: Final = "MOE_SIDECAR_PROPOSE_TIMEOUT"
 """Seconds a Propose may wait for its round; overrides the client's default."""
 ENV_GROUP: Final = "MOE_SIDECAR_GROUP"
-"""The EP group's name on the sidecar; overrides the name derived from vLLM's
-config or from the ranks (see :mod:`moe_sidecar.client.naming`)."""
+"""The EP group's name on the sidecar; overrides the name derived from the
+engine's config or from the ranks (see :mod:`moe_sidecar.client.naming`)."""
 ENV_BACKEND: Final = "MOE_SIDECAR_BACKEND"
 """The manager's all-to-all backend when none is passed in: ``flashinfer``
 (the default) or ``reference`` (CPU, over gloo)."""
-ENV_VLLM: Final = "MOE_SIDECAR_VLLM"
-"""The vLLM plugin: ``1`` replaces vLLM's manager even without a sidecar
-(embedded mode); ``0`` leaves vLLM alone even with ``MOE_SIDECAR_TARGET`` set;
-unset: replace it exactly when ``MOE_SIDECAR_TARGET`` is set. Any of
-:data:`BOOLEAN_FORMS` is accepted, as for every boolean variable."""
-VLLM_LOW_PRECISION_COMBINE: Final = "VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE"
-"""vLLM's own switch for FP8 combine (``bool(int(...))``, default 0); the
-manager reads it as vLLM 0.33's manager does."""
 EMBEDDED: Final = "embedded"
 """A target that forces embedded mode whatever the environment says."""
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 """Where ``moe-sidecar serve`` listens by default, and where ``groups`` looks."""
 
 CLIENT_ENV_KEYS: Final = frozenset(
-    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND, ENV_VLLM}
+    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND}
 )
-"""Keys with the project's prefix that the client library reads; the sidecar
-ignores them, so one environment can serve both."""
+"""Keys with the project's prefix that the client library's manager reads;
+the sidecar ignores them (and the engine rooms' own switches), so one
+environment can serve both."""
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
@@ -65,7 +56,7 @@ BOOLEAN_FORMS: Final = "1/0, true/false, yes/no or on/off"
 
 
 def parse_bool(text: str) -> bool:
-    """The one rule for boolean variables (``MOE_SIDECAR_VLLM``,
+    """The one rule for boolean variables (an engine's plugin switch,
     ``MOE_SIDECAR_ENABLE_ADMIN``, ``MOE_SIDECAR_INSECURE``, ...): any of
     :data:`BOOLEAN_FORMS`, in any case, with surrounding space ignored.
 

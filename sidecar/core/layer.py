@@ -1,12 +1,12 @@
 """The capacities one MoE layer needs, by the one per-layer rule. Pure.
 
-Every vLLM generation sizes a layer alike: dispatch bytes per token are the
+Every engine sizes a layer alike: dispatch bytes per token are the
 activations and their scales (and any extra payload) plus the top-k routing,
 combine bytes per token are bf16 hidden states
 (:func:`~moe_sidecar.core.sizing.dispatch_bytes_per_token`,
-:func:`~moe_sidecar.core.sizing.combine_bytes_per_token`). The client's
-sizing of each vLLM generation works out the activation bytes of a call and
-builds the layer's capacities here.
+:func:`~moe_sidecar.core.sizing.combine_bytes_per_token`). Each engine's
+sizing in the client works out the activation bytes of a call and builds
+the layer's capacities here.
 """
 
 from __future__ import annotations

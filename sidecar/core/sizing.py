@@ -25,7 +25,7 @@ INT32_BYTES = 4
 FLOAT32_BYTES = 4
 """A routing weight of the top-k routing (float32)."""
 BF16_BYTES = 2
-"""One element of a bf16 row (the combine payload, and vLLM's default dispatch rows)."""
+"""One element of a bf16 row (the combine payload, and an engine's default dispatch rows)."""
 
 
 def bf16_row_bytes(hidden_size: int) -> int:
@@ -47,7 +47,7 @@ def dispatch_bytes_per_token(
 ) -> int:
     """The per-layer rule for the dispatch payload per token: the hidden
     states, their scale factors, any extra payload, and the top-k routing
-    (:func:`routing_bytes_per_token`). Every vLLM generation sizes a layer so."""
+    (:func:`routing_bytes_per_token`). Every engine sizes a layer so."""
     return (
         x_bytes_per_token
         + x_sf_bytes_per_token

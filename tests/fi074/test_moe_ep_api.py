@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar.client.backends import flashinfer_backend_name
-from moe_sidecar.client.vllm_sizing import DISPATCH_FORMAT_BYTES
 from moe_sidecar.flashinfer import v0_7_4
+from moe_sidecar.flashinfer.v0_7_2_post1 import DISPATCH_FORMAT_BYTES
 
 pytestmark = [pytest.mark.fi074, pytest.mark.timeout(120)]
 

@@ -6,6 +6,7 @@ names that pyproject's package-dir gives the directories.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -144,12 +145,90 @@ def test_the_core_reaches_no_release() -> None:
         assert not reached, f"{module} imports {reached}"
 
 
+ENGINES = "moe_sidecar.client.engines"
+
+PACKAGE_FACES = frozenset({"moe_sidecar.client"})
+"""Package faces whose public names an engine's room holds: they name the
+room's module for type checkers only and load it on first use (lazy_names)."""
+
+BORROWED_FROM_VLLM_SIZING = frozenset(
+    {
+        ("moe_sidecar.client.dispatch_layouts", "describe_activation"),
+        ("moe_sidecar.client.backends.reference_moe_ep", "dispatch_format_name"),
+    }
+)
+"""Two readers of vLLM's call forms that engine-neutral modules still take
+from vLLM's sizing (``moe_sidecar.client.engines.vllm.sizing``): a
+``QuantFormat``'s name, refused with vLLM's keyword hints, and the 0.33
+description of a row size. Each pair is checked to be still needed, so the
+list only shrinks."""
+
+
+def _engine_imports(path: Path) -> set[tuple[str, str | None]]:
+    """``(module, name)`` of each import of an engine's room in ``path``
+    (``name`` None: ``import module``)."""
+    found: set[tuple[str, str | None]] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update((a.name, None) for a in node.names if a.name.startswith(ENGINES))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith(ENGINES):
+                found.update((node.module, a.name) for a in node.names)
+            elif node.module == "moe_sidecar.client":
+                found.update(
+                    (f"{node.module}.engines", None) for a in node.names if a.name == "engines"
+                )
+    return found
+
+
+def test_engines_import_the_manager_never_the_reverse() -> None:
+    borrowed: set[tuple[str, str | None]] = set()
+    for name, path in MODULES.items():
+        if name.startswith(ENGINES) or name in PACKAGE_FACES:
+            continue
+        for module, imported in _engine_imports(path):
+            if module == f"{ENGINES}.vllm.sizing" and (name, imported) in BORROWED_FROM_VLLM_SIZING:
+                borrowed.add((name, imported))
+                continue
+            pytest.fail(f"{name} imports {module}.{imported or ''}: only engines' rooms may")
+    assert borrowed == BORROWED_FROM_VLLM_SIZING, "drop the pairs no module needs any more"
+    rooms = {n.split(".")[3] for n in MODULES if n.startswith(ENGINES + ".")}
+    assert rooms, "no engine's room"
+    for room in sorted(rooms):
+        reached = set().union(
+            *(_imports(p) for n, p in MODULES.items() if n.startswith(f"{ENGINES}.{room}"))
+        )
+        assert "moe_sidecar.client.manager" in reached, f"{room}'s room is not on the manager"
+
+
+def test_the_face_loads_an_engine_room_only_lazily() -> None:
+    # What importing the package face runs names no room's module.
+    at_import = _imports(MODULES["moe_sidecar.client"], top_level=True)
+    assert not {m for m in at_import if m.startswith(ENGINES)}
+
+
+def test_nothing_under_the_core_names_vllm() -> None:
+    # The core serves every engine: vLLM's facts live in its room.
+    naming = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "sidecar" / "core").rglob("*.py"))
+        if "vllm" in path.read_text().lower()
+    ]
+    assert naming == []
+
+
 @pytest.mark.parametrize(
     "module",
     [
         "moe_sidecar.client",
         "moe_sidecar.client.sizing",
-        "moe_sidecar.client.vllm_sizing",
+        "moe_sidecar.client.engines",
+        "moe_sidecar.client.engines.vllm",
+        "moe_sidecar.client.engines.vllm.sizing",
+        "moe_sidecar.client.engines.vllm.naming",
+        "moe_sidecar.client.engines.vllm.settings",
+        "moe_sidecar.client.layer_need",
+        "moe_sidecar.client.engine_rules",
         "moe_sidecar.client.naming",
         "moe_sidecar.client.errors",
         "moe_sidecar.client.prewarm.command",

@@ -37,6 +37,8 @@ import yaml
 
 from moe_sidecar import cli
 from moe_sidecar.client.backends.flashinfer import SUPPORTED_FLASHINFER
+from moe_sidecar.client.engines.vllm.plugin import plugin_mode
+from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
 from moe_sidecar.client.prewarm import (
     ENV_WORKSPACE_BASE,
     cache_paths,
@@ -44,7 +46,6 @@ from moe_sidecar.client.prewarm import (
     make_plan,
     parse_arch_flags,
 )
-from moe_sidecar.client.vllm_plugin import plugin_mode
 from moe_sidecar.config import SidecarConfig, SqliteStore, config_from_flags
 from moe_sidecar.core.defaults import (
     CLIENT_ENV_KEYS,
@@ -54,7 +55,6 @@ from moe_sidecar.core.defaults import (
     ENV_PREFIX,
     ENV_PROPOSE_TIMEOUT,
     ENV_TARGET,
-    ENV_VLLM,
 )
 from moe_sidecar.etcd.url import EtcdTarget
 from moe_sidecar.servicer import SERVICE_NAME
@@ -661,7 +661,7 @@ def test_the_inference_image_is_vllm_with_the_plugin_extra() -> None:
         project = tomllib.load(f)["project"]
     assert "vllm" in project["optional-dependencies"]
     plugins = project["entry-points"]["vllm.general_plugins"]
-    assert plugins == {"moe_sidecar": "moe_sidecar.client.vllm_plugin:register"}
+    assert plugins == {"moe_sidecar": "moe_sidecar.client.engines.vllm.plugin:register"}
 
 
 def test_vllm_serves_with_the_one_sided_all_to_all_and_the_plugin_on() -> None:

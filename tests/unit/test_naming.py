@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_sidecar.client.naming import VllmLayout, group_name, ranks_group_name, vllm_group_name
+from moe_sidecar.client.engines.vllm.naming import VllmLayout, group_name, vllm_group_name
+from moe_sidecar.client.naming import ranks_group_name
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.limits import MAX_NAME_LENGTH
 from moe_sidecar.core.policy import validate_group_name

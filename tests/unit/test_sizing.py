@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_sidecar.client import sizing, vllm_sizing
+from moe_sidecar.client import sizing
 from moe_sidecar.client import sizing as client_sizing
+from moe_sidecar.client.engines.vllm import sizing as vllm_sizing
 from moe_sidecar.core import sizing as core_sizing
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.layer import layer_capacities

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from moe_sidecar.client.vllm_sizing import (
+from moe_sidecar.client.engines.vllm.sizing import (
     DISPATCH_FORMAT_BYTES,
     UNSET,
     Generation,

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from moe_sidecar.client.vllm_plugin import (
+from moe_sidecar.client.engines.vllm.plugin import (
     check_environment,
     detect_generation,
     manager_class,
     plugin_mode,
 )
-from moe_sidecar.client.vllm_sizing import Generation
+from moe_sidecar.client.engines.vllm.sizing import Generation
 from moe_sidecar.core.errors import InvalidArgument
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]

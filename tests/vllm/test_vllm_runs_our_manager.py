@@ -93,7 +93,14 @@ def test_vllm_code_against_the_manager(mode: str, tmp_path: Path) -> None:
 
         built = result["constructed"]["value"]
         assert built["class"] == "MoeSidecarOneSidedManager" and built["is_module_attribute"]
-        assert built["mro"][3:5] == [
+        # Ours first (the plugin's class, vLLM's room's manager, the
+        # engine-neutral one), then vLLM's.
+        assert built["mro"][1:4] == [
+            "moe_sidecar.client.engines.vllm.plugin.VllmManager",
+            "moe_sidecar.client.engines.vllm.manager.WorkspaceManager",
+            "moe_sidecar.client.manager.AlltoAllManager",
+        ]
+        assert built["mro"][4:6] == [
             "vllm.distributed.device_communicators.all2all.FlashInferNVLinkOneSidedManager",
             "vllm.distributed.device_communicators.base_device_communicator.All2AllManagerBase",
         ]

@@ -17,7 +17,7 @@ When it acts (:func:`plugin_mode`):
   ``VLLM_PLUGINS`` can also leave it out by name).
 
 ``MOE_SIDECAR_VLLM`` takes the project's one boolean rule
-(:func:`moe_sidecar.defaults.parse_bool`). When it acts, it checks every
+(:func:`moe_sidecar.core.defaults.parse_bool`). When it acts, it checks every
 ``MOE_SIDECAR_*`` variable the manager will read (:func:`check_environment`)
 before it changes anything, so a malformed value stops vLLM at start with
 one line naming the variable, not at the first MoE layer.
@@ -51,8 +51,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
 from moe_sidecar.client.backends import BACKENDS
-from moe_sidecar.client.manager import WorkspaceManager
-from moe_sidecar.client.vllm_sizing import KEYWORDS, Generation
+from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
+from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
+from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, Generation
 from moe_sidecar.core.defaults import (
     BOOLEAN_FORMS,
     EMBEDDED,
@@ -61,7 +62,6 @@ from moe_sidecar.core.defaults import (
     ENV_LOCAL_RANKS,
     ENV_PROPOSE_TIMEOUT,
     ENV_TARGET,
-    ENV_VLLM,
     parse_bool,
 )
 from moe_sidecar.core.errors import InvalidArgument
@@ -209,7 +209,7 @@ def manager_class(vllm_class: Any) -> type[VllmManager]:
         {
             "__module__": __name__,
             "__doc__": f"moe-sidecar's manager in place of {vllm_class.__qualname__} "
-            f"({generation.value} initialize()); see moe_sidecar.client.vllm_plugin.",
+            f"({generation.value} initialize()); see moe_sidecar.client.engines.vllm.plugin.",
             "vllm_base": vllm_class,
             "vllm_generation": generation,
         },

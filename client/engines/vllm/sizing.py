@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from moe_sidecar.client.layer_need import Layout
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.layer import layer_capacities
 from moe_sidecar.core.limits import MAX_BYTES_PER_TOKEN, check_capacities, check_count
@@ -59,7 +60,6 @@ __all__ = [
     "UNSET",
     "Generation",
     "LayerCall",
-    "Layout",
     "classify_call",
     "describe_activation",
     "dispatch_format_name",
@@ -92,27 +92,6 @@ UNSET: Final = _Unset.UNSET
 """A keyword the caller did not pass (None is a value: 0.33's bf16 rows)."""
 
 _PR_CODES: Final = {0: "NVFP4, hidden_size // 2 bytes", 1: "FP8", 2: "bf16/fp16"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A layer's dispatch row as vLLM 0.33 describes it to FlashInfer: a
-    ``QuantFormat`` (None: bf16 rows) at ``hidden_size`` plus extra bytes."""
-
-    hidden_size: int
-    dispatch_format: object
-    """What the caller passed (a ``QuantFormat``, its name, or None); for
-    PR #42976 and 0.30 calls, the name of the format that best describes the
-    bytes (:func:`describe_activation`)."""
-    format_name: str | None
-    format_bytes: int
-    """``MoEEpCommParams.dispatch_bytes_per_token`` of this format and hidden size."""
-    extra_payload_bytes_per_token: int
-
-    @property
-    def activation_bytes(self) -> int:
-        """Activation and scale bytes per token the layer dispatches."""
-        return self.format_bytes + self.extra_payload_bytes_per_token
 
 
 @dataclass(frozen=True)
