@@ -52,6 +52,7 @@ from typing import Any, ClassVar, Final
 
 from moe_sidecar.client.backends import BACKENDS
 from moe_sidecar.client.manager import WorkspaceManager
+from moe_sidecar.client.peer_loss import policy_from_environment
 from moe_sidecar.client.vllm_sizing import KEYWORDS, Generation
 from moe_sidecar.core.defaults import (
     BOOLEAN_FORMS,
@@ -155,6 +156,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
     group = environ.get(ENV_GROUP, "").strip()
     if group:
         check_name(ENV_GROUP, group, allow_empty=False)
+    policy_from_environment(environ)
 
 
 def detect_generation(vllm_class: Any) -> Generation:

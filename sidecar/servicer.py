@@ -39,6 +39,7 @@ from moe_sidecar.wire.codec import (
     session_committed_to_proto,
     session_decision_wire,
     session_error_to_proto,
+    session_left_to_proto,
     summary_to_proto,
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
@@ -74,6 +75,11 @@ _Context = grpc.aio.ServicerContext[Any, Any]
 _Response = TypeVar("_Response", bound=Message)
 _Identity: TypeAlias = tuple[str, int, str]
 """(group, ep_rank, lifetime id): whom a session message speaks for."""
+
+_BROKEN = "its session stream closed (the process exited, was killed, or lost its connection)"
+"""Why a rank whose session broke is gone: a death, as its peers' watchers read it."""
+_CLOSED_CLEANLY = "it closed its session cleanly (cleanup)"
+"""Why a rank that half-closed its session is gone: not a death."""
 
 SHUTDOWN_DETAILS = (
     "the sidecar is shutting down; open a new session once it is back (rounds are kept)"
@@ -214,7 +220,8 @@ class CoordinatorServicer:
         self, requests: AsyncIterator[bytes], context: _Context
     ) -> AsyncIterator[pb.SessionResponse | bytes]:
         """One rank's session: each message answered in turn; the stream's end
-        is the rank's departure.
+        is the rank's departure: a death (``lost``) unless it said goodbye
+        (a ``leave``, answered ``left``, after which the stream ends).
 
         The first message answered without an error binds the session to its
         (group, rank, lifetime); a refused one binds nothing, so a stranger's
@@ -225,6 +232,8 @@ class CoordinatorServicer:
         in_flight: _Identity | None = None
         """The identity of an unbound session's first message while it is
         answered: a rank that dies waiting in its first round still departs."""
+        closed_cleanly = False
+        """The rank said goodbye (its cleanup): it left, it did not die."""
         messages = aiter(requests)
         try:
             while True:
@@ -235,6 +244,10 @@ class CoordinatorServicer:
                 if isinstance(request, tuple):
                     yield session_error_to_proto(0, request[0].name, request[1])
                     continue
+                if request.WhichOneof("message") == "leave":
+                    closed_cleanly = True
+                    yield session_left_to_proto(request.id)
+                    return
                 identity = _identity(request)
                 if binding is not None and identity != binding:
                     yield session_error_to_proto(
@@ -260,8 +273,8 @@ class CoordinatorServicer:
             if departing is not None:
                 self._coordinator.depart(
                     *departing,
-                    why="its session stream closed (the process exited, was killed, or lost "
-                    "its connection)",
+                    why=_CLOSED_CLEANLY if closed_cleanly else _BROKEN,
+                    lost=not closed_cleanly,
                 )
 
     def end_sessions(self) -> None:
@@ -302,13 +315,16 @@ class CoordinatorServicer:
         return pb.CommitResponse()
 
     async def Watch(self, data: bytes, context: _Context) -> AsyncIterator[pb.GroupEvent]:
-        async for event in self._errors.stream(context, "Watch", self._watch(data)):
+        async for event in self._errors.stream(context, "Watch", self._watch(data, context)):
             yield event
 
-    async def _watch(self, data: bytes) -> AsyncGenerator[pb.GroupEvent, None]:
+    async def _watch(self, data: bytes, context: _Context) -> AsyncGenerator[pb.GroupEvent, None]:
         request = decode_request(pb.WatchRequest, data)
         subscription = self._coordinator.watch(request.group)
         try:
+            # The stream's headers say the subscription exists: a rank's
+            # peer-loss watcher waits for them, so no event after it can be missed.
+            await context.send_initial_metadata(())
             async for event in subscription:
                 yield event_to_proto(event, self._coordinator.ep_size_of(event.group))
         finally:
@@ -371,7 +387,11 @@ async def _decode_session(data: bytes) -> pb.SessionRequest:
     request = decode_request(pb.SessionRequest, data)
     method = request.WhichOneof("message")
     if method is None:
-        raise InvalidArgument.of("message", None, "a session message holds a propose or a commit")
+        raise InvalidArgument.of(
+            "message", None, "a session message holds a propose, a commit or a leave"
+        )
+    if method == "leave":
+        return request
     inner = request.propose if method == "propose" else request.commit
     lifetime_id(inner.lifetime)  # the token must be usable before it binds a session
     return request

@@ -370,8 +370,11 @@ class Coordinator:
 
     # --- commits, reads, admin ------------------------------------------------------
 
-    def depart(self, group: str, ep_rank: int, lifetime: str, why: str) -> None:
-        """A rank's session ended: it is gone (see :func:`moe_sidecar.core.policy.depart`).
+    def depart(
+        self, group: str, ep_rank: int, lifetime: str, why: str, *, lost: bool = True
+    ) -> None:
+        """A rank's session ended: it is gone (see :func:`moe_sidecar.core.policy.depart`);
+        ``lost`` when the session broke rather than closed cleanly.
 
         Ignored while the sidecar drains (its own shutdown ends the sessions)
         and for groups or lifetimes it does not know. Never raises: a session's
@@ -382,7 +385,7 @@ class Coordinator:
         state = self._groups.get(group)
         if state is None:
             return
-        step = policy.depart(state, ep_rank, lifetime, why, self._clock())
+        step = policy.depart(state, ep_rank, lifetime, why, self._clock(), lost=lost)
         if step is None:
             return
         try:

@@ -16,6 +16,7 @@ __all__ = [
     "ENV_BACKEND",
     "ENV_GROUP",
     "ENV_LOCAL_RANKS",
+    "ENV_ON_PEER_LOSS",
     "ENV_PREFIX",
     "ENV_PROPOSE_TIMEOUT",
     "ENV_TARGET",
@@ -44,6 +45,11 @@ ENV_VLLM: Final = "MOE_SIDECAR_VLLM"
 (embedded mode); ``0`` leaves vLLM alone even with ``MOE_SIDECAR_TARGET`` set;
 unset: replace it exactly when ``MOE_SIDECAR_TARGET`` is set. Any of
 :data:`BOOLEAN_FORMS` is accepted, as for every boolean variable."""
+ENV_ON_PEER_LOSS: Final = "MOE_SIDECAR_ON_PEER_LOSS"
+"""What a rank does when a peer of its EP group dies (sidecar mode):
+``exit`` (the default) ends the process within 2 s, ``raise`` raises at its
+next call into the manager, ``wait`` does nothing (see
+:mod:`moe_sidecar.client.peer_loss`)."""
 VLLM_LOW_PRECISION_COMBINE: Final = "VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE"
 """vLLM's own switch for FP8 combine (``bool(int(...))``, default 0); the
 manager reads it as vLLM 0.33's manager does."""
@@ -53,7 +59,15 @@ DEFAULT_TARGET: Final = "127.0.0.1:50051"
 """Where ``moe-sidecar serve`` listens by default, and where ``groups`` looks."""
 
 CLIENT_ENV_KEYS: Final = frozenset(
-    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND, ENV_VLLM}
+    {
+        ENV_TARGET,
+        ENV_LOCAL_RANKS,
+        ENV_PROPOSE_TIMEOUT,
+        ENV_GROUP,
+        ENV_BACKEND,
+        ENV_VLLM,
+        ENV_ON_PEER_LOSS,
+    }
 )
 """Keys with the project's prefix that the client library reads; the sidecar
 ignores them, so one environment can serve both."""

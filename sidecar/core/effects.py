@@ -88,6 +88,10 @@ class GroupEvent:
     """Seconds from a round's first proposal to its close (closed rounds only)."""
     node: str = ""
     """The node the event's plan came from (merged plans only)."""
+    lost: bool = False
+    """RANK_LEFT: the rank's session broke (a death), not closed cleanly."""
+    survivors: tuple[str, ...] = ()
+    """RANK_LEFT: short lifetime ids of the running lifetime's ranks still present."""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ __all__ = [
     "decision_from_proto",
     "decision_to_proto",
     "decode_request",
+    "event_from_proto",
     "event_to_proto",
     "page_token_from_proto",
     "page_token_to_proto",
@@ -58,6 +59,8 @@ __all__ = [
     "session_decision_to_proto",
     "session_decision_wire",
     "session_error_to_proto",
+    "session_leave_to_proto",
+    "session_left_to_proto",
     "session_propose_to_proto",
     "summary_from_proto",
     "summary_to_proto",
@@ -83,6 +86,7 @@ _EVENT_TO_PROTO = {
     EventKind.PLAN_MERGED: pb.EVENT_KIND_PLAN_MERGED,
     EventKind.PROOF_REFUSED: pb.EVENT_KIND_PROOF_REFUSED,
 }
+_EVENT_FROM_PROTO = {wire: kind for kind, wire in _EVENT_TO_PROTO.items()}
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -424,10 +428,39 @@ def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
         message=event.message,
         missing_ranks=list(event.missing_ranks),
         node=event.node,
+        lost=event.lost,
+        survivors=list(event.survivors),
     )
     if event.plan is not None:
         message.plan.CopyFrom(plan_to_proto(event.plan, ep_size))
     return message
+
+
+def event_from_proto(message: pb.GroupEvent) -> GroupEvent | None:
+    """The group event a Watch stream delivered (a watcher's side), or None for
+    a kind this code does not know (a newer sidecar's).
+
+    Raises:
+        InvalidArgument: the event's plan is out of range.
+    """
+    kind = _EVENT_FROM_PROTO.get(message.kind)
+    if kind is None:
+        return None
+    return GroupEvent(
+        group=message.group,
+        kind=kind,
+        at=_seconds(message.time),
+        round=message.round,
+        action=action_from_proto(message.action),
+        plan=plan_from_proto(message.plan) if message.HasField("plan") else None,
+        ep_rank=message.ep_rank,
+        layer=message.layer,
+        message=message.message,
+        missing_ranks=tuple(message.missing_ranks),
+        node=message.node,
+        lost=message.lost,
+        survivors=tuple(message.survivors),
+    )
 
 
 # --- sessions ------------------------------------------------------------------------
@@ -478,6 +511,16 @@ def session_decision_wire(message_id: int, decision: bytes) -> bytes:
 def session_committed_to_proto(message_id: int) -> pb.SessionResponse:
     """The answer to a session's commit."""
     return pb.SessionResponse(id=message_id, committed=pb.CommitResponse())
+
+
+def session_leave_to_proto(message_id: int) -> pb.SessionRequest:
+    """A rank's clean goodbye on its session (its cleanup)."""
+    return pb.SessionRequest(id=message_id, leave=pb.LeaveRequest())
+
+
+def session_left_to_proto(message_id: int) -> pb.SessionResponse:
+    """The answer to a session's goodbye (the stream ends next)."""
+    return pb.SessionResponse(id=message_id, left=pb.LeaveResponse())
 
 
 def session_error_to_proto(message_id: int, code: str, message: str) -> pb.SessionResponse:

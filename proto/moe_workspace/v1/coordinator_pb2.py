@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"moe_workspace/v1/coordinator.proto\x12\x10moe_workspace.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9d\x01\n\nCapacities\x12\x12\n\nmax_tokens\x18\x01 \x01(\x04\x12 \n\x18\x64ispatch_bytes_per_token\x18\x02 \x01(\x04\x12\x1f\n\x17\x63ombine_bytes_per_token\x18\x03 \x01(\x04\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x14\n\x0c\x65plb_experts\x18\x06 \x01(\r\"N\n\x0bRequirement\x12\x30\n\ncapacities\x18\x01 \x01(\x0b\x32\x1c.moe_workspace.v1.Capacities\x12\r\n\x05layer\x18\x02 \x01(\t\"\xc0\x01\n\x0eProposeRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_size\x18\x02 \x01(\r\x12\x0f\n\x07\x65p_rank\x18\x03 \x01(\r\x12\x13\n\x0blocal_ranks\x18\x04 \x01(\r\x12\x10\n\x08lifetime\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x32\n\x0brequirement\x18\x07 \x01(\x0b\x32\x1d.moe_workspace.v1.Requirement\x12\x13\n\x0bgroup_proof\x18\x08 \x01(\t\"t\n\x04Plan\x12\x30\n\ncapacities\x18\x01 \x01(\x0b\x32\x1c.moe_workspace.v1.Capacities\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x17\n\x0fworkspace_bytes\x18\x04 \x01(\x04\"~\n\x0fProposeResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12(\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x18.moe_workspace.v1.Action\x12$\n\x04plan\x18\x03 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x0c\n\x04grew\x18\x04 \x01(\x08\"\xa2\x01\n\rCommitRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_rank\x18\x02 \x01(\r\x12\x10\n\x08lifetime\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12$\n\x04plan\x18\x05 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x15\n\rbuild_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bgroup_proof\x18\x07 \x01(\t\"\x10\n\x0e\x43ommitResponse\"\x8f\x01\n\x0eSessionRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x33\n\x07propose\x18\x02 \x01(\x0b\x32 .moe_workspace.v1.ProposeRequestH\x00\x12\x31\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1f.moe_workspace.v1.CommitRequestH\x00\x42\t\n\x07message\"\xc6\x01\n\x0fSessionResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x35\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32!.moe_workspace.v1.ProposeResponseH\x00\x12\x35\n\tcommitted\x18\x03 \x01(\x0b\x32 .moe_workspace.v1.CommitResponseH\x00\x12/\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1e.moe_workspace.v1.SessionErrorH\x00\x42\x08\n\x06result\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1d\n\x0cWatchRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xa5\x02\n\nGroupEvent\x12\r\n\x05group\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.moe_workspace.v1.EventKind\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05round\x18\x04 \x01(\x04\x12(\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x18.moe_workspace.v1.Action\x12$\n\x04plan\x18\x06 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x0f\n\x07\x65p_rank\x18\x07 \x01(\x05\x12\r\n\x05layer\x18\x08 \x01(\t\x12\x0f\n\x07message\x18\t \x01(\t\x12\x15\n\rmissing_ranks\x18\n \x03(\r\x12\x0c\n\x04node\x18\x0b \x01(\t\"T\n\x11ListGroupsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x18\n\x10idle_for_seconds\x18\x03 \x01(\x01\"V\n\x12ListGroupsResponse\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.moe_workspace.v1.Group\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\" \n\x0fGetGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\"\n\x11ResetGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"#\n\x12RemoveGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x15\n\x13RemoveGroupResponse\"\xde\x01\n\tRankState\x12\x0f\n\x07\x65p_rank\x18\x01 \x01(\r\x12\x10\n\x08lifetime\x18\x02 \x01(\t\x12\x12\n\nlast_round\x18\x03 \x01(\x04\x12\x12\n\nlast_layer\x18\x04 \x01(\t\x12\x1c\n\x14\x63ommitted_generation\x18\x05 \x01(\x04\x12\x1a\n\x12last_build_seconds\x18\x06 \x01(\x01\x12-\n\tlast_seen\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63urrent\x18\x08 \x01(\x08\x12\x0c\n\x04left\x18\t \x01(\t\"\x95\x01\n\x06Growth\x12$\n\x04plan\x18\x01 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\r\n\x05layer\x18\x02 \x01(\t\x12\x0f\n\x07\x65p_rank\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04node\x18\x06 \x01(\t\"\x88\x03\n\x05Group\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_size\x18\x02 \x01(\r\x12\x13\n\x0blocal_ranks\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12$\n\x04plan\x18\x04 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x11\n\tlifetimes\x18\x05 \x01(\x04\x12\x19\n\x11last_closed_round\x18\x06 \x01(\x04\x12\x12\n\nopen_round\x18\x07 \x01(\x04\x12\x15\n\rwaiting_ranks\x18\x08 \x01(\r\x12*\n\x05ranks\x18\t \x03(\x0b\x32\x1b.moe_workspace.v1.RankState\x12)\n\x07history\x18\n \x03(\x0b\x32\x18.moe_workspace.v1.Growth\x12\x18\n\x10restarting_ranks\x18\x0c \x01(\r\x12\x31\n\rlast_activity\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11refused_proposals\x18\x0e \x01(\x04*X\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_BUILD\x10\x01\x12\x10\n\x0c\x41\x43TION_REUSE\x10\x02\x12\x12\n\x0e\x41\x43TION_REBUILD\x10\x03*\xde\x02\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45VENT_KIND_ROUND_DECIDED\x10\x01\x12\x1c\n\x18\x45VENT_KIND_ROUND_REFUSED\x10\x02\x12\x1b\n\x17\x45VENT_KIND_RANK_TIMEOUT\x10\x03\x12\x15\n\x11\x45VENT_KIND_COMMIT\x10\x04\x12\x14\n\x10\x45VENT_KIND_RESET\x10\x05\x12\x1f\n\x1b\x45VENT_KIND_LIFETIME_STARTED\x10\x06\x12\x1c\n\x18\x45VENT_KIND_ROUND_ABORTED\x10\x07\x12\x1c\n\x18\x45VENT_KIND_GROUP_REMOVED\x10\x08\x12\x18\n\x14\x45VENT_KIND_RANK_LEFT\x10\t\x12\x1a\n\x16\x45VENT_KIND_PLAN_MERGED\x10\n\x12\x1c\n\x18\x45VENT_KIND_PROOF_REFUSED\x10\x0b\x32\x99\x05\n\x14WorkspaceCoordinator\x12R\n\x07Session\x12 .moe_workspace.v1.SessionRequest\x1a!.moe_workspace.v1.SessionResponse(\x01\x30\x01\x12N\n\x07Propose\x12 .moe_workspace.v1.ProposeRequest\x1a!.moe_workspace.v1.ProposeResponse\x12K\n\x06\x43ommit\x12\x1f.moe_workspace.v1.CommitRequest\x1a .moe_workspace.v1.CommitResponse\x12G\n\x05Watch\x12\x1e.moe_workspace.v1.WatchRequest\x1a\x1c.moe_workspace.v1.GroupEvent0\x01\x12W\n\nListGroups\x12#.moe_workspace.v1.ListGroupsRequest\x1a$.moe_workspace.v1.ListGroupsResponse\x12\x46\n\x08GetGroup\x12!.moe_workspace.v1.GetGroupRequest\x1a\x17.moe_workspace.v1.Group\x12J\n\nResetGroup\x12#.moe_workspace.v1.ResetGroupRequest\x1a\x17.moe_workspace.v1.Group\x12Z\n\x0bRemoveGroup\x12$.moe_workspace.v1.RemoveGroupRequest\x1a%.moe_workspace.v1.RemoveGroupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"moe_workspace/v1/coordinator.proto\x12\x10moe_workspace.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9d\x01\n\nCapacities\x12\x12\n\nmax_tokens\x18\x01 \x01(\x04\x12 \n\x18\x64ispatch_bytes_per_token\x18\x02 \x01(\x04\x12\x1f\n\x17\x63ombine_bytes_per_token\x18\x03 \x01(\x04\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x14\n\x0c\x65plb_experts\x18\x06 \x01(\r\"N\n\x0bRequirement\x12\x30\n\ncapacities\x18\x01 \x01(\x0b\x32\x1c.moe_workspace.v1.Capacities\x12\r\n\x05layer\x18\x02 \x01(\t\"\xc0\x01\n\x0eProposeRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_size\x18\x02 \x01(\r\x12\x0f\n\x07\x65p_rank\x18\x03 \x01(\r\x12\x13\n\x0blocal_ranks\x18\x04 \x01(\r\x12\x10\n\x08lifetime\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x32\n\x0brequirement\x18\x07 \x01(\x0b\x32\x1d.moe_workspace.v1.Requirement\x12\x13\n\x0bgroup_proof\x18\x08 \x01(\t\"t\n\x04Plan\x12\x30\n\ncapacities\x18\x01 \x01(\x0b\x32\x1c.moe_workspace.v1.Capacities\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x17\n\x0fworkspace_bytes\x18\x04 \x01(\x04\"~\n\x0fProposeResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12(\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x18.moe_workspace.v1.Action\x12$\n\x04plan\x18\x03 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x0c\n\x04grew\x18\x04 \x01(\x08\"\xa2\x01\n\rCommitRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_rank\x18\x02 \x01(\r\x12\x10\n\x08lifetime\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12$\n\x04plan\x18\x05 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x15\n\rbuild_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bgroup_proof\x18\x07 \x01(\t\"\x10\n\x0e\x43ommitResponse\"\xc0\x01\n\x0eSessionRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x33\n\x07propose\x18\x02 \x01(\x0b\x32 .moe_workspace.v1.ProposeRequestH\x00\x12\x31\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1f.moe_workspace.v1.CommitRequestH\x00\x12/\n\x05leave\x18\x1e \x01(\x0b\x32\x1e.moe_workspace.v1.LeaveRequestH\x00\x42\t\n\x07message\"\x0e\n\x0cLeaveRequest\"\x0f\n\rLeaveResponse\"\xf7\x01\n\x0fSessionResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x35\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32!.moe_workspace.v1.ProposeResponseH\x00\x12\x35\n\tcommitted\x18\x03 \x01(\x0b\x32 .moe_workspace.v1.CommitResponseH\x00\x12/\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1e.moe_workspace.v1.SessionErrorH\x00\x12/\n\x04left\x18\x1e \x01(\x0b\x32\x1f.moe_workspace.v1.LeaveResponseH\x00\x42\x08\n\x06result\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1d\n\x0cWatchRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xc6\x02\n\nGroupEvent\x12\r\n\x05group\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.moe_workspace.v1.EventKind\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05round\x18\x04 \x01(\x04\x12(\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x18.moe_workspace.v1.Action\x12$\n\x04plan\x18\x06 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x0f\n\x07\x65p_rank\x18\x07 \x01(\x05\x12\r\n\x05layer\x18\x08 \x01(\t\x12\x0f\n\x07message\x18\t \x01(\t\x12\x15\n\rmissing_ranks\x18\n \x03(\r\x12\x0c\n\x04node\x18\x0b \x01(\t\x12\x0c\n\x04lost\x18\x1e \x01(\x08\x12\x11\n\tsurvivors\x18\x1f \x03(\t\"T\n\x11ListGroupsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x18\n\x10idle_for_seconds\x18\x03 \x01(\x01\"V\n\x12ListGroupsResponse\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.moe_workspace.v1.Group\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\" \n\x0fGetGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\"\n\x11ResetGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"#\n\x12RemoveGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x15\n\x13RemoveGroupResponse\"\xde\x01\n\tRankState\x12\x0f\n\x07\x65p_rank\x18\x01 \x01(\r\x12\x10\n\x08lifetime\x18\x02 \x01(\t\x12\x12\n\nlast_round\x18\x03 \x01(\x04\x12\x12\n\nlast_layer\x18\x04 \x01(\t\x12\x1c\n\x14\x63ommitted_generation\x18\x05 \x01(\x04\x12\x1a\n\x12last_build_seconds\x18\x06 \x01(\x01\x12-\n\tlast_seen\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63urrent\x18\x08 \x01(\x08\x12\x0c\n\x04left\x18\t \x01(\t\"\x95\x01\n\x06Growth\x12$\n\x04plan\x18\x01 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\r\n\x05layer\x18\x02 \x01(\t\x12\x0f\n\x07\x65p_rank\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04node\x18\x06 \x01(\t\"\x88\x03\n\x05Group\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_size\x18\x02 \x01(\r\x12\x13\n\x0blocal_ranks\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12$\n\x04plan\x18\x04 \x01(\x0b\x32\x16.moe_workspace.v1.Plan\x12\x11\n\tlifetimes\x18\x05 \x01(\x04\x12\x19\n\x11last_closed_round\x18\x06 \x01(\x04\x12\x12\n\nopen_round\x18\x07 \x01(\x04\x12\x15\n\rwaiting_ranks\x18\x08 \x01(\r\x12*\n\x05ranks\x18\t \x03(\x0b\x32\x1b.moe_workspace.v1.RankState\x12)\n\x07history\x18\n \x03(\x0b\x32\x18.moe_workspace.v1.Growth\x12\x18\n\x10restarting_ranks\x18\x0c \x01(\r\x12\x31\n\rlast_activity\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11refused_proposals\x18\x0e \x01(\x04*X\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_BUILD\x10\x01\x12\x10\n\x0c\x41\x43TION_REUSE\x10\x02\x12\x12\n\x0e\x41\x43TION_REBUILD\x10\x03*\xde\x02\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45VENT_KIND_ROUND_DECIDED\x10\x01\x12\x1c\n\x18\x45VENT_KIND_ROUND_REFUSED\x10\x02\x12\x1b\n\x17\x45VENT_KIND_RANK_TIMEOUT\x10\x03\x12\x15\n\x11\x45VENT_KIND_COMMIT\x10\x04\x12\x14\n\x10\x45VENT_KIND_RESET\x10\x05\x12\x1f\n\x1b\x45VENT_KIND_LIFETIME_STARTED\x10\x06\x12\x1c\n\x18\x45VENT_KIND_ROUND_ABORTED\x10\x07\x12\x1c\n\x18\x45VENT_KIND_GROUP_REMOVED\x10\x08\x12\x18\n\x14\x45VENT_KIND_RANK_LEFT\x10\t\x12\x1a\n\x16\x45VENT_KIND_PLAN_MERGED\x10\n\x12\x1c\n\x18\x45VENT_KIND_PROOF_REFUSED\x10\x0b\x32\x99\x05\n\x14WorkspaceCoordinator\x12R\n\x07Session\x12 .moe_workspace.v1.SessionRequest\x1a!.moe_workspace.v1.SessionResponse(\x01\x30\x01\x12N\n\x07Propose\x12 .moe_workspace.v1.ProposeRequest\x1a!.moe_workspace.v1.ProposeResponse\x12K\n\x06\x43ommit\x12\x1f.moe_workspace.v1.CommitRequest\x1a .moe_workspace.v1.CommitResponse\x12G\n\x05Watch\x12\x1e.moe_workspace.v1.WatchRequest\x1a\x1c.moe_workspace.v1.GroupEvent0\x01\x12W\n\nListGroups\x12#.moe_workspace.v1.ListGroupsRequest\x1a$.moe_workspace.v1.ListGroupsResponse\x12\x46\n\x08GetGroup\x12!.moe_workspace.v1.GetGroupRequest\x1a\x17.moe_workspace.v1.Group\x12J\n\nResetGroup\x12#.moe_workspace.v1.ResetGroupRequest\x1a\x17.moe_workspace.v1.Group\x12Z\n\x0bRemoveGroup\x12$.moe_workspace.v1.RemoveGroupRequest\x1a%.moe_workspace.v1.RemoveGroupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe_workspace.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTION']._serialized_start=2750
-  _globals['_ACTION']._serialized_end=2838
-  _globals['_EVENTKIND']._serialized_start=2841
-  _globals['_EVENTKIND']._serialized_end=3191
+  _globals['_ACTION']._serialized_start=2914
+  _globals['_ACTION']._serialized_end=3002
+  _globals['_EVENTKIND']._serialized_start=3005
+  _globals['_EVENTKIND']._serialized_end=3355
   _globals['_CAPACITIES']._serialized_start=90
   _globals['_CAPACITIES']._serialized_end=247
   _globals['_REQUIREMENT']._serialized_start=249
@@ -51,33 +51,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITRESPONSE']._serialized_start=935
   _globals['_COMMITRESPONSE']._serialized_end=951
   _globals['_SESSIONREQUEST']._serialized_start=954
-  _globals['_SESSIONREQUEST']._serialized_end=1097
-  _globals['_SESSIONRESPONSE']._serialized_start=1100
-  _globals['_SESSIONRESPONSE']._serialized_end=1298
-  _globals['_SESSIONERROR']._serialized_start=1300
-  _globals['_SESSIONERROR']._serialized_end=1345
-  _globals['_WATCHREQUEST']._serialized_start=1347
-  _globals['_WATCHREQUEST']._serialized_end=1376
-  _globals['_GROUPEVENT']._serialized_start=1379
-  _globals['_GROUPEVENT']._serialized_end=1672
-  _globals['_LISTGROUPSREQUEST']._serialized_start=1674
-  _globals['_LISTGROUPSREQUEST']._serialized_end=1758
-  _globals['_LISTGROUPSRESPONSE']._serialized_start=1760
-  _globals['_LISTGROUPSRESPONSE']._serialized_end=1846
-  _globals['_GETGROUPREQUEST']._serialized_start=1848
-  _globals['_GETGROUPREQUEST']._serialized_end=1880
-  _globals['_RESETGROUPREQUEST']._serialized_start=1882
-  _globals['_RESETGROUPREQUEST']._serialized_end=1916
-  _globals['_REMOVEGROUPREQUEST']._serialized_start=1918
-  _globals['_REMOVEGROUPREQUEST']._serialized_end=1953
-  _globals['_REMOVEGROUPRESPONSE']._serialized_start=1955
-  _globals['_REMOVEGROUPRESPONSE']._serialized_end=1976
-  _globals['_RANKSTATE']._serialized_start=1979
-  _globals['_RANKSTATE']._serialized_end=2201
-  _globals['_GROWTH']._serialized_start=2204
-  _globals['_GROWTH']._serialized_end=2353
-  _globals['_GROUP']._serialized_start=2356
-  _globals['_GROUP']._serialized_end=2748
-  _globals['_WORKSPACECOORDINATOR']._serialized_start=3194
-  _globals['_WORKSPACECOORDINATOR']._serialized_end=3859
+  _globals['_SESSIONREQUEST']._serialized_end=1146
+  _globals['_LEAVEREQUEST']._serialized_start=1148
+  _globals['_LEAVEREQUEST']._serialized_end=1162
+  _globals['_LEAVERESPONSE']._serialized_start=1164
+  _globals['_LEAVERESPONSE']._serialized_end=1179
+  _globals['_SESSIONRESPONSE']._serialized_start=1182
+  _globals['_SESSIONRESPONSE']._serialized_end=1429
+  _globals['_SESSIONERROR']._serialized_start=1431
+  _globals['_SESSIONERROR']._serialized_end=1476
+  _globals['_WATCHREQUEST']._serialized_start=1478
+  _globals['_WATCHREQUEST']._serialized_end=1507
+  _globals['_GROUPEVENT']._serialized_start=1510
+  _globals['_GROUPEVENT']._serialized_end=1836
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1838
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1922
+  _globals['_LISTGROUPSRESPONSE']._serialized_start=1924
+  _globals['_LISTGROUPSRESPONSE']._serialized_end=2010
+  _globals['_GETGROUPREQUEST']._serialized_start=2012
+  _globals['_GETGROUPREQUEST']._serialized_end=2044
+  _globals['_RESETGROUPREQUEST']._serialized_start=2046
+  _globals['_RESETGROUPREQUEST']._serialized_end=2080
+  _globals['_REMOVEGROUPREQUEST']._serialized_start=2082
+  _globals['_REMOVEGROUPREQUEST']._serialized_end=2117
+  _globals['_REMOVEGROUPRESPONSE']._serialized_start=2119
+  _globals['_REMOVEGROUPRESPONSE']._serialized_end=2140
+  _globals['_RANKSTATE']._serialized_start=2143
+  _globals['_RANKSTATE']._serialized_end=2365
+  _globals['_GROWTH']._serialized_start=2368
+  _globals['_GROWTH']._serialized_end=2517
+  _globals['_GROUP']._serialized_start=2520
+  _globals['_GROUP']._serialized_end=2912
+  _globals['_WORKSPACECOORDINATOR']._serialized_start=3358
+  _globals['_WORKSPACECOORDINATOR']._serialized_end=4023
 # @@protoc_insertion_point(module_scope)

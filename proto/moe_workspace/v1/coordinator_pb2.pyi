@@ -382,28 +382,72 @@ class SessionRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     PROPOSE_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Echoed in the answer."""
     @_builtins.property
     def propose(self) -> Global___ProposeRequest: ...
     @_builtins.property
     def commit(self) -> Global___CommitRequest: ...
+    @_builtins.property
+    def leave(self) -> Global___LeaveRequest:
+        """The rank ends its session on purpose (its cleanup)."""
+
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
         propose: Global___ProposeRequest | None = ...,
         commit: Global___CommitRequest | None = ...,
+        leave: Global___LeaveRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "id", b"id", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "id", b"id", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit", "leave"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class LeaveRequest(_message.Message):
+    """A rank's clean goodbye: the sidecar answers `left` (after every earlier
+    message of the session) and ends the stream. The rank is gone as when its
+    stream breaks, but it did not die: the RANK_LEFT event is not `lost`, and
+    its peers' watchers leave them alone. A stream that ends without it (a
+    killed process, a lost connection, a client older than the message) is a
+    death.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveRequest: _TypeAlias = LeaveRequest  # noqa: Y015
+
+@_typing.final
+class LeaveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveResponse: _TypeAlias = LeaveResponse  # noqa: Y015
 
 @_typing.final
 class SessionResponse(_message.Message):
@@ -417,6 +461,7 @@ class SessionResponse(_message.Message):
     DECISION_FIELD_NUMBER: _builtins.int
     COMMITTED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def decision(self) -> Global___ProposeResponse: ...
@@ -424,6 +469,8 @@ class SessionResponse(_message.Message):
     def committed(self) -> Global___CommitResponse: ...
     @_builtins.property
     def error(self) -> Global___SessionError: ...
+    @_builtins.property
+    def left(self) -> Global___LeaveResponse: ...
     def __init__(
         self,
         *,
@@ -431,12 +478,13 @@ class SessionResponse(_message.Message):
         decision: Global___ProposeResponse | None = ...,
         committed: Global___CommitResponse | None = ...,
         error: Global___SessionError | None = ...,
+        left: Global___LeaveResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "left", b"left", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "left", b"left", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error", "left"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -500,6 +548,8 @@ class GroupEvent(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     MISSING_RANKS_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    SURVIVORS_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     kind: Global___EventKind.ValueType
     round: _builtins.int
@@ -511,6 +561,12 @@ class GroupEvent(_message.Message):
     """Human-readable detail, e.g. the error of a refused or timed-out round."""
     node: _builtins.str
     """The node the event's plan came from (PLAN_MERGED)."""
+    lost: _builtins.bool
+    """RANK_LEFT: the rank's session stream broke (the process died, was
+    killed, or lost its connection) rather than closing cleanly (cleanup).
+    A lost rank is a death: its peers' watchers act on it
+    (MOE_SIDECAR_ON_PEER_LOSS); a clean close is not.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -518,6 +574,13 @@ class GroupEvent(_message.Message):
     @_builtins.property
     def missing_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Ranks that never proposed a timed-out round."""
+
+    @_builtins.property
+    def survivors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """RANK_LEFT: the short lifetime ids of the ranks of the group's running
+        lifetime still present, so that a watcher can tell whether the event is
+        about its own lifetime of the group.
+        """
 
     def __init__(
         self,
@@ -533,10 +596,12 @@ class GroupEvent(_message.Message):
         message: _builtins.str = ...,
         missing_ranks: _abc.Iterable[_builtins.int] | None = ...,
         node: _builtins.str = ...,
+        lost: _builtins.bool = ...,
+        survivors: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "lost", b"lost", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "survivors", b"survivors", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

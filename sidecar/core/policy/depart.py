@@ -7,6 +7,7 @@ from dataclasses import replace
 from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
 from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, RankRecord, Refusal
+from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import gone_text, group_event
 from moe_sidecar.core.policy.proof import single_proof
 from moe_sidecar.core.policy.rounds import (
@@ -30,8 +31,16 @@ def _leave_restart(state: GroupState, pending: OpenRound, ep_rank: int) -> Step:
     return Step(state, effects=(Deadline(state.next_deadline()),))
 
 
-def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float) -> Step | None:
+def depart(
+    state: GroupState, ep_rank: int, lifetime: str, why: str, now: float, *, lost: bool = True
+) -> Step | None:
     """A rank's session ended: the rank (of lifetime ``lifetime``) is gone.
+
+    ``lost``: the session broke (the process died, was killed, or lost its
+    connection); False when the rank closed it cleanly (its cleanup). Both
+    leave the same state; the RANK_LEFT event says which, and names the
+    running lifetime's ranks still present, so that their watchers end (or
+    stop) them on a death and leave them alone on a clean close.
 
     A rank of the running lifetime is marked gone and the group's open
     round, if any, fails at once for everyone in it (ABORTED, naming the rank,
@@ -60,7 +69,7 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
         and not single_proof(rnd)
     ):
         return _withdraw(state, rnd, ep_rank)
-    return _mark_gone(state, record, why, now)
+    return _mark_gone(state, record, why, now, lost)
 
 
 def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:
@@ -75,22 +84,22 @@ def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:
     return Step(state, effects=(Persist(), Deadline(state.next_deadline())))
 
 
-def _mark_gone(state: GroupState, record: RankRecord, why: str, now: float) -> Step:
+def _mark_gone(state: GroupState, record: RankRecord, why: str, now: float, lost: bool) -> Step:
     """A rank of the running lifetime is gone: marked so, and the open round
     (if any) abandoned for everyone in it."""
     record = replace(record, left=why, last_seen=now)
     state = with_rank(state, record)
-    left = Publish(
-        group_event(
-            state,
-            EventKind.RANK_LEFT,
-            now,
-            round=record.last_round,
-            ep_rank=record.ep_rank,
-            layer=record.last_layer,
-            message=gone_text(record),
-        )
+    gone = group_event(
+        state,
+        EventKind.RANK_LEFT,
+        now,
+        round=record.last_round,
+        ep_rank=record.ep_rank,
+        layer=record.last_layer,
+        message=gone_text(record),
     )
+    survivors = tuple(short_id(r.lifetime) for r in state.current_ranks() if not r.left)
+    left = Publish(replace(gone, lost=lost, survivors=survivors))
     rnd = state.open_round
     if rnd is None:
         return Step(state, effects=(Persist(), left))
