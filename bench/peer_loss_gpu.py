@@ -66,9 +66,12 @@ def rank_main(rank: int, world: int, init_method: str, group: str, backend: str)
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(hours=1)
     )
-    manager = WorkspaceManager(dist.group.WORLD, group=group, backend=backend, local_ranks=world)
+    world_group = dist.group.WORLD
+    assert world_group is not None
+    manager = WorkspaceManager(world_group, group=group, backend=backend, local_ranks=world)
     manager.initialize(TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, HIDDEN * 2, 0, layer="mtp.0.mlp")
     a2a = manager.moe_alltoall
+    assert a2a is not None
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     g = torch.Generator().manual_seed(1000 + rank)
     experts = torch.rand(TOKENS, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K]
@@ -176,8 +179,8 @@ def scenario(name: str, args: argparse.Namespace, out: Path) -> dict[int, dict[s
         if rank not in outcomes:
             outcomes[rank] = {"status": None, "seconds": None}  # still hung at the cap
             ranks[rank].kill()
-        stderr = (out / f"{name}-rank{rank}.stderr").read_text().strip().splitlines()
-        outcomes[rank]["last_line"] = stderr[-1] if stderr else ""
+        lines = (out / f"{name}-rank{rank}.stderr").read_text().strip().splitlines()
+        outcomes[rank]["last_line"] = lines[-1] if lines else ""
         outcomes[rank]["events"] = [e["event"] for e in events[rank]]
     sidecar.send_signal(signal.SIGTERM)
     sidecar.wait(timeout=30)

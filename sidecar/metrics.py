@@ -148,6 +148,16 @@ class SidecarMetrics:
             ("group",),
         )
         self.groups = self._gauge("moe_sidecar_groups", "Groups this sidecar knows.")
+        self.views = self._counter(
+            "moe_sidecar_views",
+            "Membership views decided, by the state they were decided in (proposed, "
+            "committed, failed).",
+            ("state",),
+        )
+        self.ranks_lost = self._counter(
+            "moe_sidecar_ranks_lost",
+            "Ranks whose session broke without a goodbye (a death their peers are told of).",
+        )
         self._define_limit_series(limits or {})
         self._groups: dict[str, GroupSeries] = {}
         self._other: GroupSeries | None = None

@@ -385,7 +385,9 @@ class Coordinator:
         state = self._groups.get(group)
         if state is None:
             return
-        step = policy.depart(state, ep_rank, lifetime, why, self._clock(), lost=lost)
+        step = policy.depart(
+            state, ep_rank, lifetime, why, self._clock(), lost=lost, ack_timeout=self._round_timeout
+        )
         if step is None:
             return
         try:

@@ -12,6 +12,7 @@ from typing import TypeAlias
 
 from moe_sidecar.core.errors import CoordinatorError, ErrorCode, error_for_code
 from moe_sidecar.core.identity import short_id
+from moe_sidecar.core.membership import View, first_view
 from moe_sidecar.core.plan import Action, Capacities, EpochPlan, Plan
 
 __all__ = [
@@ -176,6 +177,22 @@ class GroupState:
     proofs). Every later proposal and commit of the lifetime must carry it."""
     refused_proposals: int = 0
     """Proposals and commits refused because their proof did not match."""
+    view: View | None = None
+    """The latest membership view decided after the lifetime's first one
+    (None: none since; see :meth:`current_view`)."""
+    view_lifetime: int = 0
+    """The lifetime ``view`` belongs to (a view of an earlier one is not current)."""
+
+    def current_view(self) -> View | None:
+        """The current lifetime's membership view: the one decided last, else
+        its first (every rank of the lifetime still there, committed, at the
+        generation built); None before anything is built."""
+        if self.view is not None and self.view_lifetime == self.lifetime_index:
+            return self.view
+        members = tuple(r.ep_rank for r in self.current_ranks() if not r.left)
+        if self.built is None or not members:
+            return None
+        return first_view(members, self.built.generation, f"lifetime {self.lifetime_index} began")
 
     def last_activity(self) -> float:
         """When a rank last proposed or committed, or the plan last grew (0: never)."""
@@ -261,6 +278,8 @@ class GroupSummary:
     history: tuple[Growth, ...]
     refused_proposals: int = 0
     """Proposals and commits refused because their group proof did not match."""
+    view: View | None = None
+    """The current lifetime's membership view (None: nothing built yet)."""
 
     def workspace_bytes(self, plan: Plan) -> int:
         """Per-rank FlashInfer workspace bytes of ``plan`` in this group."""
@@ -298,4 +317,5 @@ def summarize(state: GroupState) -> GroupSummary:
         ),
         history=state.history,
         refused_proposals=state.refused_proposals,
+        view=state.current_view(),
     )

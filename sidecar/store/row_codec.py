@@ -34,6 +34,7 @@ re-proposes its round).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from moe_sidecar.core import limits
@@ -75,6 +76,7 @@ from moe_sidecar.store.row_fields import (
     time_field,
     typed_capacities,
 )
+from moe_sidecar.store.view_codec import decode_view, encode_view
 
 __all__ = [
     "CLUSTER_PLAN_KIND",
@@ -177,6 +179,7 @@ def encode_group(state: GroupState) -> str:
         "history": encode_history(state.history),
         **({"proof": state.proof} if state.proof is not None else {}),
         **({"refused_proposals": state.refused_proposals} if state.refused_proposals else {}),
+        **({"view": encode_view(state.view, state.view_lifetime)} if state.view else {}),
     }
     return json.dumps(document, separators=(",", ":"))
 
@@ -310,7 +313,11 @@ def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
 
 
 def _decode_v3(d: Any) -> GroupState:
-    return _decode_v2(d, with_node=True)
+    state = _decode_v2(d, with_node=True)
+    if d.get("view") is None:  # rows written before views
+        return state
+    view, lifetime = decode_view(d["view"], state.ep_size)
+    return replace(state, view=view, view_lifetime=lifetime)
 
 
 # --- version 1 (moe-sidecar 0.1.0) --------------------------------------------------

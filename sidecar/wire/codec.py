@@ -33,6 +33,7 @@ from moe_sidecar.core.group import (
     Requirement,
 )
 from moe_sidecar.core.identity import lifetime_id, proof_id
+from moe_sidecar.core.membership import Acknowledgement, View, ViewState
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_workspace.v1 import coordinator_pb2 as pb
 
@@ -64,6 +65,8 @@ __all__ = [
     "session_propose_to_proto",
     "summary_from_proto",
     "summary_to_proto",
+    "view_from_proto",
+    "view_to_proto",
 ]
 
 _ACTION_TO_PROTO = {
@@ -85,7 +88,14 @@ _EVENT_TO_PROTO = {
     EventKind.RANK_LEFT: pb.EVENT_KIND_RANK_LEFT,
     EventKind.PLAN_MERGED: pb.EVENT_KIND_PLAN_MERGED,
     EventKind.PROOF_REFUSED: pb.EVENT_KIND_PROOF_REFUSED,
+    EventKind.VIEW_CHANGED: pb.EVENT_KIND_VIEW_CHANGED,
 }
+_VIEW_STATE_TO_PROTO = {
+    ViewState.PROPOSED: pb.VIEW_STATE_PROPOSED,
+    ViewState.COMMITTED: pb.VIEW_STATE_COMMITTED,
+    ViewState.FAILED: pb.VIEW_STATE_FAILED,
+}
+_VIEW_STATE_FROM_PROTO = {wire: state for state, wire in _VIEW_STATE_TO_PROTO.items()}
 _EVENT_FROM_PROTO = {wire: kind for kind, wire in _EVENT_TO_PROTO.items()}
 
 
@@ -333,6 +343,38 @@ def _growth_to_proto(g: Growth, ep_size: int) -> pb.Growth:
     )
 
 
+def view_to_proto(view: View) -> pb.View:
+    """The wire form of a membership view."""
+    message = pb.View(
+        number=view.number,
+        members=list(view.members),
+        generation=view.generation,
+        state=_VIEW_STATE_TO_PROTO[view.state],
+        cause=view.cause,
+        acknowledged=[a.ep_rank for a in view.acks],
+    )
+    if view.deadline is not None:
+        message.deadline.CopyFrom(_timestamp(view.deadline))
+    return message
+
+
+def view_from_proto(message: pb.View) -> View | None:
+    """The membership view a sidecar sent (None: a state this code does not know).
+    Acknowledgements come back without their round counts (the wire does not carry them)."""
+    state = _VIEW_STATE_FROM_PROTO.get(message.state)
+    if state is None:
+        return None
+    return View(
+        number=message.number,
+        members=tuple(message.members),
+        generation=message.generation,
+        state=state,
+        cause=message.cause,
+        deadline=_seconds(message.deadline) if message.HasField("deadline") else None,
+        acks=tuple(Acknowledgement(r, 0) for r in message.acknowledged),
+    )
+
+
 def summary_to_proto(s: GroupSummary) -> pb.Group:
     """The wire view of a group: plan, lifetimes, rounds, ranks and growth history."""
     group = pb.Group(
@@ -365,6 +407,8 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
     )
     if s.plan is not None:
         group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size))
+    if s.view is not None:
+        group.view.CopyFrom(view_to_proto(s.view))
     return group
 
 
@@ -412,6 +456,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
             for h in group.history
         ),
         refused_proposals=group.refused_proposals,
+        view=view_from_proto(group.view) if group.HasField("view") else None,
     )
 
 
@@ -433,6 +478,8 @@ def event_to_proto(event: GroupEvent, ep_size: int | None) -> pb.GroupEvent:
     )
     if event.plan is not None:
         message.plan.CopyFrom(plan_to_proto(event.plan, ep_size))
+    if event.view is not None:
+        message.view.CopyFrom(view_to_proto(event.view))
     return message
 
 
@@ -460,6 +507,7 @@ def event_from_proto(message: pb.GroupEvent) -> GroupEvent | None:
         node=message.node,
         lost=message.lost,
         survivors=tuple(message.survivors),
+        view=view_from_proto(message.view) if message.HasField("view") else None,
     )
 
 

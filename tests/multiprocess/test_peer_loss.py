@@ -234,6 +234,10 @@ def test_wait_leaves_the_survivors_alone(sidecar: Sidecar, tmp_path: Path) -> No
             timeout=30,
             what=f"rank {KILLED} gone",
         )
+        # The sidecar decided the next membership view: the survivors, proposed.
+        view = sidecar.get_group(group).view
+        assert (view.number, list(view.members), view.state) == (2, [0, 1, 2], 1), view
+        assert f"rank {KILLED} " in view.cause, view
         ranks.send(SURVIVORS, "call")
         ranks.expect(SURVIVORS, "called", 30)
         ranks.send(SURVIVORS, "cleanup")

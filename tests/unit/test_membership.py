@@ -25,8 +25,15 @@ pytestmark = pytest.mark.timeout(10)
 TIMEOUT = 5.0
 FIRST = first_view((3, 1, 0, 2), 1, "lifetime 1 began")
 """Four ranks at generation 1, committed."""
-AFTER_DEATH = leave(FIRST, 3, "rank 3's session closed", 10.0, TIMEOUT)
-assert AFTER_DEATH is not None
+
+
+def _left(view: View, rank: int, cause: str, now: float) -> View:
+    following = leave(view, rank, cause, now, TIMEOUT)
+    assert following is not None
+    return following
+
+
+AFTER_DEATH = _left(FIRST, 3, "rank 3's session closed", 10.0)
 
 
 def test_a_lifetimes_first_view_is_committed_and_holds_every_rank() -> None:

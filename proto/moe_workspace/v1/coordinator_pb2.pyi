@@ -85,6 +85,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     match the proof of the group's ranks (or a rank holding the majority
     proof took its slot back from it).
     """
+    EVENT_KIND_VIEW_CHANGED: _EventKind.ValueType  # 30
+    """A new membership view was decided (see GroupEvent.view)."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -115,7 +117,42 @@ EVENT_KIND_PROOF_REFUSED: EventKind.ValueType  # 11
 match the proof of the group's ranks (or a rank holding the majority
 proof took its slot back from it).
 """
+EVENT_KIND_VIEW_CHANGED: EventKind.ValueType  # 30
+"""A new membership view was decided (see GroupEvent.view)."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
+
+class _ViewState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ViewStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ViewState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VIEW_STATE_UNSPECIFIED: _ViewState.ValueType  # 0
+    VIEW_STATE_PROPOSED: _ViewState.ValueType  # 1
+    """Decided by the sidecar; waits for every member's acknowledgement at a
+    quiesced point (its last combine done).
+    """
+    VIEW_STATE_COMMITTED: _ViewState.ValueType  # 2
+    """Every member acknowledged it at the same all-to-all round count."""
+    VIEW_STATE_FAILED: _ViewState.ValueType  # 3
+    """Acknowledged at different counts, or not before the deadline: the group
+    fails stop (its ranks restart).
+    """
+
+class ViewState(_ViewState, metaclass=_ViewStateEnumTypeWrapper): ...
+
+VIEW_STATE_UNSPECIFIED: ViewState.ValueType  # 0
+VIEW_STATE_PROPOSED: ViewState.ValueType  # 1
+"""Decided by the sidecar; waits for every member's acknowledgement at a
+quiesced point (its last combine done).
+"""
+VIEW_STATE_COMMITTED: ViewState.ValueType  # 2
+"""Every member acknowledged it at the same all-to-all round count."""
+VIEW_STATE_FAILED: ViewState.ValueType  # 3
+"""Acknowledged at different counts, or not before the deadline: the group
+fails stop (its ranks restart).
+"""
+Global___ViewState: _TypeAlias = ViewState  # noqa: Y015
 
 @_typing.final
 class Capacities(_message.Message):
@@ -550,6 +587,7 @@ class GroupEvent(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     LOST_FIELD_NUMBER: _builtins.int
     SURVIVORS_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     kind: Global___EventKind.ValueType
     round: _builtins.int
@@ -582,6 +620,10 @@ class GroupEvent(_message.Message):
         about its own lifetime of the group.
         """
 
+    @_builtins.property
+    def view(self) -> Global___View:
+        """VIEW_CHANGED: the view decided."""
+
     def __init__(
         self,
         *,
@@ -598,14 +640,66 @@ class GroupEvent(_message.Message):
         node: _builtins.str = ...,
         lost: _builtins.bool = ...,
         survivors: _abc.Iterable[_builtins.str] | None = ...,
+        view: Global___View | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "lost", b"lost", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "survivors", b"survivors", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "lost", b"lost", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "survivors", b"survivors", "time", b"time", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupEvent: _TypeAlias = GroupEvent  # noqa: Y015
+
+@_typing.final
+class View(_message.Message):
+    """A membership view of a group lifetime: the ranks the all-to-all runs
+    among. Within a generation members only leave (a closed session, an admin
+    exclusion); a rank is added only with a new generation.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUMBER_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
+    number: _builtins.int
+    """Only grows within a lifetime; 1 for its first view."""
+    generation: _builtins.int
+    """The workspace generation the members hold (or rebuild to, on a join)."""
+    state: Global___ViewState.ValueType
+    cause: _builtins.str
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """When a PROPOSED view fails unacknowledged; absent otherwise."""
+
+    @_builtins.property
+    def acknowledged(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Members that acknowledged a PROPOSED view."""
+
+    def __init__(
+        self,
+        *,
+        number: _builtins.int = ...,
+        members: _abc.Iterable[_builtins.int] | None = ...,
+        generation: _builtins.int = ...,
+        state: Global___ViewState.ValueType = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        cause: _builtins.str = ...,
+        acknowledged: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "cause", b"cause", "deadline", b"deadline", "generation", b"generation", "members", b"members", "number", b"number", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___View: _TypeAlias = View  # noqa: Y015
 
 @_typing.final
 class ListGroupsRequest(_message.Message):
@@ -844,6 +938,7 @@ class Group(_message.Message):
     RESTARTING_RANKS_FIELD_NUMBER: _builtins.int
     LAST_ACTIVITY_FIELD_NUMBER: _builtins.int
     REFUSED_PROPOSALS_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -875,6 +970,10 @@ class Group(_message.Message):
     def last_activity(self) -> _timestamp_pb2.Timestamp:
         """When a rank last proposed or committed, or the plan last grew."""
 
+    @_builtins.property
+    def view(self) -> Global___View:
+        """The current lifetime's membership view; absent before anything is built."""
+
     def __init__(
         self,
         *,
@@ -892,10 +991,11 @@ class Group(_message.Message):
         restarting_ranks: _builtins.int = ...,
         last_activity: _timestamp_pb2.Timestamp | None = ...,
         refused_proposals: _builtins.int = ...,
+        view: Global___View | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "view", b"view", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
