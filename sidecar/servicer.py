@@ -370,6 +370,16 @@ class CoordinatorServicer:
         group = summary_to_proto(summarize(self._coordinator.reset(request.group)))
         return self._pending.admit(context, group, refuse=False)
 
+    async def ExcludeRanks(self, data: bytes, context: _Context) -> pb.Group:
+        return await self._errors.unary(context, "ExcludeRanks", self._exclude(data, context))
+
+    async def _exclude(self, data: bytes, context: _Context) -> pb.Group:
+        request = decode_request(pb.ExcludeRanksRequest, data)
+        self._pending.check()  # before the exclusion: a refusal changes nothing
+        ranks = tuple(request.ranks)
+        state = self._coordinator.exclude(request.group, ranks, request.reason)
+        return self._pending.admit(context, summary_to_proto(summarize(state)), refuse=False)
+
     async def RemoveGroup(self, data: bytes, context: _Context) -> pb.RemoveGroupResponse:
         return await self._errors.unary(context, "RemoveGroup", self._remove_group(data))
 

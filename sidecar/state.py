@@ -522,6 +522,22 @@ class Coordinator:
         self._execute(step, state)
         return step.state
 
+    def exclude(self, name: str, ranks: tuple[int, ...], reason: str) -> GroupState:
+        """Takes ``ranks`` out of the group's membership view (an admin drain;
+        see :func:`moe_sidecar.core.policy.exclude`).
+
+        Raises:
+            AdminDisabled: the sidecar runs without ``--enable-admin``.
+            GroupNotFound: no such group.
+            InvalidArgument, PreconditionFailed: as the policy says, changing nothing.
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        self._check_admin("ExcludeRanks", name)
+        state = self.group(name)
+        step = policy.exclude(state, ranks, reason, self._clock(), self._round_timeout)
+        self._execute(step, state)
+        return step.state
+
     # --- the cluster store ----------------------------------------------------------
 
     def now(self) -> float:

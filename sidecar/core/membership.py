@@ -39,6 +39,7 @@ __all__ = [
     "join",
     "leave",
     "mask",
+    "without",
 ]
 
 
@@ -98,16 +99,23 @@ def _proposed(
 
 
 def leave(view: View, ep_rank: int, cause: str, now: float, ack_timeout: float) -> View | None:
-    """The view after member ``ep_rank`` left (its session closed, or an admin
-    excluded it): the rest, PROPOSED at the same generation, due by ``now +
+    """:func:`without` one member (its session closed)."""
+    return without(view, (ep_rank,), cause, now, ack_timeout)
+
+
+def without(
+    view: View, ranks: tuple[int, ...], cause: str, now: float, ack_timeout: float
+) -> View | None:
+    """The view after members ``ranks`` left (a session closed, or an admin
+    excluded them): the rest, PROPOSED at the same generation, due by ``now +
     ack_timeout``. A proposal still open is superseded (its acknowledgements
-    were for other members). None when nothing moves: ``ep_rank`` is no
+    were for other members). None when nothing moves: none of ``ranks`` is a
     member, or the view FAILED (a failed group only stops). The last member
     leaving fails the view.
     """
-    if view.state is ViewState.FAILED or ep_rank not in view.members:
+    if view.state is ViewState.FAILED or not set(ranks) & set(view.members):
         return None
-    rest = tuple(r for r in view.members if r != ep_rank)
+    rest = tuple(r for r in view.members if r not in ranks)
     if not rest:
         return replace(
             view,

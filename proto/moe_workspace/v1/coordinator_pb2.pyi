@@ -830,6 +830,35 @@ class RemoveGroupResponse(_message.Message):
 Global___RemoveGroupResponse: _TypeAlias = RemoveGroupResponse  # noqa: Y015
 
 @_typing.final
+class ExcludeRanksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    reason: _builtins.str
+    """Why, for the view's cause (e.g. "node drain")."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """At least one; each a member of the current view."""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "ranks", b"ranks", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExcludeRanksRequest: _TypeAlias = ExcludeRanksRequest  # noqa: Y015
+
+@_typing.final
 class RankState(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Final
 
-from moe_sidecar.core.effects import EventKind, Publish
+from moe_sidecar.core import limits
+from moe_sidecar.core.effects import EventKind, Persist, Publish, Step
+from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState
-from moe_sidecar.core.membership import View, leave
+from moe_sidecar.core.membership import View, leave, without
 from moe_sidecar.core.policy.events import group_event
 
-__all__ = ["DEFAULT_ACK_TIMEOUT_S", "member_left", "view_text"]
+__all__ = ["DEFAULT_ACK_TIMEOUT_S", "exclude", "member_left", "view_text"]
 
 DEFAULT_ACK_TIMEOUT_S: Final = 60.0
 """How long a proposed view waits for its members' acknowledgements when the
@@ -48,3 +50,50 @@ def member_left(
         state, EventKind.VIEW_CHANGED, now, ep_rank=ep_rank, message=view_text(following)
     )
     return state, (Publish(replace(event, view=following)),)
+
+
+def exclude(
+    state: GroupState, ranks: tuple[int, ...], reason: str, now: float, ack_timeout: float
+) -> Step:
+    """An admin takes ``ranks`` out of the group's membership (a drain): the
+    next view, without them, is PROPOSED at the same generation. The ranks
+    keep their sessions; nobody is told of a death.
+
+    Raises:
+        InvalidArgument: no rank named, a rank outside ``[0, ep_size)``, or
+            a reason longer than a name may be.
+        PreconditionFailed: nothing is built yet (no view), the view failed,
+            or a rank named is no member of the current view (naming it and
+            the members).
+    """
+    if not ranks:
+        raise InvalidArgument.of("ranks", [], "name at least one rank to exclude")
+    if len(reason) > limits.MAX_NAME_LENGTH:
+        raise InvalidArgument.of(
+            "reason", f"{len(reason)} characters", f"at most {limits.MAX_NAME_LENGTH}"
+        )
+    for rank in ranks:
+        if not 0 <= rank < state.ep_size:
+            raise InvalidArgument.of("ranks", rank, f"must be a rank below ep_size={state.ep_size}")
+    view = state.current_view()
+    if view is None:
+        raise PreconditionFailed(
+            f"group {quote_name(state.name)} has no view yet: nothing is built"
+        )
+    strangers = [r for r in ranks if r not in view.members]
+    if strangers:
+        raise PreconditionFailed(
+            f"ranks {strangers} are no members of view {view.number} of group "
+            f"{quote_name(state.name)} (members: {list(view.members)})"
+        )
+    cause = f"ranks {sorted(set(ranks))} excluded by an admin (drain)" + (
+        f": {reason}" if reason else ""
+    )
+    following = without(view, ranks, cause, now, ack_timeout)
+    if following is None:
+        raise PreconditionFailed(
+            f"view {view.number} failed ({view.cause}): the group must restart"
+        )
+    state = replace(state, view=following, view_lifetime=state.lifetime_index)
+    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
+    return Step(state, effects=(Persist(), Publish(replace(event, view=following))))
