@@ -23,7 +23,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted, quote_name
-from moe_sidecar.core.group import Decision, summarize
+from moe_sidecar.core.group import Decision, GroupState, summarize
 from moe_sidecar.core.identity import lifetime_id
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.state import Coordinator
@@ -36,6 +36,7 @@ from moe_sidecar.wire.codec import (
     page_token_from_proto,
     page_token_to_proto,
     proposal_from_proto,
+    session_acknowledged_to_proto,
     session_committed_to_proto,
     session_decision_wire,
     session_error_to_proto,
@@ -248,6 +249,9 @@ class CoordinatorServicer:
                     closed_cleanly = True
                     yield session_left_to_proto(request.id)
                     return
+                if request.WhichOneof("message") == "acknowledge":
+                    yield await self._acknowledgement(request, binding, context)
+                    continue
                 identity = _identity(request)
                 if binding is not None and identity != binding:
                     yield session_error_to_proto(
@@ -276,6 +280,27 @@ class CoordinatorServicer:
                     why=_CLOSED_CLEANLY if closed_cleanly else _BROKEN,
                     lost=not closed_cleanly,
                 )
+
+    async def _acknowledgement(
+        self, request: pb.SessionRequest, binding: _Identity | None, context: _Context
+    ) -> pb.SessionResponse:
+        """The answer to a member's acknowledgement of a view, on its bound session."""
+        if binding is None:
+            return session_error_to_proto(
+                request.id,
+                grpc.StatusCode.FAILED_PRECONDITION.name,
+                "session: an acknowledgement before the session's first proposal speaks for nobody",
+            )
+        ack = request.acknowledge
+        state = await self._errors.answer(
+            context, "Session", self._acknowledge(binding, ack.view, ack.rounds)
+        )
+        if isinstance(state, tuple):
+            return session_error_to_proto(request.id, state[0].name, state[1])
+        return session_acknowledged_to_proto(request.id, state.current_view())
+
+    async def _acknowledge(self, binding: _Identity, view: int, rounds: int) -> GroupState:
+        return self._coordinator.acknowledge_view(*binding, view, rounds)
 
     def end_sessions(self) -> None:
         """Ends every open Session stream with UNAVAILABLE (the sidecar is
@@ -398,9 +423,11 @@ async def _decode_session(data: bytes) -> pb.SessionRequest:
     method = request.WhichOneof("message")
     if method is None:
         raise InvalidArgument.of(
-            "message", None, "a session message holds a propose, a commit or a leave"
+            "message",
+            None,
+            "a session message holds a propose, a commit, a leave or an acknowledge",
         )
-    if method == "leave":
+    if method in ("leave", "acknowledge"):
         return request
     inner = request.propose if method == "propose" else request.commit
     lifetime_id(inner.lifetime)  # the token must be usable before it binds a session

@@ -522,6 +522,21 @@ class Coordinator:
         self._execute(step, state)
         return step.state
 
+    def acknowledge_view(
+        self, name: str, ep_rank: int, lifetime: str, number: int, rounds: int
+    ) -> GroupState:
+        """A member acknowledged a view (see :func:`moe_sidecar.core.policy.acknowledge_view`).
+
+        Raises:
+            GroupNotFound: no such group.
+            PreconditionFailed: as the policy says, changing nothing.
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        state = self.group(name)
+        step = policy.acknowledge_view(state, ep_rank, lifetime, number, rounds, self._clock())
+        self._execute(step, state)
+        return step.state
+
     def exclude(self, name: str, ranks: tuple[int, ...], reason: str) -> GroupState:
         """Takes ``ranks`` out of the group's membership view (an admin drain;
         see :func:`moe_sidecar.core.policy.exclude`).

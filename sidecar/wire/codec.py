@@ -55,6 +55,8 @@ __all__ = [
     "plan_to_proto",
     "proposal_from_proto",
     "proposal_to_proto",
+    "session_acknowledge_to_proto",
+    "session_acknowledged_to_proto",
     "session_commit_to_proto",
     "session_committed_to_proto",
     "session_decision_to_proto",
@@ -569,6 +571,20 @@ def session_leave_to_proto(message_id: int) -> pb.SessionRequest:
 def session_left_to_proto(message_id: int) -> pb.SessionResponse:
     """The answer to a session's goodbye (the stream ends next)."""
     return pb.SessionResponse(id=message_id, left=pb.LeaveResponse())
+
+
+def session_acknowledge_to_proto(message_id: int, view: int, rounds: int) -> pb.SessionRequest:
+    """A member's acknowledgement of view ``view`` at ``rounds`` all-to-all rounds."""
+    return pb.SessionRequest(
+        id=message_id, acknowledge=pb.AcknowledgeView(view=view, rounds=rounds)
+    )
+
+
+def session_acknowledged_to_proto(message_id: int, view: View | None) -> pb.SessionResponse:
+    """The answer to an acknowledgement: the view as it stands."""
+    response = pb.SessionResponse(id=message_id)
+    response.acknowledged.CopyFrom(view_to_proto(view) if view is not None else pb.View())
+    return response
 
 
 def session_error_to_proto(message_id: int, code: str, message: str) -> pb.SessionResponse:

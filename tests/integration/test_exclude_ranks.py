@@ -1,6 +1,7 @@
-"""ExcludeRanks against a real sidecar: an admin drains ranks out of the
+"""Views against a real sidecar: an admin drains ranks out of the
 membership view (a PROPOSED view without them, a VIEW_CHANGED event);
-without --enable-admin it is refused; bad input is named and changes nothing."""
+without --enable-admin it is refused; bad input is named and changes nothing;
+the members acknowledge the view on their sessions and it commits."""
 
 from __future__ import annotations
 
@@ -111,3 +112,56 @@ async def test_without_admin_it_is_refused(tmp_path: Path) -> None:
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "ExcludeRanks" in details(error) and "--enable-admin" in details(error)
     assert after.view.number == 1
+
+
+class _Session:
+    """One rank's raw Session stream."""
+
+    def __init__(self, stub: Any) -> None:
+        self._requests: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()
+        self._call = stub.Session(self._feed())
+        self._id = 0
+
+    async def _feed(self) -> AsyncIterator[pb.SessionRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def send(self, **message: Any) -> pb.SessionResponse:
+        self._id += 1
+        await self._requests.put(pb.SessionRequest(id=self._id, **message))
+        response: pb.SessionResponse = await asyncio.wait_for(self._call.read(), timeout=5)
+        return response
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+async def test_a_view_commits_when_every_member_acknowledges_at_one_count(
+    admin: RunningServer,
+) -> None:
+    group = "acks/ep2"
+    async with coordinator_stub(admin.addresses.listen[0]) as stub:
+        sessions = [_Session(stub) for _ in range(3)]
+        unbound = await sessions[0].send(acknowledge=pb.AcknowledgeView(view=1, rounds=0))
+        assert "before the session's first proposal" in unbound.error.message
+        proposals = [
+            propose_request(r, 1, NVFP4, group=group, ep_size=3, local_ranks=3) for r in range(3)
+        ]
+        decided = await asyncio.gather(
+            *(s.send(propose=p) for s, p in zip(sessions, proposals, strict=True))
+        )
+        assert all(d.WhichOneof("result") == "decision" for d in decided), decided
+        await stub.ExcludeRanks(pb.ExcludeRanksRequest(group=group, ranks=[2]), timeout=5)
+        excluded = await sessions[2].send(acknowledge=pb.AcknowledgeView(view=2, rounds=5))
+        assert excluded.error.code == "FAILED_PRECONDITION"
+        assert "rank 2 is no member of view 2" in excluded.error.message
+        first = await sessions[0].send(acknowledge=pb.AcknowledgeView(view=2, rounds=5))
+        assert first.acknowledged.state == pb.VIEW_STATE_PROPOSED
+        assert list(first.acknowledged.acknowledged) == [0]
+        second = await sessions[1].send(acknowledge=pb.AcknowledgeView(view=2, rounds=5))
+        assert second.acknowledged.state == pb.VIEW_STATE_COMMITTED
+        assert list(second.acknowledged.members) == [0, 1]
+        stored = await stub.GetGroup(pb.GetGroupRequest(group=group), timeout=5)
+        for session in sessions:
+            session.close()
+    assert stored.view == second.acknowledged

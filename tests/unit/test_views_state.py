@@ -11,6 +11,7 @@ import pytest
 
 from moe_sidecar.core import policy
 from moe_sidecar.core.effects import EventKind, GroupEvent, Publish
+from moe_sidecar.core.errors import PreconditionFailed
 from moe_sidecar.core.group import GroupState, Proposal, Requirement, summarize
 from moe_sidecar.core.membership import View, ViewState
 from moe_sidecar.core.plan import Capacities
@@ -93,3 +94,30 @@ def test_the_wire_and_groups_show_the_view() -> None:
     assert "  view 2 proposed: members 0, 1 at generation 1, due " in text
     [document] = display.groups_as_json([summary])
     assert document["view"]["state"] == "proposed" and document["view"]["members"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("rank", "lifetime", "number", "rounds", "needle"),
+    [
+        (0, "life-9", 2, 5, "rank 0 of group 'views:fp4/tp1-ep3/pp0' is not of the running"),
+        (2, "life-2", 2, 5, "is not of the running lifetime"),  # gone
+        (0, "life-0", 1, 5, "acknowledges view 1; the group is at view 2"),
+    ],
+)
+def test_an_acknowledgement_that_counts_for_nothing_is_refused(
+    rank: int, lifetime: str, number: int, rounds: int, needle: str
+) -> None:
+    state, _ = _depart(_decided(), 2)
+    with pytest.raises(PreconditionFailed) as info:
+        policy.acknowledge_view(state, rank, lifetime, number, rounds, 11.0)
+    assert needle in info.value.message
+
+
+def test_the_members_acknowledgements_commit_the_view() -> None:
+    state, _ = _depart(_decided(), 2)
+    once = policy.acknowledge_view(state, 0, "life-0", 2, 5, 11.0)
+    assert once.effects and not any(isinstance(e, Publish) for e in once.effects)
+    both = policy.acknowledge_view(once.state, 1, "life-1", 2, 5, 11.0)
+    [event] = [e.event for e in both.effects if isinstance(e, Publish)]
+    assert event.view is not None and event.view.state is ViewState.COMMITTED
+    assert decode_group(encode_group(both.state)).current_view() == event.view

@@ -420,6 +420,7 @@ class SessionRequest(_message.Message):
     PROPOSE_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     LEAVE_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Echoed in the answer."""
     @_builtins.property
@@ -430,6 +431,10 @@ class SessionRequest(_message.Message):
     def leave(self) -> Global___LeaveRequest:
         """The rank ends its session on purpose (its cleanup)."""
 
+    @_builtins.property
+    def acknowledge(self) -> Global___AcknowledgeView:
+        """The rank reached a quiesced point under a proposed view."""
+
     def __init__(
         self,
         *,
@@ -437,16 +442,47 @@ class SessionRequest(_message.Message):
         propose: Global___ProposeRequest | None = ...,
         commit: Global___CommitRequest | None = ...,
         leave: Global___LeaveRequest | None = ...,
+        acknowledge: Global___AcknowledgeView | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "id", b"id", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "id", b"id", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit", "leave"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit", "leave", "acknowledge"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class AcknowledgeView(_message.Message):
+    """A member of a PROPOSED view acknowledges it at a quiesced point (its last
+    combine done), on its bound session (the session says who it is). The
+    view commits once every member has, with one round count, and fails when
+    the counts differ or its deadline passed. Answered `acknowledged` with
+    the view as it stands.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VIEW_FIELD_NUMBER: _builtins.int
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    view: _builtins.int
+    rounds: _builtins.int
+    """All-to-all rounds (dispatch + combine pairs) the rank has completed."""
+    def __init__(
+        self,
+        *,
+        view: _builtins.int = ...,
+        rounds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rounds", b"rounds", "view", b"view"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcknowledgeView: _TypeAlias = AcknowledgeView  # noqa: Y015
 
 @_typing.final
 class LeaveRequest(_message.Message):
@@ -499,6 +535,7 @@ class SessionResponse(_message.Message):
     COMMITTED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     LEFT_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def decision(self) -> Global___ProposeResponse: ...
@@ -508,6 +545,8 @@ class SessionResponse(_message.Message):
     def error(self) -> Global___SessionError: ...
     @_builtins.property
     def left(self) -> Global___LeaveResponse: ...
+    @_builtins.property
+    def acknowledged(self) -> Global___View: ...
     def __init__(
         self,
         *,
@@ -516,12 +555,13 @@ class SessionResponse(_message.Message):
         committed: Global___CommitResponse | None = ...,
         error: Global___SessionError | None = ...,
         left: Global___LeaveResponse | None = ...,
+        acknowledged: Global___View | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "left", b"left", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "left", b"left", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "left", b"left", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "left", b"left", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error", "left"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error", "left", "acknowledged"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

@@ -38,11 +38,12 @@ from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
 from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS, new_group
 from moe_sidecar.core.policy.validation import validate_group_name, validate_proposal
-from moe_sidecar.core.policy.views import exclude
+from moe_sidecar.core.policy.views import acknowledge_view, exclude
 
 __all__ = [
     "MAX_HISTORY",
     "RETAINED_ROUNDS",
+    "acknowledge_view",
     "check_removable",
     "commit",
     "depart",

@@ -16,10 +16,10 @@ from moe_sidecar.core import limits
 from moe_sidecar.core.effects import EventKind, Persist, Publish, Step
 from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState
-from moe_sidecar.core.membership import View, leave, without
+from moe_sidecar.core.membership import View, ViewState, acknowledge, leave, without
 from moe_sidecar.core.policy.events import group_event
 
-__all__ = ["DEFAULT_ACK_TIMEOUT_S", "exclude", "member_left", "view_text"]
+__all__ = ["DEFAULT_ACK_TIMEOUT_S", "acknowledge_view", "exclude", "member_left", "view_text"]
 
 DEFAULT_ACK_TIMEOUT_S: Final = 60.0
 """How long a proposed view waits for its members' acknowledgements when the
@@ -95,5 +95,46 @@ def exclude(
             f"view {view.number} failed ({view.cause}): the group must restart"
         )
     state = replace(state, view=following, view_lifetime=state.lifetime_index)
+    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
+    return Step(state, effects=(Persist(), Publish(replace(event, view=following))))
+
+
+def acknowledge_view(
+    state: GroupState, ep_rank: int, lifetime: str, number: int, rounds: int, now: float
+) -> Step:
+    """Rank ``ep_rank`` (of lifetime ``lifetime``) acknowledged view ``number``
+    at a quiesced point with ``rounds`` all-to-all rounds done. The view
+    commits (or fails) once every member has; a VIEW_CHANGED event says so.
+
+    Raises:
+        InvalidArgument: ``number`` or ``rounds`` out of range.
+        PreconditionFailed: the rank is not of the group's running lifetime
+            (or is gone), there is no view, or the view refuses the
+            acknowledgement (see :func:`moe_sidecar.core.membership.acknowledge`).
+    """
+    limits.check_count("view", number, 1, limits.MAX_GENERATION)
+    limits.check_count("rounds", rounds, 0, limits.MAX_GENERATION)
+    record = state.rank(ep_rank)
+    if (
+        record is None
+        or record.lifetime != lifetime
+        or record.lifetime_index != state.lifetime_index
+        or record.left
+    ):
+        raise PreconditionFailed(
+            f"rank {ep_rank} of group {quote_name(state.name)} is not of the running lifetime: "
+            "its acknowledgement counts for nothing"
+        )
+    view = state.current_view()
+    if view is None:
+        raise PreconditionFailed(
+            f"group {quote_name(state.name)} has no view yet: nothing is built"
+        )
+    following = acknowledge(view, ep_rank, number, rounds, now)
+    if following == view:
+        return Step(state)
+    state = replace(state, view=following, view_lifetime=state.lifetime_index)
+    if following.state is ViewState.PROPOSED:
+        return Step(state, effects=(Persist(),))
     event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
     return Step(state, effects=(Persist(), Publish(replace(event, view=following))))
