@@ -208,8 +208,12 @@ class GroupState:
         return self.open_round is not None or self.pending is not None
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline of the open and the pending round (None: neither)."""
+        """The earliest deadline of the open and the pending round and of a
+        proposed membership view (None: none)."""
         deadlines = [r.deadline for r in (self.open_round, self.pending) if r is not None]
+        view = self.current_view()
+        if view is not None and view.deadline is not None:
+            deadlines.append(view.deadline)
         return min(deadlines) if deadlines else None
 
     def rank(self, ep_rank: int) -> RankRecord | None:

@@ -165,3 +165,22 @@ async def test_a_view_commits_when_every_member_acknowledges_at_one_count(
         for session in sessions:
             session.close()
     assert stored.view == second.acknowledged
+
+
+async def test_a_view_nobody_acknowledges_fails_at_its_deadline(tmp_path: Path) -> None:
+    config = make_config(tmp_path, enable_admin=True, round_timeout=0.5)
+    async with running_server(config) as running:
+        await _decided(running)
+        async with coordinator_stub(running.addresses.listen[0]) as stub:
+            events = stub.Watch(pb.WatchRequest(group=GROUP))
+            await events.initial_metadata()
+            await stub.ExcludeRanks(pb.ExcludeRanksRequest(group=GROUP, ranks=[0]), timeout=5)
+            proposed = await asyncio.wait_for(events.read(), timeout=5)
+            failed = await asyncio.wait_for(events.read(), timeout=10)  # the sidecar's timer
+            events.cancel()
+            stored = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+    assert proposed.view.state == pb.VIEW_STATE_PROPOSED
+    assert failed.kind == pb.EVENT_KIND_VIEW_CHANGED
+    assert failed.view.state == pb.VIEW_STATE_FAILED
+    assert "ranks 1, 2 did not acknowledge it in time" in failed.view.cause
+    assert stored.view == failed.view

@@ -121,3 +121,18 @@ def test_the_members_acknowledgements_commit_the_view() -> None:
     [event] = [e.event for e in both.effects if isinstance(e, Publish)]
     assert event.view is not None and event.view.state is ViewState.COMMITTED
     assert decode_group(encode_group(both.state)).current_view() == event.view
+
+
+def test_a_view_not_acknowledged_in_time_fails_the_group() -> None:
+    state, _ = _depart(_decided(), 2)
+    assert state.next_deadline() == 15.0  # the timer is armed for the view
+    assert policy.expire(state, 14.0) is None
+    step = policy.expire(state, 15.0)
+    assert step is not None
+    [event] = [e.event for e in step.effects if isinstance(e, Publish)]
+    assert event.kind is EventKind.VIEW_CHANGED and event.view == step.state.current_view()
+    assert event.view is not None and event.view.state is ViewState.FAILED
+    assert "ranks 0, 1 did not acknowledge it in time" in event.view.cause
+    assert step.state.next_deadline() is None
+    resumed = policy.resume(state, 100.0, 5.0)  # a restarted sidecar: a full timeout again
+    assert resumed.next_deadline() == 105.0

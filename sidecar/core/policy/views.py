@@ -13,13 +13,21 @@ from dataclasses import replace
 from typing import Final
 
 from moe_sidecar.core import limits
-from moe_sidecar.core.effects import EventKind, Persist, Publish, Step
+from moe_sidecar.core.effects import Deadline, Effect, EventKind, Persist, Publish, Step
 from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState
-from moe_sidecar.core.membership import View, ViewState, acknowledge, leave, without
+from moe_sidecar.core.membership import View, ViewState, acknowledge, expire, leave, without
 from moe_sidecar.core.policy.events import group_event
 
-__all__ = ["DEFAULT_ACK_TIMEOUT_S", "acknowledge_view", "exclude", "member_left", "view_text"]
+__all__ = [
+    "DEFAULT_ACK_TIMEOUT_S",
+    "acknowledge_view",
+    "exclude",
+    "expire_view",
+    "member_left",
+    "resume_view",
+    "view_text",
+]
 
 DEFAULT_ACK_TIMEOUT_S: Final = 60.0
 """How long a proposed view waits for its members' acknowledgements when the
@@ -37,10 +45,11 @@ def view_text(view: View) -> str:
 
 def member_left(
     state: GroupState, ep_rank: int, cause: str, now: float, ack_timeout: float
-) -> tuple[GroupState, tuple[Publish, ...]]:
-    """The state after member ``ep_rank`` of the current view left, and the
-    VIEW_CHANGED event of the next view; unchanged, with no event, when no
-    view moves (no view yet, not a member, or a failed view)."""
+) -> tuple[GroupState, tuple[Effect, ...]]:
+    """The state after member ``ep_rank`` of the current view left, with the
+    VIEW_CHANGED event of the next view and its deadline's timer; unchanged,
+    with no effect, when no view moves (no view yet, not a member, or a
+    failed view)."""
     view = state.current_view()
     following = leave(view, ep_rank, cause, now, ack_timeout) if view is not None else None
     if following is None:
@@ -49,7 +58,7 @@ def member_left(
     event = group_event(
         state, EventKind.VIEW_CHANGED, now, ep_rank=ep_rank, message=view_text(following)
     )
-    return state, (Publish(replace(event, view=following)),)
+    return state, (Publish(replace(event, view=following)), Deadline(state.next_deadline()))
 
 
 def exclude(
@@ -96,7 +105,14 @@ def exclude(
         )
     state = replace(state, view=following, view_lifetime=state.lifetime_index)
     event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
-    return Step(state, effects=(Persist(), Publish(replace(event, view=following))))
+    return Step(
+        state,
+        effects=(
+            Persist(),
+            Publish(replace(event, view=following)),
+            Deadline(state.next_deadline()),
+        ),
+    )
 
 
 def acknowledge_view(
@@ -137,4 +153,39 @@ def acknowledge_view(
     if following.state is ViewState.PROPOSED:
         return Step(state, effects=(Persist(),))
     event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
-    return Step(state, effects=(Persist(), Publish(replace(event, view=following))))
+    return Step(
+        state,
+        effects=(
+            Persist(),
+            Publish(replace(event, view=following)),
+            Deadline(state.next_deadline()),
+        ),
+    )
+
+
+def expire_view(state: GroupState, now: float) -> Step | None:
+    """Fails the proposed view past its deadline (naming who did not
+    acknowledge it): the group fails stop. None when no view is due."""
+    view = state.current_view()
+    failed = expire(view, now) if view is not None else None
+    if failed is None:
+        return None
+    state = replace(state, view=failed, view_lifetime=state.lifetime_index)
+    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(failed))
+    return Step(
+        state,
+        effects=(
+            Persist(),
+            Publish(replace(event, view=failed)),
+            Deadline(state.next_deadline()),
+        ),
+    )
+
+
+def resume_view(state: GroupState, now: float, ack_timeout: float) -> GroupState:
+    """A restarted sidecar's group: a proposed view gets a full ``ack_timeout``
+    from ``now`` (the time the sidecar was down does not count)."""
+    view = state.current_view()
+    if view is None or view.deadline is None:
+        return state
+    return replace(state, view=replace(view, deadline=now + ack_timeout))
