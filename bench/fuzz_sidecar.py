@@ -731,6 +731,7 @@ class Fuzzer:
                 "GetGroup": lambda: pb.GetGroupRequest(group=self.some_group().name),
                 "ResetGroup": lambda: pb.ResetGroupRequest(group="fuzz-unknown"),
                 "RemoveGroup": lambda: pb.RemoveGroupRequest(group="fuzz-unknown"),
+                "ExcludeRanks": lambda: pb.ExcludeRanksRequest(group="fuzz-unknown", ranks=[0]),
             }[method]().SerializeToString()
             data = bytearray(valid)
             if data and kind < 0.7:

@@ -45,6 +45,7 @@ from moe_sidecar.client.errors import BackendError, InvalidArgument
 from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.held_workspace import HeldWorkspace
 from moe_sidecar.client.layer_need import LayerNeed
+from moe_sidecar.client.peer_loss import PeerLossWatch
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
@@ -131,6 +132,8 @@ class AlltoAllManager:
         self.ep_size = dist.get_world_size(cpu_group)
         self.ep_rank = dist.get_rank(cpu_group)
         self._transport: Transport = transport_for(target, propose_timeout=propose_timeout)
+        self._peer_loss = PeerLossWatch.for_transport(self._transport)
+        """Hears of a peer's death while this rank is blocked (MOE_SIDECAR_ON_PEER_LOSS)."""
         self.group = naming.resolve(
             group,
             partial(engine.group_name, cpu_group),
@@ -272,7 +275,12 @@ class AlltoAllManager:
             InternalError: a REUSE of a plan this rank does not hold.
             BackendError: a build an answer asked for failed.
             AgreementError: embedded, the ranks passed different rounds as covered.
+            RankLost: (``MOE_SIDECAR_ON_PEER_LOSS=raise``) a peer of this
+                lifetime died since the last call.
         """
+        # Every call into the manager comes here: the watcher is armed for this
+        # lifetime, and a peer's death is raised (under MOE_SIDECAR_ON_PEER_LOSS=raise).
+        self._peer_loss.check(self.group, self.ep_rank, self.lifetime)
         # Every forward step reads moe_alltoall and every covered round comes
         # here: most of the time there is nothing to settle.
         if not self._unagreed and self._transport.unanswered <= keep:

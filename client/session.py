@@ -26,14 +26,17 @@ from typing import Final
 import grpc
 
 from moe_sidecar.client.errors import RpcStatus, SessionStatus
+from moe_sidecar.wire.codec import session_leave_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["SessionStream"]
+__all__ = ["CLOSE_WAIT_S", "SessionStream"]
 
 _CLOSE: Final = None
-"""Ends the request iterator: the client half-closes the stream."""
+"""Ends the request iterator: the client half-closes the stream (after its goodbye)."""
 _WATCH_INTERVAL_S = 0.2
+CLOSE_WAIT_S: Final = 1.0
+"""Most seconds :meth:`SessionStream.close` waits for the sidecar to end the stream."""
 LOCAL_DEADLINE_DETAILS = "Deadline Exceeded"
 """What gRPC writes as details when a client's deadline fires (the typed
 error mapping reads it, so a session's deadline reads like a unary one's)."""
@@ -154,10 +157,29 @@ class SessionStream:
                 return
 
     def close(self) -> None:
-        """Half-closes the stream: the sidecar sees the rank leave. Idempotent."""
+        """Says goodbye (a ``leave``), half-closes the stream and waits (at
+        most :data:`CLOSE_WAIT_S`) for the sidecar to end it: the sidecar sees
+        the rank leave cleanly, which its peers' watchers do not take for a
+        death. Idempotent.
+
+        A cancel sent right after the goodbye could overtake it, and the
+        sidecar would see a stream that ended without one, as from a killed
+        process; so the stream is cancelled only once it ended, or past the wait.
+        """
         with self._lock:
             if not self._alive:
                 return
             self._alive = False
+        self._requests.put(session_leave_to_proto(0))
         self._requests.put(_CLOSE)
+        give_up = threading.Timer(CLOSE_WAIT_S, self._responses.cancel)
+        give_up.daemon = True
+        give_up.start()
+        try:
+            for _ in self._responses:
+                pass  # answers nobody reads any more (the caller dropped them)
+        except grpc.RpcError:
+            pass  # the stream failed or was given up on: the rank is gone either way
+        finally:
+            give_up.cancel()
         self._responses.cancel()

@@ -166,6 +166,16 @@ class SidecarMetrics:
             ("version", "python"),
         )
         self.build_info.labels(version=installed_version(), python=platform.python_version()).set(1)
+        self.views = self._counter(
+            "moe_sidecar_views",
+            "Membership views decided, by the state they were decided in (proposed, "
+            "committed, failed).",
+            ("state",),
+        )
+        self.ranks_lost = self._counter(
+            "moe_sidecar_ranks_lost",
+            "Ranks whose session broke without a goodbye (a death their peers are told of).",
+        )
         self._define_limit_series(limits or {})
         self._groups: dict[str, GroupSeries] = {}
         self._other: GroupSeries | None = None

@@ -55,6 +55,7 @@ class EventObserver:
             EventKind.LIFETIME_STARTED: self._lifetime_started,
             EventKind.PLAN_MERGED: self._plan_merged,
             EventKind.PROOF_REFUSED: self._proof_refused,
+            EventKind.VIEW_CHANGED: self._view_changed,
         }
 
     def observe(self, event: GroupEvent) -> None:
@@ -167,6 +168,13 @@ class EventObserver:
         # a departure that fails an open round is logged again, at WARNING,
         # as that round's abort.
         _log.info("rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message})
+        if event.lost:
+            self._metrics.ranks_lost.inc()
+
+    def _view_changed(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
+        if event.view is not None:
+            self._metrics.views.labels(state=event.view.state.value).inc()
+        _log.info("view changed", extra={**fields, "rank": event.ep_rank, "detail": event.message})
 
     def _reset(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
         _log.warning("group reset", extra={**fields, "detail": event.message})

@@ -23,7 +23,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted, quote_name
-from moe_sidecar.core.group import Decision, summarize
+from moe_sidecar.core.group import Decision, GroupState, summarize
 from moe_sidecar.core.identity import lifetime_id
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.state import Coordinator
@@ -36,9 +36,11 @@ from moe_sidecar.wire.codec import (
     page_token_from_proto,
     page_token_to_proto,
     proposal_from_proto,
+    session_acknowledged_to_proto,
     session_committed_to_proto,
     session_decision_wire,
     session_error_to_proto,
+    session_left_to_proto,
     summary_to_proto,
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
@@ -74,6 +76,11 @@ _Context = grpc.aio.ServicerContext[Any, Any]
 _Response = TypeVar("_Response", bound=Message)
 _Identity: TypeAlias = tuple[str, int, str]
 """(group, ep_rank, lifetime id): whom a session message speaks for."""
+
+_BROKEN = "its session stream closed (the process exited, was killed, or lost its connection)"
+"""Why a rank whose session broke is gone: a death, as its peers' watchers read it."""
+_CLOSED_CLEANLY = "it closed its session cleanly (cleanup)"
+"""Why a rank that half-closed its session is gone: not a death."""
 
 SHUTDOWN_DETAILS = (
     "the sidecar is shutting down; open a new session once it is back (rounds are kept)"
@@ -215,7 +222,8 @@ class CoordinatorServicer:
         self, requests: AsyncIterator[bytes], context: _Context
     ) -> AsyncIterator[pb.SessionResponse | bytes]:
         """One rank's session: each message answered in turn; the stream's end
-        is the rank's departure.
+        is the rank's departure: a death (``lost``) unless it said goodbye
+        (a ``leave``, answered ``left``, after which the stream ends).
 
         The first message answered without an error binds the session to its
         (group, rank, lifetime); a refused one binds nothing, so a stranger's
@@ -226,6 +234,8 @@ class CoordinatorServicer:
         in_flight: _Identity | None = None
         """The identity of an unbound session's first message while it is
         answered: a rank that dies waiting in its first round still departs."""
+        closed_cleanly = False
+        """The rank said goodbye (its cleanup): it left, it did not die."""
         messages = aiter(requests)
         try:
             while True:
@@ -235,6 +245,13 @@ class CoordinatorServicer:
                 request = await self._errors.answer(context, "Session", _decode_session(data))
                 if isinstance(request, tuple):
                     yield session_error_to_proto(0, request[0].name, request[1])
+                    continue
+                if request.WhichOneof("message") == "leave":
+                    closed_cleanly = True
+                    yield session_left_to_proto(request.id)
+                    return
+                if request.WhichOneof("message") == "acknowledge":
+                    yield await self._acknowledgement(request, binding, context)
                     continue
                 identity = _identity(request)
                 if binding is not None and identity != binding:
@@ -261,9 +278,30 @@ class CoordinatorServicer:
             if departing is not None:
                 self._coordinator.depart(
                     *departing,
-                    why="its session stream closed (the process exited, was killed, or lost "
-                    "its connection)",
+                    why=_CLOSED_CLEANLY if closed_cleanly else _BROKEN,
+                    lost=not closed_cleanly,
                 )
+
+    async def _acknowledgement(
+        self, request: pb.SessionRequest, binding: _Identity | None, context: _Context
+    ) -> pb.SessionResponse:
+        """The answer to a member's acknowledgement of a view, on its bound session."""
+        if binding is None:
+            return session_error_to_proto(
+                request.id,
+                grpc.StatusCode.FAILED_PRECONDITION.name,
+                "session: an acknowledgement before the session's first proposal speaks for nobody",
+            )
+        ack = request.acknowledge
+        state = await self._errors.answer(
+            context, "Session", self._acknowledge(binding, ack.view, ack.rounds)
+        )
+        if isinstance(state, tuple):
+            return session_error_to_proto(request.id, state[0].name, state[1])
+        return session_acknowledged_to_proto(request.id, state.current_view())
+
+    async def _acknowledge(self, binding: _Identity, view: int, rounds: int) -> GroupState:
+        return self._coordinator.acknowledge_view(*binding, view, rounds)
 
     def end_sessions(self) -> None:
         """Ends every open Session stream with UNAVAILABLE (the sidecar is
@@ -304,13 +342,16 @@ class CoordinatorServicer:
         return pb.CommitResponse()
 
     async def Watch(self, data: bytes, context: _Context) -> AsyncIterator[pb.GroupEvent]:
-        async for event in self._errors.stream(context, "Watch", self._watch(data)):
+        async for event in self._errors.stream(context, "Watch", self._watch(data, context)):
             yield event
 
-    async def _watch(self, data: bytes) -> AsyncGenerator[pb.GroupEvent, None]:
+    async def _watch(self, data: bytes, context: _Context) -> AsyncGenerator[pb.GroupEvent, None]:
         request = decode_request(pb.WatchRequest, data)
         subscription = self._coordinator.watch(request.group)
         try:
+            # The stream's headers say the subscription exists: a rank's
+            # peer-loss watcher waits for them, so no event after it can be missed.
+            await context.send_initial_metadata(())
             async for event in subscription:
                 yield event_to_proto(event, self._coordinator.sizing_of(event.group))
         finally:
@@ -356,6 +397,16 @@ class CoordinatorServicer:
         group = summary_to_proto(summarize(self._coordinator.reset(request.group)))
         return self._pending.admit(context, group, refuse=False)
 
+    async def ExcludeRanks(self, data: bytes, context: _Context) -> pb.Group:
+        return await self._errors.unary(context, "ExcludeRanks", self._exclude(data, context))
+
+    async def _exclude(self, data: bytes, context: _Context) -> pb.Group:
+        request = decode_request(pb.ExcludeRanksRequest, data)
+        self._pending.check()  # before the exclusion: a refusal changes nothing
+        ranks = tuple(request.ranks)
+        state = self._coordinator.exclude(request.group, ranks, request.reason)
+        return self._pending.admit(context, summary_to_proto(summarize(state)), refuse=False)
+
     async def RemoveGroup(self, data: bytes, context: _Context) -> pb.RemoveGroupResponse:
         return await self._errors.unary(context, "RemoveGroup", self._remove_group(data))
 
@@ -373,7 +424,13 @@ async def _decode_session(data: bytes) -> pb.SessionRequest:
     request = decode_request(pb.SessionRequest, data)
     method = request.WhichOneof("message")
     if method is None:
-        raise InvalidArgument.of("message", None, "a session message holds a propose or a commit")
+        raise InvalidArgument.of(
+            "message",
+            None,
+            "a session message holds a propose, a commit, a leave or an acknowledge",
+        )
+    if method in ("leave", "acknowledge"):
+        return request
     inner = request.propose if method == "propose" else request.commit
     lifetime_id(inner.lifetime)  # the token must be usable before it binds a session
     return request

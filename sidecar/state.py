@@ -376,8 +376,11 @@ class Coordinator:
 
     # --- commits, reads, admin ------------------------------------------------------
 
-    def depart(self, group: str, ep_rank: int, lifetime: str, why: str) -> None:
-        """A rank's session ended: it is gone (see :func:`moe_sidecar.core.policy.depart`).
+    def depart(
+        self, group: str, ep_rank: int, lifetime: str, why: str, *, lost: bool = True
+    ) -> None:
+        """A rank's session ended: it is gone (see :func:`moe_sidecar.core.policy.depart`);
+        ``lost`` when the session broke rather than closed cleanly.
 
         Ignored while the sidecar drains (its own shutdown ends the sessions)
         and for groups or lifetimes it does not know. Never raises: a session's
@@ -388,7 +391,9 @@ class Coordinator:
         state = self._groups.get(group)
         if state is None:
             return
-        step = policy.depart(state, ep_rank, lifetime, why, self._clock())
+        step = policy.depart(
+            state, ep_rank, lifetime, why, self._clock(), lost=lost, ack_timeout=self._round_timeout
+        )
         if step is None:
             return
         try:
@@ -521,6 +526,37 @@ class Coordinator:
         self._check_admin("ResetGroup", name)
         state = self.group(name)
         step = policy.reset(state, self._clock())
+        self._execute(step, state)
+        return step.state
+
+    def acknowledge_view(
+        self, name: str, ep_rank: int, lifetime: str, number: int, rounds: int
+    ) -> GroupState:
+        """A member acknowledged a view (see :func:`moe_sidecar.core.policy.acknowledge_view`).
+
+        Raises:
+            GroupNotFound: no such group.
+            PreconditionFailed: as the policy says, changing nothing.
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        state = self.group(name)
+        step = policy.acknowledge_view(state, ep_rank, lifetime, number, rounds, self._clock())
+        self._execute(step, state)
+        return step.state
+
+    def exclude(self, name: str, ranks: tuple[int, ...], reason: str) -> GroupState:
+        """Takes ``ranks`` out of the group's membership view (an admin drain;
+        see :func:`moe_sidecar.core.policy.exclude`).
+
+        Raises:
+            AdminDisabled: the sidecar runs without ``--enable-admin``.
+            GroupNotFound: no such group.
+            InvalidArgument, PreconditionFailed: as the policy says, changing nothing.
+            CoordinatorUnavailable: the sidecar has stopped or cannot persist.
+        """
+        self._check_admin("ExcludeRanks", name)
+        state = self.group(name)
+        step = policy.exclude(state, ranks, reason, self._clock(), self._round_timeout)
         self._execute(step, state)
         return step.state
 

@@ -16,6 +16,7 @@ __all__ = [
     "ENV_BACKEND",
     "ENV_GROUP",
     "ENV_LOCAL_RANKS",
+    "ENV_ON_PEER_LOSS",
     "ENV_PREFIX",
     "ENV_PROPOSE_TIMEOUT",
     "ENV_TARGET",
@@ -37,13 +38,18 @@ engine's config or from the ranks (see :mod:`moe_sidecar.client.naming`)."""
 ENV_BACKEND: Final = "MOE_SIDECAR_BACKEND"
 """The manager's all-to-all backend when none is passed in: ``flashinfer``
 (the default) or ``reference`` (CPU, over gloo)."""
+ENV_ON_PEER_LOSS: Final = "MOE_SIDECAR_ON_PEER_LOSS"
+"""What a rank does when a peer of its EP group dies (sidecar mode):
+``exit`` (the default) ends the process within 2 s, ``raise`` raises at its
+next call into the manager, ``wait`` does nothing (see
+:mod:`moe_sidecar.client.peer_loss`)."""
 EMBEDDED: Final = "embedded"
 """A target that forces embedded mode whatever the environment says."""
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 """Where ``moe-sidecar serve`` listens by default, and where ``groups`` looks."""
 
 CLIENT_ENV_KEYS: Final = frozenset(
-    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND}
+    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND, ENV_ON_PEER_LOSS}
 )
 """Keys with the project's prefix that the client library's manager reads;
 the sidecar ignores them (and the engine rooms' own switches), so one

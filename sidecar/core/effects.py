@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from moe_sidecar.core.group import Decision, GroupState, Outcome, Refusal
+from moe_sidecar.core.membership import View
 from moe_sidecar.core.plan import Action, Plan
 
 __all__ = [
@@ -63,6 +64,8 @@ class EventKind(enum.Enum):
     """A plan decided on another node (through the cluster store) was merged in."""
     PROOF_REFUSED = "proof_refused"
     """A proposal or commit was refused: its group proof does not match."""
+    VIEW_CHANGED = "view_changed"
+    """A new membership view was decided (or the current one committed or failed)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,12 @@ class GroupEvent:
     """Seconds from a round's first proposal to its close (closed rounds only)."""
     node: str = ""
     """The node the event's plan came from (merged plans only)."""
+    lost: bool = False
+    """RANK_LEFT: the rank's session broke (a death), not closed cleanly."""
+    survivors: tuple[str, ...] = ()
+    """RANK_LEFT: short lifetime ids of the running lifetime's ranks still present."""
+    view: View | None = None
+    """VIEW_CHANGED: the view decided."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import TypeAlias
 from moe_sidecar.core.errors import CoordinatorError, ErrorCode, error_for_code
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.limits import WorkspaceSize
+from moe_sidecar.core.membership import View, first_view
 from moe_sidecar.core.plan import Action, Capacities, EpochPlan, Plan
 
 __all__ = [
@@ -186,6 +187,22 @@ class GroupState:
     """The FlashInfer release the group's ranks build with: fixed by the
     first decided round of each lifetime (empty: none decided yet, or a row
     stored before releases were recorded; both mean the default release)."""
+    view: View | None = None
+    """The latest membership view decided after the lifetime's first one
+    (None: none since; see :meth:`current_view`)."""
+    view_lifetime: int = 0
+    """The lifetime ``view`` belongs to (a view of an earlier one is not current)."""
+
+    def current_view(self) -> View | None:
+        """The current lifetime's membership view: the one decided last, else
+        its first (every rank of the lifetime still there, committed, at the
+        generation built); None before anything is built."""
+        if self.view is not None and self.view_lifetime == self.lifetime_index:
+            return self.view
+        members = tuple(r.ep_rank for r in self.current_ranks() if not r.left)
+        if self.built is None or not members:
+            return None
+        return first_view(members, self.built.generation, f"lifetime {self.lifetime_index} began")
 
     def last_activity(self) -> float:
         """When a rank last proposed or committed, or the plan last grew (0: never)."""
@@ -201,8 +218,12 @@ class GroupState:
         return self.open_round is not None or self.pending is not None
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline of the open and the pending round (None: neither)."""
+        """The earliest deadline of the open and the pending round and of a
+        proposed membership view (None: none)."""
         deadlines = [r.deadline for r in (self.open_round, self.pending) if r is not None]
+        view = self.current_view()
+        if view is not None and view.deadline is not None:
+            deadlines.append(view.deadline)
         return min(deadlines) if deadlines else None
 
     def rank(self, ep_rank: int) -> RankRecord | None:
@@ -273,6 +294,8 @@ class GroupSummary:
     """Proposals and commits refused because their group proof did not match."""
     release: str = ""
     """The FlashInfer release the group's ranks build with (empty: the default)."""
+    view: View | None = None
+    """The current lifetime's membership view (None: nothing built yet)."""
 
     def workspace_bytes(self, plan: Plan, size: WorkspaceSize) -> int:
         """Per-rank workspace bytes of ``plan`` in this group, by ``size`` (the
@@ -312,4 +335,5 @@ def summarize(state: GroupState) -> GroupSummary:
         history=state.history,
         refused_proposals=state.refused_proposals,
         release=state.release,
+        view=state.current_view(),
     )

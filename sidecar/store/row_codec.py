@@ -38,6 +38,7 @@ re-proposes its round).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from moe_sidecar import flashinfer
@@ -81,6 +82,7 @@ from moe_sidecar.store.row_fields import (
     time_field,
     typed_capacities,
 )
+from moe_sidecar.store.view_codec import decode_view, encode_view
 
 __all__ = [
     "CLUSTER_PLAN_KIND",
@@ -186,6 +188,7 @@ def encode_group(state: GroupState) -> str:
         **({"proof": state.proof} if state.proof is not None else {}),
         **({"refused_proposals": state.refused_proposals} if state.refused_proposals else {}),
         **({"release": state.release} if state.release else {}),
+        **({"view": encode_view(state.view, state.view_lifetime)} if state.view else {}),
     }
     return json.dumps(document, separators=(",", ":"))
 
@@ -325,7 +328,11 @@ def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
 
 
 def _decode_v3(d: Any) -> GroupState:
-    return _decode_v2(d, with_node=True)
+    state = _decode_v2(d, with_node=True)
+    if d.get("view") is None:  # rows written before views
+        return state
+    view, lifetime = decode_view(d["view"], state.ep_size)
+    return replace(state, view=view, view_lifetime=lifetime)
 
 
 # --- version 1 (moe-sidecar 0.1.0) --------------------------------------------------

@@ -34,6 +34,7 @@ from moe_sidecar.core.group import (
     Requirement,
 )
 from moe_sidecar.core.identity import lifetime_id, proof_id
+from moe_sidecar.core.membership import Acknowledgement, View, ViewState
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_workspace.v1 import coordinator_pb2 as pb
 
@@ -47,6 +48,7 @@ __all__ = [
     "decision_from_proto",
     "decision_to_proto",
     "decode_request",
+    "event_from_proto",
     "event_to_proto",
     "page_token_from_proto",
     "page_token_to_proto",
@@ -54,14 +56,20 @@ __all__ = [
     "plan_to_proto",
     "proposal_from_proto",
     "proposal_to_proto",
+    "session_acknowledge_to_proto",
+    "session_acknowledged_to_proto",
     "session_commit_to_proto",
     "session_committed_to_proto",
     "session_decision_to_proto",
     "session_decision_wire",
     "session_error_to_proto",
+    "session_leave_to_proto",
+    "session_left_to_proto",
     "session_propose_to_proto",
     "summary_from_proto",
     "summary_to_proto",
+    "view_from_proto",
+    "view_to_proto",
 ]
 
 _ACTION_TO_PROTO = {
@@ -83,7 +91,15 @@ _EVENT_TO_PROTO = {
     EventKind.RANK_LEFT: pb.EVENT_KIND_RANK_LEFT,
     EventKind.PLAN_MERGED: pb.EVENT_KIND_PLAN_MERGED,
     EventKind.PROOF_REFUSED: pb.EVENT_KIND_PROOF_REFUSED,
+    EventKind.VIEW_CHANGED: pb.EVENT_KIND_VIEW_CHANGED,
 }
+_VIEW_STATE_TO_PROTO = {
+    ViewState.PROPOSED: pb.VIEW_STATE_PROPOSED,
+    ViewState.COMMITTED: pb.VIEW_STATE_COMMITTED,
+    ViewState.FAILED: pb.VIEW_STATE_FAILED,
+}
+_VIEW_STATE_FROM_PROTO = {wire: state for state, wire in _VIEW_STATE_TO_PROTO.items()}
+_EVENT_FROM_PROTO = {wire: kind for kind, wire in _EVENT_TO_PROTO.items()}
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -339,6 +355,38 @@ def _growth_to_proto(g: Growth, ep_size: int, release: str) -> pb.Growth:
     )
 
 
+def view_to_proto(view: View) -> pb.View:
+    """The wire form of a membership view."""
+    message = pb.View(
+        number=view.number,
+        members=list(view.members),
+        generation=view.generation,
+        state=_VIEW_STATE_TO_PROTO[view.state],
+        cause=view.cause,
+        acknowledged=[a.ep_rank for a in view.acks],
+    )
+    if view.deadline is not None:
+        message.deadline.CopyFrom(_timestamp(view.deadline))
+    return message
+
+
+def view_from_proto(message: pb.View) -> View | None:
+    """The membership view a sidecar sent (None: a state this code does not know).
+    Acknowledgements come back without their round counts (the wire does not carry them)."""
+    state = _VIEW_STATE_FROM_PROTO.get(message.state)
+    if state is None:
+        return None
+    return View(
+        number=message.number,
+        members=tuple(message.members),
+        generation=message.generation,
+        state=state,
+        cause=message.cause,
+        deadline=_seconds(message.deadline) if message.HasField("deadline") else None,
+        acks=tuple(Acknowledgement(r, 0) for r in message.acknowledged),
+    )
+
+
 def summary_to_proto(s: GroupSummary) -> pb.Group:
     """The wire view of a group: plan, lifetimes, rounds, ranks and growth history."""
     group = pb.Group(
@@ -372,6 +420,8 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
     )
     if s.plan is not None:
         group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size, s.release))
+    if s.view is not None:
+        group.view.CopyFrom(view_to_proto(s.view))
     return group
 
 
@@ -420,6 +470,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
         ),
         refused_proposals=group.refused_proposals,
         release=group.flashinfer_release,
+        view=view_from_proto(group.view) if group.HasField("view") else None,
     )
 
 
@@ -437,11 +488,43 @@ def event_to_proto(event: GroupEvent, sizing: tuple[int, str] | None) -> pb.Grou
         message=event.message,
         missing_ranks=list(event.missing_ranks),
         node=event.node,
+        lost=event.lost,
+        survivors=list(event.survivors),
     )
     if event.plan is not None:
         ep_size, release = sizing if sizing is not None else (None, "")
         message.plan.CopyFrom(plan_to_proto(event.plan, ep_size, release))
+    if event.view is not None:
+        message.view.CopyFrom(view_to_proto(event.view))
     return message
+
+
+def event_from_proto(message: pb.GroupEvent) -> GroupEvent | None:
+    """The group event a Watch stream delivered (a watcher's side), or None for
+    a kind this code does not know (a newer sidecar's).
+
+    Raises:
+        InvalidArgument: the event's plan is out of range.
+    """
+    kind = _EVENT_FROM_PROTO.get(message.kind)
+    if kind is None:
+        return None
+    return GroupEvent(
+        group=message.group,
+        kind=kind,
+        at=_seconds(message.time),
+        round=message.round,
+        action=action_from_proto(message.action),
+        plan=plan_from_proto(message.plan) if message.HasField("plan") else None,
+        ep_rank=message.ep_rank,
+        layer=message.layer,
+        message=message.message,
+        missing_ranks=tuple(message.missing_ranks),
+        node=message.node,
+        lost=message.lost,
+        survivors=tuple(message.survivors),
+        view=view_from_proto(message.view) if message.HasField("view") else None,
+    )
 
 
 # --- sessions ------------------------------------------------------------------------
@@ -492,6 +575,30 @@ def session_decision_wire(message_id: int, decision: bytes) -> bytes:
 def session_committed_to_proto(message_id: int) -> pb.SessionResponse:
     """The answer to a session's commit."""
     return pb.SessionResponse(id=message_id, committed=pb.CommitResponse())
+
+
+def session_leave_to_proto(message_id: int) -> pb.SessionRequest:
+    """A rank's clean goodbye on its session (its cleanup)."""
+    return pb.SessionRequest(id=message_id, leave=pb.LeaveRequest())
+
+
+def session_left_to_proto(message_id: int) -> pb.SessionResponse:
+    """The answer to a session's goodbye (the stream ends next)."""
+    return pb.SessionResponse(id=message_id, left=pb.LeaveResponse())
+
+
+def session_acknowledge_to_proto(message_id: int, view: int, rounds: int) -> pb.SessionRequest:
+    """A member's acknowledgement of view ``view`` at ``rounds`` all-to-all rounds."""
+    return pb.SessionRequest(
+        id=message_id, acknowledge=pb.AcknowledgeView(view=view, rounds=rounds)
+    )
+
+
+def session_acknowledged_to_proto(message_id: int, view: View | None) -> pb.SessionResponse:
+    """The answer to an acknowledgement: the view as it stands."""
+    response = pb.SessionResponse(id=message_id)
+    response.acknowledged.CopyFrom(view_to_proto(view) if view is not None else pb.View())
+    return response
 
 
 def session_error_to_proto(message_id: int, code: str, message: str) -> pb.SessionResponse:

@@ -14,6 +14,7 @@ from moe_sidecar import flashinfer
 from moe_sidecar.core.capacity_fields import CAPACITY_FIELDS
 from moe_sidecar.core.cluster import plan_origin
 from moe_sidecar.core.group import GroupSummary, Growth
+from moe_sidecar.core.membership import View
 from moe_sidecar.core.plan import Capacities, Plan
 
 __all__ = [
@@ -117,6 +118,8 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
         origin = plan_origin(g.history, g.plan)
         if origin is not None:
             lines.append(f"  plan from: {_origin_text(origin)}")
+        if g.view is not None:
+            lines.append(f"  {_view_line(g.view)}")
         lines.append(
             "  ranks (current: yes, the rank belongs to the group's current lifetime; no, to an "
             "earlier one; left, its session ended):"
@@ -184,6 +187,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
             "open_round": g.open_round,
             "waiting_ranks": g.waiting_ranks,
             "refused_proposals": g.refused_proposals,
+            "view": _view_json(g.view),
             "ranks": [
                 {
                     "ep_rank": r.ep_rank,
@@ -212,3 +216,28 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
         }
         for g in groups
     ]
+
+
+def _view_line(view: View) -> str:
+    """The membership view as one line of ``groups``."""
+    members = ", ".join(str(r) for r in view.members) or "none"
+    due = f", due {format_time(view.deadline)}" if view.deadline is not None else ""
+    acked = f", acknowledged by {', '.join(str(a.ep_rank) for a in view.acks)}" if view.acks else ""
+    return (
+        f"view {view.number} {view.state.value}: members {members} at generation "
+        f"{view.generation}{due}{acked} ({view.cause})"
+    )
+
+
+def _view_json(view: View | None) -> dict[str, Any] | None:
+    if view is None:
+        return None
+    return {
+        "number": view.number,
+        "members": list(view.members),
+        "generation": view.generation,
+        "state": view.state.value,
+        "deadline": format_time(view.deadline) if view.deadline is not None else None,
+        "cause": view.cause,
+        "acknowledged": [a.ep_rank for a in view.acks],
+    }

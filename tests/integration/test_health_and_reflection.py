@@ -202,6 +202,7 @@ async def test_reflection_lists_every_service_and_serves_calls(
     }
     assert methods == [
         "Commit",
+        "ExcludeRanks",
         "GetGroup",
         "ListGroups",
         "Propose",

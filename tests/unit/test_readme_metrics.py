@@ -37,6 +37,7 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
     metrics.refused("groups")
     metrics.round_latency.observe(0.001)
     metrics.groups.set(1)
+    metrics.views.labels(state="proposed").inc()
     store = StoreMetrics(metrics.registry)  # registered with --store etcd:// only
     store.writes.labels("written").inc()
     exported = {}

@@ -54,6 +54,7 @@ from moe_sidecar.client.backends import BACKENDS
 from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
 from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
 from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, Generation
+from moe_sidecar.client.peer_loss import policy_from_environment
 from moe_sidecar.core.defaults import (
     BOOLEAN_FORMS,
     EMBEDDED,
@@ -155,6 +156,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
     group = environ.get(ENV_GROUP, "").strip()
     if group:
         check_name(ENV_GROUP, group, allow_empty=False)
+    policy_from_environment(environ)
 
 
 def detect_generation(vllm_class: Any) -> Generation:

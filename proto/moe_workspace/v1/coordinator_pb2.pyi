@@ -85,6 +85,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     match the proof of the group's ranks (or a rank holding the majority
     proof took its slot back from it).
     """
+    EVENT_KIND_VIEW_CHANGED: _EventKind.ValueType  # 30
+    """A new membership view was decided (see GroupEvent.view)."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -115,7 +117,42 @@ EVENT_KIND_PROOF_REFUSED: EventKind.ValueType  # 11
 match the proof of the group's ranks (or a rank holding the majority
 proof took its slot back from it).
 """
+EVENT_KIND_VIEW_CHANGED: EventKind.ValueType  # 30
+"""A new membership view was decided (see GroupEvent.view)."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
+
+class _ViewState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ViewStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ViewState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VIEW_STATE_UNSPECIFIED: _ViewState.ValueType  # 0
+    VIEW_STATE_PROPOSED: _ViewState.ValueType  # 1
+    """Decided by the sidecar; waits for every member's acknowledgement at a
+    quiesced point (its last combine done).
+    """
+    VIEW_STATE_COMMITTED: _ViewState.ValueType  # 2
+    """Every member acknowledged it at the same all-to-all round count."""
+    VIEW_STATE_FAILED: _ViewState.ValueType  # 3
+    """Acknowledged at different counts, or not before the deadline: the group
+    fails stop (its ranks restart).
+    """
+
+class ViewState(_ViewState, metaclass=_ViewStateEnumTypeWrapper): ...
+
+VIEW_STATE_UNSPECIFIED: ViewState.ValueType  # 0
+VIEW_STATE_PROPOSED: ViewState.ValueType  # 1
+"""Decided by the sidecar; waits for every member's acknowledgement at a
+quiesced point (its last combine done).
+"""
+VIEW_STATE_COMMITTED: ViewState.ValueType  # 2
+"""Every member acknowledged it at the same all-to-all round count."""
+VIEW_STATE_FAILED: ViewState.ValueType  # 3
+"""Acknowledged at different counts, or not before the deadline: the group
+fails stop (its ranks restart).
+"""
+Global___ViewState: _TypeAlias = ViewState  # noqa: Y015
 
 @_typing.final
 class Capacities(_message.Message):
@@ -391,28 +428,108 @@ class SessionRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     PROPOSE_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Echoed in the answer."""
     @_builtins.property
     def propose(self) -> Global___ProposeRequest: ...
     @_builtins.property
     def commit(self) -> Global___CommitRequest: ...
+    @_builtins.property
+    def leave(self) -> Global___LeaveRequest:
+        """The rank ends its session on purpose (its cleanup)."""
+
+    @_builtins.property
+    def acknowledge(self) -> Global___AcknowledgeView:
+        """The rank reached a quiesced point under a proposed view."""
+
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
         propose: Global___ProposeRequest | None = ...,
         commit: Global___CommitRequest | None = ...,
+        leave: Global___LeaveRequest | None = ...,
+        acknowledge: Global___AcknowledgeView | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "id", b"id", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "id", b"id", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit", "leave", "acknowledge"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class AcknowledgeView(_message.Message):
+    """A member of a PROPOSED view acknowledges it at a quiesced point (its last
+    combine done), on its bound session (the session says who it is). The
+    view commits once every member has, with one round count, and fails when
+    the counts differ or its deadline passed. Answered `acknowledged` with
+    the view as it stands.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VIEW_FIELD_NUMBER: _builtins.int
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    view: _builtins.int
+    rounds: _builtins.int
+    """All-to-all rounds (dispatch + combine pairs) the rank has completed."""
+    def __init__(
+        self,
+        *,
+        view: _builtins.int = ...,
+        rounds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rounds", b"rounds", "view", b"view"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcknowledgeView: _TypeAlias = AcknowledgeView  # noqa: Y015
+
+@_typing.final
+class LeaveRequest(_message.Message):
+    """A rank's clean goodbye: the sidecar answers `left` (after every earlier
+    message of the session) and ends the stream. The rank is gone as when its
+    stream breaks, but it did not die: the RANK_LEFT event is not `lost`, and
+    its peers' watchers leave them alone. A stream that ends without it (a
+    killed process, a lost connection, a client older than the message) is a
+    death.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveRequest: _TypeAlias = LeaveRequest  # noqa: Y015
+
+@_typing.final
+class LeaveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveResponse: _TypeAlias = LeaveResponse  # noqa: Y015
 
 @_typing.final
 class SessionResponse(_message.Message):
@@ -426,6 +543,8 @@ class SessionResponse(_message.Message):
     DECISION_FIELD_NUMBER: _builtins.int
     COMMITTED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def decision(self) -> Global___ProposeResponse: ...
@@ -433,6 +552,10 @@ class SessionResponse(_message.Message):
     def committed(self) -> Global___CommitResponse: ...
     @_builtins.property
     def error(self) -> Global___SessionError: ...
+    @_builtins.property
+    def left(self) -> Global___LeaveResponse: ...
+    @_builtins.property
+    def acknowledged(self) -> Global___View: ...
     def __init__(
         self,
         *,
@@ -440,12 +563,14 @@ class SessionResponse(_message.Message):
         decision: Global___ProposeResponse | None = ...,
         committed: Global___CommitResponse | None = ...,
         error: Global___SessionError | None = ...,
+        left: Global___LeaveResponse | None = ...,
+        acknowledged: Global___View | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "left", b"left", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "left", b"left", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error", "left", "acknowledged"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -509,6 +634,9 @@ class GroupEvent(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     MISSING_RANKS_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    SURVIVORS_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     kind: Global___EventKind.ValueType
     round: _builtins.int
@@ -520,6 +648,12 @@ class GroupEvent(_message.Message):
     """Human-readable detail, e.g. the error of a refused or timed-out round."""
     node: _builtins.str
     """The node the event's plan came from (PLAN_MERGED)."""
+    lost: _builtins.bool
+    """RANK_LEFT: the rank's session stream broke (the process died, was
+    killed, or lost its connection) rather than closing cleanly (cleanup).
+    A lost rank is a death: its peers' watchers act on it
+    (MOE_SIDECAR_ON_PEER_LOSS); a clean close is not.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -527,6 +661,17 @@ class GroupEvent(_message.Message):
     @_builtins.property
     def missing_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Ranks that never proposed a timed-out round."""
+
+    @_builtins.property
+    def survivors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """RANK_LEFT: the short lifetime ids of the ranks of the group's running
+        lifetime still present, so that a watcher can tell whether the event is
+        about its own lifetime of the group.
+        """
+
+    @_builtins.property
+    def view(self) -> Global___View:
+        """VIEW_CHANGED: the view decided."""
 
     def __init__(
         self,
@@ -542,14 +687,68 @@ class GroupEvent(_message.Message):
         message: _builtins.str = ...,
         missing_ranks: _abc.Iterable[_builtins.int] | None = ...,
         node: _builtins.str = ...,
+        lost: _builtins.bool = ...,
+        survivors: _abc.Iterable[_builtins.str] | None = ...,
+        view: Global___View | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "time", b"time", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ep_rank", b"ep_rank", "group", b"group", "kind", b"kind", "layer", b"layer", "lost", b"lost", "message", b"message", "missing_ranks", b"missing_ranks", "node", b"node", "plan", b"plan", "round", b"round", "survivors", b"survivors", "time", b"time", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupEvent: _TypeAlias = GroupEvent  # noqa: Y015
+
+@_typing.final
+class View(_message.Message):
+    """A membership view of a group lifetime: the ranks the all-to-all runs
+    among. Within a generation members only leave (a closed session, an admin
+    exclusion); a rank is added only with a new generation.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUMBER_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
+    number: _builtins.int
+    """Only grows within a lifetime; 1 for its first view."""
+    generation: _builtins.int
+    """The workspace generation the members hold (or rebuild to, on a join)."""
+    state: Global___ViewState.ValueType
+    cause: _builtins.str
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """When a PROPOSED view fails unacknowledged; absent otherwise."""
+
+    @_builtins.property
+    def acknowledged(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Members that acknowledged a PROPOSED view."""
+
+    def __init__(
+        self,
+        *,
+        number: _builtins.int = ...,
+        members: _abc.Iterable[_builtins.int] | None = ...,
+        generation: _builtins.int = ...,
+        state: Global___ViewState.ValueType = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        cause: _builtins.str = ...,
+        acknowledged: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "cause", b"cause", "deadline", b"deadline", "generation", b"generation", "members", b"members", "number", b"number", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___View: _TypeAlias = View  # noqa: Y015
 
 @_typing.final
 class ListGroupsRequest(_message.Message):
@@ -680,6 +879,35 @@ class RemoveGroupResponse(_message.Message):
 Global___RemoveGroupResponse: _TypeAlias = RemoveGroupResponse  # noqa: Y015
 
 @_typing.final
+class ExcludeRanksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    reason: _builtins.str
+    """Why, for the view's cause (e.g. "node drain")."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """At least one; each a member of the current view."""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "ranks", b"ranks", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExcludeRanksRequest: _TypeAlias = ExcludeRanksRequest  # noqa: Y015
+
+@_typing.final
 class RankState(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -789,6 +1017,7 @@ class Group(_message.Message):
     LAST_ACTIVITY_FIELD_NUMBER: _builtins.int
     REFUSED_PROPOSALS_FIELD_NUMBER: _builtins.int
     FLASHINFER_RELEASE_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -824,6 +1053,10 @@ class Group(_message.Message):
     def last_activity(self) -> _timestamp_pb2.Timestamp:
         """When a rank last proposed or committed, or the plan last grew."""
 
+    @_builtins.property
+    def view(self) -> Global___View:
+        """The current lifetime's membership view; absent before anything is built."""
+
     def __init__(
         self,
         *,
@@ -842,10 +1075,11 @@ class Group(_message.Message):
         last_activity: _timestamp_pb2.Timestamp | None = ...,
         refused_proposals: _builtins.int = ...,
         flashinfer_release: _builtins.str = ...,
+        view: Global___View | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "view", b"view", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -74,6 +74,11 @@ class WorkspaceCoordinatorStub:
                 request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupRequest.SerializeToString,
                 response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupResponse.FromString,
                 _registered_method=True)
+        self.ExcludeRanks = channel.unary_unary(
+                '/moe_workspace.v1.WorkspaceCoordinator/ExcludeRanks',
+                request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ExcludeRanksRequest.SerializeToString,
+                response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.Group.FromString,
+                _registered_method=True)
 
 
 class WorkspaceCoordinatorServicer:
@@ -143,6 +148,15 @@ class WorkspaceCoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExcludeRanks(self, request, context):
+        """Takes ranks out of the group's membership view (a drain): the next view,
+        without them, is proposed at the same generation. Their sessions stay
+        open; nobody is told of a death. Admin only, as ResetGroup.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkspaceCoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +199,11 @@ def add_WorkspaceCoordinatorServicer_to_server(servicer, server):
                     servicer.RemoveGroup,
                     request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupRequest.FromString,
                     response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupResponse.SerializeToString,
+            ),
+            'ExcludeRanks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExcludeRanks,
+                    request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ExcludeRanksRequest.FromString,
+                    response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.Group.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -403,6 +422,33 @@ class WorkspaceCoordinator:
             '/moe_workspace.v1.WorkspaceCoordinator/RemoveGroup',
             moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupRequest.SerializeToString,
             moe__workspace_dot_v1_dot_coordinator__pb2.RemoveGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExcludeRanks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_workspace.v1.WorkspaceCoordinator/ExcludeRanks',
+            moe__workspace_dot_v1_dot_coordinator__pb2.ExcludeRanksRequest.SerializeToString,
+            moe__workspace_dot_v1_dot_coordinator__pb2.Group.FromString,
             options,
             channel_credentials,
             insecure,

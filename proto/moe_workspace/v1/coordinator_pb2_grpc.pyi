@@ -67,6 +67,11 @@ class WorkspaceCoordinatorStub:
     """Forgets a group entirely (to free one of --max-groups). Refused while a
     round or a restart of the group is open; admin only, as ResetGroup.
     """
+    ExcludeRanks: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ExcludeRanksRequest, _coordinator_pb2.Group]
+    """Takes ranks out of the group's membership view (a drain): the next view,
+    without them, is proposed at the same generation. Their sessions stay
+    open; nobody is told of a death. Admin only, as ResetGroup.
+    """
 
 @_typing.type_check_only
 class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
@@ -99,6 +104,11 @@ class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
     RemoveGroup: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RemoveGroupRequest, _coordinator_pb2.RemoveGroupResponse]  # type: ignore[assignment]
     """Forgets a group entirely (to free one of --max-groups). Refused while a
     round or a restart of the group is open; admin only, as ResetGroup.
+    """
+    ExcludeRanks: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ExcludeRanksRequest, _coordinator_pb2.Group]  # type: ignore[assignment]
+    """Takes ranks out of the group's membership view (a drain): the next view,
+    without them, is proposed at the same generation. Their sessions stay
+    open; nobody is told of a death. Admin only, as ResetGroup.
     """
 
 class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -177,6 +187,17 @@ class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.RemoveGroupResponse, _abc.Awaitable[_coordinator_pb2.RemoveGroupResponse]]:
         """Forgets a group entirely (to free one of --max-groups). Refused while a
         round or a restart of the group is open; admin only, as ResetGroup.
+        """
+
+    @_abc_1.abstractmethod
+    def ExcludeRanks(
+        self,
+        request: _coordinator_pb2.ExcludeRanksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.Group, _abc.Awaitable[_coordinator_pb2.Group]]:
+        """Takes ranks out of the group's membership view (a drain): the next view,
+        without them, is proposed at the same generation. Their sessions stay
+        open; nobody is told of a death. Admin only, as ResetGroup.
         """
 
 def add_WorkspaceCoordinatorServicer_to_server(servicer: WorkspaceCoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -20,7 +20,8 @@ One module per event a group meets:
 * :mod:`.recovery`: a restarted sidecar's row may lag the rounds that
   closed REUSE unwritten; a later proposal catches the group up;
 * :mod:`.merge`: a plan decided on another node arrives through the cluster store;
-* :mod:`.admin`: a reset forgets the stored plan; a group is checked removable.
+* :mod:`.admin`: a reset forgets the stored plan; a group is checked removable;
+* :mod:`.views`: membership views move (a departure, an admin exclusion).
 
 Every event a step publishes is made by :func:`.events.group_event`; every
 field is checked by :mod:`.validation` first.
@@ -37,13 +38,16 @@ from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
 from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS, new_group
 from moe_sidecar.core.policy.validation import validate_group_name, validate_proposal
+from moe_sidecar.core.policy.views import acknowledge_view, exclude
 
 __all__ = [
     "MAX_HISTORY",
     "RETAINED_ROUNDS",
+    "acknowledge_view",
     "check_removable",
     "commit",
     "depart",
+    "exclude",
     "expire",
     "merge",
     "new_group",

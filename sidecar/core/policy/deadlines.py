@@ -11,6 +11,7 @@ from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
 from moe_sidecar.core.policy.restart import restart_layout
 from moe_sidecar.core.policy.rounds import record_outcome, round_closed
+from moe_sidecar.core.policy.views import expire_view, resume_view
 
 __all__ = ["expire", "resume"]
 
@@ -83,7 +84,8 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
 
 def expire(state: GroupState, now: float) -> Step | None:
     """Fails the open round, or the pending restart, whose deadline has
-    passed (the earlier one first); None when nothing is due.
+    passed (the earlier one first), else a proposed membership view past
+    its deadline; None when nothing is due.
 
     A refusal names every missing rank and the last layer each reported.
     """
@@ -98,7 +100,7 @@ def expire(state: GroupState, now: float) -> Step | None:
         return _expire_open(state, rnd, now)
     if pending_due and pending is not None:
         return _expire_restart(state, pending, now)
-    return None
+    return expire_view(state, now)
 
 
 def resume(state: GroupState, now: float, round_timeout: float) -> GroupState:
@@ -109,4 +111,4 @@ def resume(state: GroupState, now: float, round_timeout: float) -> GroupState:
         state = replace(state, open_round=replace(state.open_round, deadline=now + round_timeout))
     if state.pending is not None:
         state = replace(state, pending=replace(state.pending, deadline=now + round_timeout))
-    return state
+    return resume_view(state, now, round_timeout)

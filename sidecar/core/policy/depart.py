@@ -7,6 +7,7 @@ from dataclasses import replace
 from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
 from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, RankRecord, Refusal
+from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import gone_text, group_event
 from moe_sidecar.core.policy.proof import single_proof
 from moe_sidecar.core.policy.rounds import (
@@ -16,6 +17,7 @@ from moe_sidecar.core.policy.rounds import (
     with_rank,
     without_proposal,
 )
+from moe_sidecar.core.policy.views import DEFAULT_ACK_TIMEOUT_S, member_left
 
 __all__ = ["depart"]
 
@@ -30,8 +32,25 @@ def _leave_restart(state: GroupState, pending: OpenRound, ep_rank: int) -> Step:
     return Step(state, effects=(Deadline(state.next_deadline()),))
 
 
-def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float) -> Step | None:
+def depart(
+    state: GroupState,
+    ep_rank: int,
+    lifetime: str,
+    why: str,
+    now: float,
+    *,
+    lost: bool = True,
+    ack_timeout: float = DEFAULT_ACK_TIMEOUT_S,
+) -> Step | None:
     """A rank's session ended: the rank (of lifetime ``lifetime``) is gone.
+
+    ``lost``: the session broke (the process died, was killed, or lost its
+    connection); False when the rank closed it cleanly (its cleanup). Both
+    leave the same state; the RANK_LEFT event says which, and names the
+    running lifetime's ranks still present, so that their watchers end (or
+    stop) them on a death and leave them alone on a clean close. Either way
+    the rank leaves the membership view: the next view, without it, is
+    proposed (due within ``ack_timeout``; see :mod:`.views`).
 
     A rank of the running lifetime is marked gone and the group's open
     round, if any, fails at once for everyone in it (ABORTED, naming the rank,
@@ -60,7 +79,7 @@ def depart(state: GroupState, ep_rank: int, lifetime: str, why: str, now: float)
         and not single_proof(rnd)
     ):
         return _withdraw(state, rnd, ep_rank)
-    return _mark_gone(state, record, why, now)
+    return _mark_gone(state, record, why, now, lost, ack_timeout)
 
 
 def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:
@@ -75,25 +94,30 @@ def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:
     return Step(state, effects=(Persist(), Deadline(state.next_deadline())))
 
 
-def _mark_gone(state: GroupState, record: RankRecord, why: str, now: float) -> Step:
-    """A rank of the running lifetime is gone: marked so, and the open round
-    (if any) abandoned for everyone in it."""
+def _mark_gone(
+    state: GroupState, record: RankRecord, why: str, now: float, lost: bool, ack_timeout: float
+) -> Step:
+    """A rank of the running lifetime is gone: marked so, out of the
+    membership view, and the open round (if any) abandoned for everyone in it."""
+    state, view_events = member_left(
+        state, record.ep_rank, gone_text(replace(record, left=why)), now, ack_timeout
+    )
     record = replace(record, left=why, last_seen=now)
     state = with_rank(state, record)
-    left = Publish(
-        group_event(
-            state,
-            EventKind.RANK_LEFT,
-            now,
-            round=record.last_round,
-            ep_rank=record.ep_rank,
-            layer=record.last_layer,
-            message=gone_text(record),
-        )
+    gone = group_event(
+        state,
+        EventKind.RANK_LEFT,
+        now,
+        round=record.last_round,
+        ep_rank=record.ep_rank,
+        layer=record.last_layer,
+        message=gone_text(record),
     )
+    survivors = tuple(short_id(r.lifetime) for r in state.current_ranks() if not r.left)
+    left = Publish(replace(gone, lost=lost, survivors=survivors))
     rnd = state.open_round
     if rnd is None:
-        return Step(state, effects=(Persist(), left))
+        return Step(state, effects=(Persist(), left, *view_events))
     message = f"round {rnd.number} of group {quote_name(state.name)} abandoned: {gone_text(record)}"
     refusal = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
     closed = record_outcome(state, refusal)
@@ -106,4 +130,6 @@ def _mark_gone(state: GroupState, record: RankRecord, why: str, now: float) -> S
         layer=record.last_layer,
         message=message,
     )
-    return round_closed(closed, closed.lifetime_index, rnd, refusal, event, effects=(left,))
+    return round_closed(
+        closed, closed.lifetime_index, rnd, refusal, event, effects=(left, *view_events)
+    )
