@@ -1,6 +1,6 @@
-"""Covered rounds across sidecar restarts: real rank processes, a real sidecar
-killed (``kill -9``) or stopped (SIGTERM) 60 times while the ranks pass
-covered layers.
+"""Covered rounds across sidecar restarts: 8 real rank processes, a real
+sidecar killed (``kill -9``) or stopped (SIGTERM) 60 times while the ranks
+pass a model's 61 covered layers again and again.
 
 A covered round sends its proposal and goes on; after a restart the client
 sends what is unanswered again on a new stream, and the sidecar answers it
@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.multiprocess import covered_workers
 from tests.multiprocess.harness import Sidecar, run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 RESTARTS = 60
-LAYERS = 20
-RANKS = 2
+LAYERS = 61
+RANKS = 8
 
 
 def _storm(sidecar: Sidecar, group: str, stop_file: Path, done: list[int]) -> None:
@@ -34,11 +35,12 @@ def _storm(sidecar: Sidecar, group: str, stop_file: Path, done: list[int]) -> No
     try:
         last = 0
         for restart in range(RESTARTS):
+
+            def moved_on(g: pb.Group, after: int = last) -> bool:
+                return g.last_closed_round > after
+
             group_now = sidecar.wait_for_group(
-                group,
-                lambda g, after=last: g.last_closed_round > after,
-                timeout=90,
-                what=f"rounds closed after restart {restart}",
+                group, moved_on, timeout=90, what=f"rounds closed after restart {restart}"
             )
             last = group_now.last_closed_round
             sidecar.stop(kill=restart % 2 == 0)
