@@ -22,6 +22,8 @@ the common case. In one run it measures:
   channel per rank) at 1, 8 and 64 local ranks, next to the same rounds
   through :func:`moe_sidecar.core.policy.propose` (the core) and to empty health
   Checks; the in-process state holder (Coordinator) alone.
+* What a round's answer commits to SQLite before it leaves: the group's
+  row, and a REUSE round's short record, per write and as a ratio.
 * Proposals per second with many groups in flight; the sidecar's RSS with
   1,000 groups next to the bare core's heap for the same groups.
 
@@ -44,6 +46,7 @@ import tracemalloc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import grpc
@@ -58,7 +61,7 @@ from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.logs import configure_logging
 from moe_sidecar.servicer import SERVICE_NAME
 from moe_sidecar.state import Coordinator
-from moe_sidecar.store.sqlite import StateStore
+from moe_sidecar.store.sqlite import ReuseRecord, StateStore
 from moe_sidecar.wire.codec import capacities_to_proto, decision_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
@@ -145,6 +148,39 @@ def core_rounds(ranks: int, rounds: int, warmup: int) -> Series:
         if rnd > warmup:
             latencies.append(time.perf_counter() - t0)
     return Series(latencies, time.perf_counter() - started, ranks * rounds)
+
+
+def store_writes(workdir: Path, blocks: int, writes: int) -> tuple[list[float], list[float]]:
+    """Seconds per write of what a round's answer commits first, in
+    interleaved blocks on one database: the group's row (a round that
+    builds, grows or is refused) and a REUSE round's short record. The group
+    is the core's own after 64 rounds of 8 ranks, so its row holds the 64
+    retained outcomes it holds in the sidecar."""
+    state: GroupState | None = None
+    for rnd in range(1, 65):
+        for rank in range(8):
+            proposal = Proposal("store", 8, rank, 8, f"store-{rank}", rnd, NEED)
+            state = policy.propose(state, proposal, time.time(), 60.0, ceiling=CEILING).state
+    assert state is not None
+    store = StateStore(workdir / "store-writes")
+    rows: list[float] = []
+    records: list[float] = []
+    try:
+        store.save(state)
+        rnd = state.last_closed_round
+        for _ in range(blocks):
+            t0 = time.perf_counter()
+            for _ in range(writes):
+                store.save(state)
+            rows.append((time.perf_counter() - t0) / writes)
+            t0 = time.perf_counter()
+            for _ in range(writes):
+                rnd += 1
+                store.record_reuse(ReuseRecord(state.name, 1, rnd, NEED.layer))
+            records.append((time.perf_counter() - t0) / writes)
+        return rows, records
+    finally:
+        store.close()
 
 
 def core_heap_of_groups(groups: int, ranks: int, rounds: int) -> int:
@@ -665,6 +701,16 @@ async def run(quick: bool) -> int:
             print("sidecar process CPU per call (user+system), load-independent-ish")
             print(f"{'ranks':>5} | {'per Propose (us)':>18} | {'per empty Check (us)':>22}")
             print("\n".join(cpu_lines))
+
+            rows, records = store_writes(Path(tmp), 5, 200 if quick else 2000)
+            row_us, record_us = median(rows) * 1e6, median(records) * 1e6
+            print()
+            print(
+                "what a round's answer commits first (SQLite WAL, 5 interleaved blocks, median): "
+                f"the group's row {row_us:.1f} us, a REUSE round's record {record_us:.1f} us "
+                f"(ratio {record_us / row_us:.2f}; {record_us / PROCESS_RANKS:.1f} us per "
+                f"proposal at {PROCESS_RANKS} ranks)"
+            )
 
             saturated = await saturated_rate(target, sat_groups, sat_ranks, sat_rounds)
             core_sat = core_rounds(8, 500, 50).rate

@@ -50,15 +50,19 @@ from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
-from moe_sidecar.core.policy import validate_group_name
+from moe_sidecar.core.policy import RETAINED_ROUNDS, validate_group_name
 
 __all__ = ["DEFAULT_MAX_UNANSWERED", "AlltoAllManager", "ManagerCounters"]
 
-DEFAULT_MAX_UNANSWERED = 256
-"""Most covered rounds a rank leaves unanswered. Enough for a whole model's
-layers, so a rank never waits on the slowest peer mid-model; small enough
-that the answers (about 100 bytes each) fit the session stream's HTTP/2
-flow-control window (64 KiB), past which the sidecar could not send them."""
+DEFAULT_MAX_UNANSWERED = RETAINED_ROUNDS
+"""Most covered rounds a rank leaves unanswered, and the most it may: the
+rounds a sidecar retains to answer retries
+(:data:`moe_sidecar.core.policy.RETAINED_ROUNDS`), so that after a sidecar
+restart every proposal the client sends again is still answered, with the
+answer it had. Enough for a whole model's layers (DeepSeek-V3: 61 MoE
+layers and the MTP layer), so a rank never waits on the slowest peer
+mid-model; small enough that the answers (about 100 bytes each) fit the
+session stream's HTTP/2 flow-control window (64 KiB)."""
 
 _log = logging.getLogger(__name__)
 
@@ -107,7 +111,7 @@ class AlltoAllManager:
     Raises:
         InvalidArgument: no group name in sidecar mode (see ``group``), a bad
             group name, ``local_ranks`` outside ``[1, ep_size]``,
-            ``max_unanswered`` below 1, or an unknown backend name (naming
+            ``max_unanswered`` outside ``[1, RETAINED_ROUNDS]``, or an unknown backend name (naming
             ``MOE_SIDECAR_BACKEND`` when it came from there).
         ValueError: an unknown backend name passed as ``backend``.
     """
@@ -124,8 +128,13 @@ class AlltoAllManager:
         max_unanswered: int = DEFAULT_MAX_UNANSWERED,
         engine: EngineRules = NO_ENGINE,
     ) -> None:
-        if max_unanswered < 1:
-            raise InvalidArgument.of("max_unanswered", max_unanswered, "must be at least 1")
+        if not 1 <= max_unanswered <= RETAINED_ROUNDS:
+            raise InvalidArgument.of(
+                "max_unanswered",
+                max_unanswered,
+                f"must be 1 to {RETAINED_ROUNDS}, the rounds a sidecar retains to answer "
+                "the proposals a client sends again after a sidecar restart",
+            )
         self.max_unanswered = max_unanswered
         self.engine = engine
         self.cpu_group = cpu_group

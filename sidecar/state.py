@@ -24,14 +24,17 @@ the core.
 
 A step that changes what a restart needs (a round that builds, grows or is
 refused, an aborted round, a commit, a reset, a timeout, a merge) persists.
-A proposal that only joins a round answers nobody, and a round decided
-REUSE changes only the retained outcomes and the ranks' last rounds: their
-state is marked dirty and rides along with the next write of its group (or
-the flush at close). Losing it to a crash loses nothing a restart cannot
-re-derive: a joining rank's retry rebuilds its proposal, and ranks past
-rounds that closed REUSE unwritten catch the group up
-(:mod:`moe_sidecar.core.policy.recovery`: every group read from the store
-is handed to the core as ``recovered`` until a round of it is decided).
+A round decided REUSE changes only the retained outcomes and the ranks' last
+rounds: it writes its short record
+(:class:`~moe_sidecar.core.effects.RecordReuse`) before anyone hears of it,
+and at start the records are applied to the rows they follow
+(:func:`moe_sidecar.core.policy.recovery.replay_reuse`), so every answer a
+rank received is given again after a crash. A proposal that only joins a
+round answers nobody: its state is marked dirty and rides along with the
+next write of its group (or the flush at close); a joining rank's retry
+rebuilds it. Rows written by a release that recorded nothing of its REUSE
+rounds may lag them: such a group is handed to the core as ``recovered``
+until a round of it is decided (:mod:`moe_sidecar.core.policy.recovery`).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, 
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
 from moe_sidecar.store.replica import Replica
-from moe_sidecar.store.sqlite import StateStore, StoreError
+from moe_sidecar.store.sqlite import ReuseRecord, StateStore, StoreError
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
@@ -86,6 +89,25 @@ _log = logging.getLogger("moe_sidecar.state")
 def _merged_only(state: GroupState) -> bool:
     """A group made here from the cluster store that no local rank has proposed for."""
     return not state.ranks and not state.busy()
+
+
+def _with_reuse_records(store: StateStore) -> dict[str, GroupState]:
+    """Every stored group, with the REUSE rounds recorded since its row was
+    written applied to it (a record that does not follow its row, of a
+    lifetime or round the row has since passed, changes nothing).
+
+    Raises:
+        StoreError: the store cannot be read.
+    """
+    groups = store.load()
+    for record in store.reuse_records():
+        state = groups.get(record.group)
+        if state is None:
+            continue
+        replayed = policy.replay_reuse(state, record.lifetime_index, record.round, record.layer)
+        if replayed is not None:
+            groups[record.group] = replayed
+    return groups
 
 
 def _answer(outcome: Outcome) -> Decision:
@@ -139,13 +161,14 @@ class Coordinator:
         self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
-        self._groups: dict[str, GroupState] = store.load()
+        self._groups: dict[str, GroupState] = _with_reuse_records(store)
         self._removed: set[str] = store.removed()
         """Groups an admin removed here: the cluster store's copy stays out."""
         self._dirty: set[str] = set()
         self._recovered: set[str] = set(self._groups)
         """Groups read from their rows with no round decided since: a row
-        may lag the rounds that closed REUSE unwritten (see
+        may lag the rounds that closed REUSE unrecorded, as a release that
+        recorded none wrote them (see
         :mod:`moe_sidecar.core.policy.recovery`)."""
         self._waiters = RoundWaiters()
         self._timers = RoundTimers(clock, self._on_timer)
@@ -250,6 +273,18 @@ class Coordinator:
         """
         name = step.state.name
         replicate = self._replica is not None and step.replicates
+        reuse = step.reuse_record
+        if reuse is not None and not step.persists:
+            try:
+                self._store.record_reuse(
+                    ReuseRecord(name, reuse.lifetime_index, reuse.round, reuse.layer)
+                )
+            except StoreError as error:
+                _log.error("cannot record a round", extra={"group": name, "error": str(error)})
+                raise CoordinatorUnavailable(
+                    f"cannot record round {reuse.round} of group {quote_name(name)}: {error}; "
+                    "nothing was decided"
+                ) from error
         if step.persists or replicate:
             try:
                 if step.persists:

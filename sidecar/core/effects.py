@@ -7,6 +7,9 @@ executes them and never compares states to find out what happened:
 
 * :class:`Persist`: write the new state before anything else of the step
   happens; if the write fails, nothing of the step happens.
+* :class:`RecordReuse`: the same promise for a round decided REUSE, whose
+  whole change a restart re-derives from the stored row and one short
+  record (the round and its layer): that record is written first instead.
 * :class:`Answer`: wake every call waiting for a round with its outcome.
 * :class:`Dismiss`: answer the one call of a proposal another took the slot of.
 * :class:`Publish`: a :class:`GroupEvent` for Watch streams, logs and metrics.
@@ -16,10 +19,10 @@ executes them and never compares states to find out what happened:
   alone). The executor records it as pending with the step's :class:`Persist`,
   so what a store missed is pushed when it returns.
 
-A step without :class:`Persist` answers nobody, or answers a round decided
-REUSE (which changes nothing a restart cannot re-derive:
-:mod:`moe_sidecar.core.policy.recovery`); its state rides along with the
-group's next write.
+A step without :class:`Persist` or :class:`RecordReuse` answers nobody
+(a proposal joining its round: the rank's retry re-sends it); its state
+rides along with the group's next write. So every answer a rank has
+received is one a restarted sidecar gives again.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "GroupEvent",
     "Persist",
     "Publish",
+    "RecordReuse",
     "Replicate",
     "Reply",
     "Step",
@@ -105,6 +109,18 @@ class Persist:
 
 
 @dataclass(frozen=True)
+class RecordReuse:
+    """Before anything else of the step: record that round ``round`` of
+    lifetime ``lifetime_index`` closed REUSE at ``layer`` (the stored plan,
+    nothing else changed; :func:`moe_sidecar.core.policy.recovery.replay_reuse`
+    applies the record to the stored row)."""
+
+    lifetime_index: int
+    round: int
+    layer: str
+
+
+@dataclass(frozen=True)
 class Answer:
     """Wake every call waiting for round ``round`` of lifetime ``lifetime_index``."""
 
@@ -143,7 +159,7 @@ class Replicate:
     """Hand the group's epoch, plan, generation and history to the cluster store."""
 
 
-Effect: TypeAlias = Persist | Answer | Dismiss | Publish | Deadline | Replicate
+Effect: TypeAlias = Persist | RecordReuse | Answer | Dismiss | Publish | Deadline | Replicate
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,11 @@ class Step:
     def persists(self) -> bool:
         """Whether the state must be written before the effects are carried out."""
         return any(isinstance(e, Persist) for e in self.effects)
+
+    @property
+    def reuse_record(self) -> RecordReuse | None:
+        """The REUSE round to record before the effects are carried out, if any."""
+        return next((e for e in self.effects if isinstance(e, RecordReuse)), None)
 
     @property
     def replicates(self) -> bool:

@@ -15,6 +15,15 @@ the cluster has the group as it was saved (or later); what the cluster
 missed while it was away, or while the sidecar was down, is pushed from
 there. The table is created when missing; a release without it ignores it.
 
+A round decided REUSE changes the group by its outcome alone, so instead of
+rewriting the group's row it is recorded as one short row of the
+``reuse_rounds`` table (group, lifetime, round, layer) before it is
+answered (:meth:`StateStore.record_reuse`); :meth:`StateStore.reuse_records`
+reads them back for the state holder to apply to the rows they follow
+(:func:`moe_sidecar.core.policy.recovery.replay_reuse`), and the group's next
+``save`` forgets them, in the same transaction (the row then holds them).
+This table is created when missing too.
+
 A lock file keeps a second sidecar off the same state directory: two
 writers would overwrite each other's groups.
 """
@@ -27,6 +36,7 @@ import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from moe_sidecar.core.errors import quote_name
 from moe_sidecar.core.group import GroupState
@@ -36,6 +46,7 @@ __all__ = [
     "DATABASE_FILE",
     "LOCK_FILE",
     "SCHEMA_VERSION",
+    "ReuseRecord",
     "StateStore",
     "StoreError",
 ]
@@ -67,6 +78,20 @@ CREATE TABLE IF NOT EXISTS removed (
 """
 """Groups an admin removed: the cluster store's copy of them is not merged
 back until a rank of this node proposes for the group again."""
+_REUSE_ROUNDS = """
+CREATE TABLE IF NOT EXISTS reuse_rounds (
+    name TEXT NOT NULL,
+    lifetime_index INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    layer TEXT NOT NULL,
+    PRIMARY KEY (name, round)
+) WITHOUT ROWID;
+"""
+"""The REUSE rounds closed since each group's row was last written."""
+_RECORD_REUSE = (
+    "INSERT OR REPLACE INTO reuse_rounds (name, lifetime_index, round, layer) VALUES (?, ?, ?, ?)"
+)
+_FORGET_REUSE = "DELETE FROM reuse_rounds WHERE name = ?"
 _MARK = (
     "INSERT INTO outbox (name, seq) VALUES (?, 1) "
     "ON CONFLICT(name) DO UPDATE SET seq = outbox.seq + 1"
@@ -77,6 +102,15 @@ _UPSERT = (
     "INSERT INTO groups (name, state) VALUES (?, ?) "
     "ON CONFLICT(name) DO UPDATE SET state = excluded.state"
 )
+
+
+class ReuseRecord(NamedTuple):
+    """One REUSE round recorded since its group's row was written."""
+
+    group: str
+    lifetime_index: int
+    round: int
+    layer: str
 
 
 class StoreError(Exception):
@@ -122,6 +156,8 @@ class StateStore:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        self._with_reuse_rounds: set[str] = set()
+        """Groups with rows in ``reuse_rounds``: their next save forgets them."""
 
     def _open(self) -> sqlite3.Connection:
         # isolation_level=None: no implicit transactions; every statement
@@ -159,6 +195,7 @@ class StateStore:
                 )
             db.execute(_OUTBOX)
             db.execute(_REMOVED)
+            db.execute(_REUSE_ROUNDS)
             self._probe_write(db)
         except sqlite3.DatabaseError as error:
             db.close()
@@ -223,14 +260,46 @@ class StateStore:
         Raises:
             StoreError: the write failed; nothing of it is stored.
         """
-        row = (state.name, encode_group(state))
-        with self._driver_errors(f"save group {quote_name(state.name)}"):
-            if not pending:
+        name = state.name
+        row = (name, encode_group(state))
+        recorded = name in self._with_reuse_rounds
+        with self._driver_errors(f"save group {quote_name(name)}"):
+            if not pending and not recorded:
                 self._db.execute(_UPSERT, row)
                 return
             with self._transaction():
                 self._db.execute(_UPSERT, row)
-                self._db.execute(_MARK, (state.name,))
+                if pending:
+                    self._db.execute(_MARK, (name,))
+                if recorded:
+                    self._db.execute(_FORGET_REUSE, (name,))
+        self._with_reuse_rounds.discard(name)
+
+    def record_reuse(self, record: ReuseRecord) -> None:
+        """Records one round of ``record.group`` decided REUSE (one committed
+        write of a few bytes, instead of the group's row).
+
+        Raises:
+            StoreError: the write failed; nothing of it is stored.
+        """
+        with self._driver_errors(f"record a REUSE round of group {quote_name(record.group)}"):
+            self._db.execute(_RECORD_REUSE, record)
+        self._with_reuse_rounds.add(record.group)
+
+    def reuse_records(self) -> list[ReuseRecord]:
+        """Every REUSE round recorded since its group's row was written, by
+        group and round.
+
+        Raises:
+            StoreError: the read failed.
+        """
+        with self._driver_errors("read the recorded REUSE rounds"):
+            rows = self._db.execute(
+                "SELECT name, lifetime_index, round, layer FROM reuse_rounds ORDER BY name, round"
+            ).fetchall()
+        records = [ReuseRecord(str(n), int(i), int(r), str(layer)) for n, i, r, layer in rows]
+        self._with_reuse_rounds.update(r.group for r in records)
+        return records
 
     def mark_pending(self, names: Iterable[str]) -> None:
         """Records that the cluster store must get these groups (one transaction).
@@ -276,7 +345,9 @@ class StateStore:
         with self._driver_errors(f"remove group {quote_name(name)}"), self._transaction():
             self._db.execute("DELETE FROM groups WHERE name = ?", (name,))
             self._db.execute("DELETE FROM outbox WHERE name = ?", (name,))
+            self._db.execute(_FORGET_REUSE, (name,))
             self._db.execute("INSERT OR IGNORE INTO removed (name) VALUES (?)", (name,))
+        self._with_reuse_rounds.discard(name)
 
     def removed(self) -> set[str]:
         """Groups an admin removed and no rank of this node proposed for since.
@@ -305,8 +376,11 @@ class StateStore:
         rows = [(s.name, encode_group(s)) for s in states]
         if not rows:
             return
+        recorded = [(name,) for name, _ in rows if name in self._with_reuse_rounds]
         with self._driver_errors(f"save {len(rows)} groups"), self._transaction():
             self._db.executemany(_UPSERT, rows)
+            self._db.executemany(_FORGET_REUSE, recorded)
+        self._with_reuse_rounds.difference_update(name for (name,) in recorded)
 
     @contextlib.contextmanager
     def _driver_errors(self, what: str) -> Iterator[None]:

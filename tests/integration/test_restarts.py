@@ -10,9 +10,12 @@ socket.
   ``--round-timeout``: the rank's retry and its peer complete the round;
   nobody gets DEADLINE_EXCEEDED, no present rank is named missing.
 * The same after ``kill -9``, when a Commit had saved the open round.
-* ``kill -9`` after rounds decided REUSE (which are not written): the ranks'
-  next round catches the stored group up, decided REUSE for both, and the
-  plan and the commits stay as recorded.
+* ``kill -9`` after rounds decided REUSE (each recorded before it was
+  answered): the restarted sidecar has them, the ranks' next round is
+  decided REUSE for both, and the plan and the commits stay as recorded.
+* ``kill -9`` right after a REUSE round was answered, before one rank read
+  its answer: that rank's retry gets the same REUSE at once, not a round
+  that waits for a peer that has moved on (one round, one answer).
 * The client's retry window: a sidecar stopped for 25 s is reached within
   about a second of its return, inside the documented 30 s.
 * One zero-window Health/Watch stream (a real HTTP/2 peer that never opens
@@ -234,7 +237,7 @@ def test_kill_9_after_a_commit_saved_the_open_round_fails_nobody(
     _assert_nobody_timed_out(sidecar)
 
 
-def test_kill_9_after_unwritten_reuse_rounds_the_next_round_catches_up(
+def test_kill_9_after_reuse_rounds_the_restarted_sidecar_has_them(
     tmp_path: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar = SidecarProcess(tmp_path, "--round-timeout", str(ROUND_TIMEOUT))
@@ -249,10 +252,9 @@ def test_kill_9_after_unwritten_reuse_rounds_the_next_round_catches_up(
             reused = _decided([rank.propose(rnd) for rank in ranks], timeout=30)
             assert [(d.round, d.action) for d in reused] == [(rnd, Action.REUSE)] * 2
         before_kill = sidecar.group(group)
-        sidecar.stop(signal.SIGKILL)  # rounds 2-4 were never written
+        sidecar.stop(signal.SIGKILL)  # rounds 2-4 wrote their records, not the row
         sidecar.start()
-        # The row lags the ranks: round 1 (and the commits) is all it holds.
-        assert sidecar.group(group).last_closed_round == 1
+        assert sidecar.group(group).last_closed_round == 4
         decisions = _decided([rank.propose(5) for rank in ranks], timeout=30)
         after = sidecar.group(group)
     finally:
@@ -263,6 +265,43 @@ def test_kill_9_after_unwritten_reuse_rounds_the_next_round_catches_up(
     assert list(after.history) == list(before_kill.history)
     assert after.last_closed_round == 5
     assert [r.committed_generation for r in after.ranks] == [first[0].plan.generation] * 2
+    _assert_nobody_timed_out(sidecar)
+
+
+def test_kill_9_right_after_a_reuse_answer_a_retry_gets_the_same_answer(
+    tmp_path: Path, sidecars: list[SidecarProcess]
+) -> None:
+    sidecar = SidecarProcess(tmp_path, "--round-timeout", str(ROUND_TIMEOUT))
+    sidecars.append(sidecar.start())
+    group = "restart-answer:fp4/tp1-ep2/pp0"
+    ranks = [Rank(sidecar.target, group, r, 2) for r in range(2)]
+    try:
+        first = _decided([rank.propose(1) for rank in ranks], timeout=30)
+        for rank, decision in zip(ranks, first, strict=True):
+            rank.commit(decision)
+        waiting = ranks[0].propose(2)
+        sidecar.wait_for(group, open_round=2, waiting=1)
+        (answered,) = _decided([ranks[1].propose(2)], timeout=30)
+        sidecar.stop(signal.SIGKILL)  # right after rank 1 read its answer
+        assert answered.round == 2 and answered.action is Action.REUSE
+        waiting.cancel()
+        ranks[0].close()
+        # Rank 0 missed its answer: the same lifetime retries round 2 on a
+        # new client, while rank 1 has moved on and never proposes round 2 again.
+        retry = Rank(sidecar.target, group, 0, 2)
+        retry.lifetime = ranks[0].lifetime
+        ranks[0] = retry
+        sidecar.start()
+        started = time.monotonic()
+        (again,) = _decided([retry.propose(2)], timeout=30)
+        took = time.monotonic() - started
+        decisions = _decided([rank.propose(3) for rank in ranks], timeout=30)
+    finally:
+        for rank in ranks:
+            rank.close()
+    assert again == answered
+    assert took < ROUND_TIMEOUT, took  # answered from the record, not after a wait
+    assert [(d.round, d.action) for d in decisions] == [(3, Action.REUSE)] * 2
     _assert_nobody_timed_out(sidecar)
 
 

@@ -215,3 +215,35 @@ __all__ = [
     "refused_worker",
     "window_worker",
 ]
+
+
+def restart_storm_worker(
+    rank: int, world: int, target: str, group: str, layers: int, stop_file: str
+) -> dict[str, Any]:
+    """Round 1 builds; then passes of ``layers`` covered rounds (the model's
+    layers again), each pass ended by ``get_communication()``, until the ranks
+    agree that ``stop_file`` exists. Any error ends the rank (and the test)."""
+    import os
+
+    import torch
+
+    cpu_group = dist.new_group(backend="gloo")
+    side = dist.new_group(backend="gloo")  # the stop vote: no collective of the manager's
+    manager = reference_manager(cpu_group, group, target)
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    passes = 0
+    while True:
+        for i in range(1, layers + 1):
+            initialize(manager, nvfp4_layer(f"model.layers.{i}.mlp"))
+        manager.get_communication()  # reads every answer
+        passes += 1
+        stop = torch.tensor([1 if os.path.exists(stop_file) else 0])
+        dist.all_reduce(stop, group=side)
+        if int(stop.item()) == world:
+            break
+    result = _after_covered_rounds(manager, [])
+    result["passes"] = passes
+    result["rpc_count"] = manager._transport.rpc_count
+    result["max_error"] = exchange(manager.moe_alltoall, nvfp4_layer("check"), rank, world, seed=1)
+    manager.cleanup()
+    return result

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moe_sidecar.store.row_codec import encode_group
-from moe_sidecar.store.sqlite import DATABASE_FILE, StateStore, StoreError
+from moe_sidecar.store.sqlite import DATABASE_FILE, ReuseRecord, StateStore, StoreError
 from tests.unit.groups import rich_state
 
 pytestmark = pytest.mark.timeout(10)
@@ -169,3 +169,26 @@ def test_a_failed_write_raises_the_stores_error_with_the_drivers_cause(tmp_path:
             store.pending()
     finally:
         store.close()
+
+
+def test_reuse_records_are_read_back_and_forgotten_by_the_next_save(tmp_path: Path) -> None:
+    state = rich_state()
+    g = state.name
+    store = StateStore(tmp_path)
+    store.save(state)
+    store.record_reuse(ReuseRecord(g, 1, 2, "layer.2"))
+    store.record_reuse(ReuseRecord(g, 1, 3, "layer.3"))
+    store.close()
+    store = StateStore(tmp_path)
+    assert store.reuse_records() == [
+        ReuseRecord(g, 1, 2, "layer.2"),
+        ReuseRecord(g, 1, 3, "layer.3"),
+    ]
+    store.save(state)  # the row now holds them
+    store.close()
+    store = StateStore(tmp_path)
+    assert store.reuse_records() == []
+    store.record_reuse(ReuseRecord(g, 1, 4, "layer.4"))
+    store.delete(g)
+    assert store.reuse_records() == []
+    store.close()

@@ -17,8 +17,9 @@ One module per event a group meets:
 * :mod:`.depart`: a rank's session ended;
 * :mod:`.deadlines`: a round or a restart timed out; a restarted sidecar
   takes its groups up again;
-* :mod:`.recovery`: a restarted sidecar's row may lag the rounds that
-  closed REUSE unwritten; a later proposal catches the group up;
+* :mod:`.recovery`: a restarted sidecar applies the REUSE rounds recorded
+  beside a row to it; a row of a release that recorded none may lag them,
+  and a later proposal catches the group up;
 * :mod:`.merge`: a plan decided on another node arrives through the cluster store;
 * :mod:`.admin`: a reset forgets the stored plan; a group is checked removable;
 * :mod:`.views`: membership views move (a departure, an admin exclusion).
@@ -36,6 +37,7 @@ from moe_sidecar.core.policy.deadlines import expire, resume
 from moe_sidecar.core.policy.depart import depart
 from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
+from moe_sidecar.core.policy.recovery import replay_reuse
 from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS, new_group
 from moe_sidecar.core.policy.validation import validate_group_name, validate_proposal
 from moe_sidecar.core.policy.views import acknowledge_view, exclude
@@ -52,6 +54,7 @@ __all__ = [
     "merge",
     "new_group",
     "propose",
+    "replay_reuse",
     "reset",
     "resume",
     "validate_group_name",

@@ -201,7 +201,7 @@ def _admit_known(
             )
         return Step(state, reply=outcome)
     if p.round > state.last_closed_round + 1 and may_catch_up(state, recovered):
-        # The stored row lags: the rounds between closed REUSE unwritten.
+        # The stored row lags: the rounds between closed REUSE unrecorded.
         state, effects = catch_up(state, p)
         return _Admitted(state, record, effects)
     if p.round > state.last_closed_round + 1:
@@ -325,7 +325,7 @@ def propose(
 
     ``recovered``: ``state`` was read from its stored row by a restarted
     sidecar and no round has been decided since, so the row may lag rounds
-    that closed REUSE unwritten (:mod:`.recovery`): a known lifetime's
+    that closed REUSE unrecorded (a row of a release that recorded none, :mod:`.recovery`): a known lifetime's
     proposal for a later round catches the group up instead of being refused.
 
     ``node`` names this node in the growth history (``--node-name``);

@@ -1,10 +1,16 @@
-"""A group taken up from a row that lags its REUSE rounds. Pure.
+"""A group taken up from its stored row: the REUSE rounds recorded beside
+it, and rows that lag their REUSE rounds. Pure.
 
-A round decided REUSE changes nothing a restart needs (no plan, epoch,
-generation, history or built plan; only the retained outcomes and the ranks'
-last round, layer and time), so it is not written (:func:`~.rounds.decide_round`
-tells :func:`~.rounds.round_closed` so); every other closed round, commit, reset,
-merge and departure is. After a ``kill -9`` the stored row may therefore end
+A round decided REUSE changes nothing a restart needs but its outcome (no
+plan, epoch, generation, history or built plan; only the retained outcomes
+and the ranks' last round and layer), so the group's row is not rewritten:
+one short record (the lifetime, the round and its layer) is written before
+the round is answered (:class:`~moe_sidecar.core.effects.RecordReuse`), and
+:func:`replay_reuse` applies each record to the row it follows. So a
+retried proposal of a round answered before a ``kill -9`` gets the answer it
+had: one round, one answer.
+
+Rows written by a sidecar that recorded nothing of its REUSE rounds may end
 at round ``k`` while the ranks went on to round ``n > k + 1``: every round
 between closed REUSE with the stored plan, since any other outcome would
 have been written. A restarted sidecar (the caller says so: ``recovered``)
@@ -23,7 +29,45 @@ from moe_sidecar.core.plan import Action
 from moe_sidecar.core.policy.events import requirement_text
 from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS
 
-__all__ = ["catch_up", "may_catch_up"]
+__all__ = ["catch_up", "may_catch_up", "replay_reuse"]
+
+
+def replay_reuse(
+    state: GroupState, lifetime_index: int, round_number: int, layer: str
+) -> GroupState | None:
+    """``state`` with round ``round_number`` of lifetime ``lifetime_index``
+    closed REUSE at ``layer`` with the stored plan (the record of
+    :class:`~moe_sidecar.core.effects.RecordReuse`), or None when the record
+    does not follow ``state``: another lifetime, not the next round, or no
+    plan built to reuse (the row was written after the record, or the
+    record belongs to a row since replaced).
+
+    Every local rank proposed the round, so each rank of the lifetime is
+    recorded at it.
+    """
+    plan = state.plan
+    if (
+        plan is None
+        or state.built is None
+        or lifetime_index != state.lifetime_index
+        or round_number != state.last_closed_round + 1
+        or (state.open_round is not None and state.open_round.number != round_number)
+    ):
+        return None
+    decision = Decision(round_number, Action.REUSE, plan, False, layer)
+    ranks = tuple(
+        replace(r, last_round=round_number, last_layer=layer)
+        if r.lifetime_index == lifetime_index and not r.left
+        else r
+        for r in state.ranks
+    )
+    return replace(
+        state,
+        open_round=None,
+        last_closed_round=round_number,
+        closed=(*state.closed, decision)[-RETAINED_ROUNDS:],
+        ranks=ranks,
+    )
 
 
 def may_catch_up(state: GroupState, recovered: bool) -> bool:

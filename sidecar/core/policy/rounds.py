@@ -35,6 +35,7 @@ from moe_sidecar.core.effects import (
     GroupEvent,
     Persist,
     Publish,
+    RecordReuse,
     Replicate,
     Step,
 )
@@ -84,8 +85,14 @@ __all__ = [
     "without_proposal",
 ]
 
-RETAINED_ROUNDS = 8
-"""Closed rounds kept per group to answer retries."""
+RETAINED_ROUNDS = 64
+"""Closed rounds kept per group to answer retries, stored with the group.
+
+It is also the most proposals a rank's client may leave unanswered
+(:class:`moe_sidecar.client.WorkspaceManager`'s ``max_unanswered`` refuses
+more): a client re-sends what is unanswered on a new stream after a
+sidecar restart, and every such round is then at most this many rounds old,
+so it is still answered, with the answer it had."""
 
 
 def new_group(name: str, ep_size: int, local_ranks: int) -> GroupState:
@@ -179,16 +186,20 @@ def round_closed(
     persist: bool = True,
 ) -> Step:
     """The step that closes ``rnd`` (of lifetime ``lifetime_index``) with
-    ``outcome``: persisted before anyone hears of it (unless not ``persist``:
-    a round a restart re-derives, :mod:`.recovery`; and handed to the
+    ``outcome``: persisted before anyone hears of it (a decision that is not
+    ``persist``ed, a REUSE that changed nothing else, by its short record
+    alone, :class:`~moe_sidecar.core.effects.RecordReuse`; and handed to the
     cluster store when the plan grew, ``replicate``), every waiter answered,
     the event published, the group's timer set to its next deadline."""
+    durable: Effect = Persist()
+    if not persist and isinstance(outcome, Decision):
+        durable = RecordReuse(lifetime_index, rnd.number, outcome.layer)
     return Step(
         state,
         reply=outcome,
         effects=(
             *effects,
-            *((Persist(),) if persist else ()),
+            durable,
             *((Replicate(),) if replicate else ()),
             Answer(lifetime_index, rnd.number, outcome),
             Publish(event),
@@ -493,9 +504,9 @@ def decide_round(
     layer = rnd.proposals[0].requirement.layer
     decision = Decision(round=rnd.number, action=action, plan=plan, grew=grew, layer=layer)
     # A REUSE that grew nothing in a lifetime whose proof was already fixed
-    # changes only what a restart re-derives (:mod:`.recovery`) or the ranks'
-    # retries re-send (the retained outcomes, the ranks' last round, layer and
-    # time): it is not written.
+    # changes only the retained outcomes and the ranks' last round, layer and
+    # time: its short record is written instead of the group
+    # (:func:`~.recovery.replay_reuse` re-derives the outcome from it).
     persist = action is not Action.REUSE or grew or state.proof is None
     state = _decided_state(state, rnd, decision, cause, now, node)
     event = group_event(
