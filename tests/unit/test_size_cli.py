@@ -133,3 +133,26 @@ def test_subprocess_text_and_bad_flag() -> None:
     bad = _size("--flashinfer", "0.7.4", *DEEPSEEK, "--dispatch", "fp7", "--json")
     assert bad.returncode == 2
     assert "--dispatch='fp7'" in bad.stderr and json.loads(bad.stdout)["ok"] is False
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--hidden", "1000000000000000000"),
+        ("--eplb-experts", "2147483648"),
+        ("--extra-bytes", "100000000000000000000"),
+        ("--dispatch", "100000000000000000000000"),
+        ("--tokens", "-9999999999"),
+    ],
+)
+def test_a_value_beyond_an_int32_is_one_line_naming_the_flag(flag: str, value: str) -> None:
+    argv = dict(zip(DEEPSEEK[::2], DEEPSEEK[1::2], strict=True))
+    argv[flag] = value
+    args = [item for pair in argv.items() for item in pair]
+    dispatch = () if flag == "--dispatch" else ("--dispatch", "nvfp4")
+    result = _size(*args, *dispatch)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"moe-sidecar size: {flag}={int(value)}: must be at most 2147483647 in magnitude "
+        "(FlashInfer takes it as an int32)"
+    ], result.stderr
