@@ -408,3 +408,38 @@ async def test_an_etcd_document_above_the_ceiling_is_set_aside(
         assert "workspace ceiling" in sidecar.log.read_text(errors="replace")
     finally:
         sidecar.stop()
+
+
+async def test_a_round_and_a_restart_held_by_two_proofs_time_out_naming_the_cause(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0-1 with the real proof and a stranger's 2-3 with its own fill
+    every slot of round 1: it never closes, and its timeout names the two
+    proofs and their ranks (not "0 of 4 local ranks missing"). The same for
+    a restart of a running group."""
+    async with (
+        running_server(make_config(tmp_path, round_timeout=1.0)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        held = [
+            *_propose_all(stub, [0, 1], "real", REAL),
+            *_propose_all(stub, [2, 3], "s", STRANGER),
+        ]
+        for error in await asyncio.gather(*(rpc_error(call) for call in held)):
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, details(error)
+            text = details(error)
+            assert "it held proposals of 2 group proofs" in text, text
+            assert "holds ranks [0, 1]" in text and "holds ranks [2, 3]" in text, text
+            assert "local ranks missing" not in text, text
+
+        await asyncio.gather(*_propose_all(stub, range(RANKS), "run", REAL))
+        restart = [
+            *_propose_all(stub, [0, 1], "next", RESTARTED),
+            *_propose_all(stub, [2, 3], "s2", STRANGER),
+        ]
+        for error in await asyncio.gather(*(rpc_error(call) for call in restart)):
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, details(error)
+            text = details(error)
+            assert "the restart of group" in text and "4 of 4 local ranks" in text, text
+            assert "it held proposals of 2 group proofs" in text, text
+        del server
