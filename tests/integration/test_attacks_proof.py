@@ -443,3 +443,24 @@ async def test_a_round_and_a_restart_held_by_two_proofs_time_out_naming_the_caus
             assert "the restart of group" in text and "4 of 4 local ranks" in text, text
             assert "it held proposals of 2 group proofs" in text, text
         del server
+
+
+async def test_a_flood_of_refused_proposals_writes_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """200 proposals with a rank's lifetime and a stranger's proof into a
+    running group are each refused and counted, but logged once (one line
+    per group per minute)."""
+    async with (
+        running_server(make_config(tmp_path)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        await asyncio.gather(*_propose_all(stub, range(RANKS), "real", REAL))
+        with caplog.at_level("WARNING", logger="moe_sidecar.state"):
+            for n in range(200):
+                # A rank's (leaked) lifetime with another proof: refused at once.
+                flood = _proposal(n % RANKS, f"real-{n % RANKS}", STRANGER, rnd=2)
+                _assert_denied(await rpc_error(stub.Propose(flood, timeout=10)), n % RANKS)
+        lines = [r for r in caplog.records if r.getMessage() == "proof refused"]
+        assert len(lines) == 1, len(lines)
+        assert _refusals(server) == 200
