@@ -131,6 +131,11 @@ def _admit_new_lifetime(
     (:func:`join_restart`), which replaces the running lifetime only once
     every local rank has joined it.
     """
+    if record is not None and record.ended_lifetime == p.lifetime:
+        raise RoundAborted(
+            f"rank {p.ep_rank} of group {quote_name(p.group)} belongs to lifetime "
+            f"{short_id(p.lifetime)}, which ended when other ranks of the group restarted; restart this rank"
+        )
     if p.round != 1:
         raise PreconditionFailed(
             f"rank {p.ep_rank} of group {quote_name(p.group)} proposes round {p.round} from "

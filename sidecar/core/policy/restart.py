@@ -203,6 +203,7 @@ def _restart(
         proof=pending.proposals[0].proof,
     )
     for q in pending.proposals:
+        ended = state.rank(q.ep_rank)
         state = with_rank(
             state,
             RankRecord(
@@ -212,6 +213,7 @@ def _restart(
                 last_round=1,
                 last_layer=q.requirement.layer,
                 last_seen=now,
+                ended_lifetime=ended.lifetime if ended is not None else "",
             ),
         )
     effects.append(lifetime_started(state, p, now))

@@ -1,5 +1,5 @@
-"""A group whose first start failed starts again when its ranks restart,
-against a real sidecar (a server on real sockets).
+"""A group's lifetimes across restarts of its ranks, against a real sidecar
+(a server on real sockets).
 
 A first start fails when round 1 of the group's first lifetime is refused:
 a rank missing or late past ``--round-timeout``, or a stranger's proposal
@@ -7,6 +7,9 @@ holding a slot until then. Nothing ran, so there is no running lifetime for
 a restart to wait for: when every local rank starts again with a new
 lifetime, round 1 of the new lifetime is decided, whichever rank comes
 first (the rank that was missing included).
+
+A rank of a lifetime that ended (the group restarted without it) is told
+so: ``ABORTED``, "belongs to lifetime ..., which ended".
 """
 
 from __future__ import annotations
@@ -104,3 +107,24 @@ async def test_a_start_held_by_a_stranger_until_it_timed_out_starts_again(
         for answer in answers:
             assert isinstance(answer, pb.ProposeResponse), details(answer)
         assert {a.action for a in answers} == {pb.ACTION_BUILD}
+
+
+async def test_a_rank_of_an_ended_lifetime_is_told_it_ended(tmp_path: Path) -> None:
+    """The group runs, then restarts (every rank, new lifetimes): a rank of
+    the ended lifetime proposing its next round, or retrying round 1, gets
+    ABORTED naming its lifetime and that it ended, not "does not know"."""
+    async with (
+        running_server(make_config(tmp_path)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        await _start(stub, list(range(RANKS)), "first", "ranks-proof-of-the-start-1")
+        await _start(stub, list(range(RANKS)), "second", "ranks-proof-of-the-start-2")
+        for rnd in (2, 1):
+            late = _proposal(2, "first-2", "ranks-proof-of-the-start-1")
+            late.round = rnd
+            error = await rpc_error(stub.Propose(late, timeout=10))
+            assert error.code() == grpc.StatusCode.ABORTED, details(error)
+            assert "belongs to lifetime " in details(error), details(error)
+            assert "which ended when other ranks of the group restarted" in details(error), details(
+                error
+            )
