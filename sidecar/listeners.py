@@ -265,7 +265,10 @@ async def start_coordinator_server(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     servicer = CoordinatorServicer(
-        coordinator, ErrorTranslator(metrics), max_page_size=config.max_page_size
+        coordinator,
+        ErrorTranslator(metrics),
+        max_page_size=config.max_page_size,
+        max_sessions=config.max_sessions,
     )
     server.add_generic_rpc_handlers((coordinator_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

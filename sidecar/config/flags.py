@@ -20,6 +20,7 @@ from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
     DEFAULT_LISTEN,
     DEFAULT_MAX_MERGED_GROUPS,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_METRICS_HOST,
     DEFAULT_STATE_DIR,
     DEFAULT_STORE_MAX_DOCUMENT_BYTES,
@@ -358,6 +359,17 @@ _STORE_OPTIONS = (
     ),
 )
 _OPTIONS += _STORE_OPTIONS
+_STREAM_OPTIONS = (
+    _Option(
+        "--max-sessions",
+        "max_sessions",
+        _integer,
+        f"Session streams open at once; one more is RESOURCE_EXHAUSTED (default "
+        f"{DEFAULT_MAX_SESSIONS})",
+        "N",
+    ),
+)
+_OPTIONS += _STREAM_OPTIONS
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
 
 

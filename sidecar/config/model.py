@@ -9,6 +9,7 @@ from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
     DEFAULT_LISTEN,
     DEFAULT_MAX_MERGED_GROUPS,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_METRICS_HOST,
     DEFAULT_STATE_DIR,
     DEFAULT_STORE_MAX_DOCUMENT_BYTES,
@@ -139,6 +140,9 @@ class SidecarConfig:
     max_merged_groups: int = DEFAULT_MAX_MERGED_GROUPS
     """Groups created here from the cluster store (no local rank yet); they do
     not count against ``max_groups``."""
+    # --- the Session streams' bound (flag: --max-sessions) ---
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    """Session streams open at once; one more is RESOURCE_EXHAUSTED."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
     store_target: StoreTarget = field(init=False, repr=False, compare=False)
     """``store`` parsed; with etcd, the node's SQLite in ``state_dir`` stays
@@ -232,6 +236,7 @@ class SidecarConfig:
         for name in ("store_max_generation_lead", "store_max_epoch_lead"):
             check_int(name, getattr(self, name), 1, MAX_GENERATION)
         check_int("max_merged_groups", self.max_merged_groups, 0, MAX_LIMIT)
+        check_int("max_sessions", self.max_sessions, 1, MAX_LIMIT)
         key = self.store_key_file
         if key is not None and not key.is_file():
             raise ConfigError(f"store_key_file={str(key)!r}: no such file")

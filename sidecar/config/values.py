@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_HEALTH_HOST",
     "DEFAULT_LISTEN",
     "DEFAULT_MAX_MERGED_GROUPS",
+    "DEFAULT_MAX_SESSIONS",
     "DEFAULT_METRICS_HOST",
     "DEFAULT_STATE_DIR",
     "DEFAULT_STORE_MAX_DOCUMENT_BYTES",
@@ -89,6 +90,10 @@ DEFAULT_STORE_MAX_GENERATION_LEAD = 1_000_000
 DEFAULT_STORE_MAX_EPOCH_LEAD = 100_000
 """An epoch counts admin resets."""
 DEFAULT_MAX_MERGED_GROUPS = 128
+# --- the Session streams' bound (the field and flag below) ---
+DEFAULT_MAX_SESSIONS = 2048
+"""Session streams open at once: 32 groups of 64 ranks, below
+``max_concurrent_rpcs`` (4096) so a flood meets this bound, named, first."""
 
 
 class ConfigError(ValueError):
