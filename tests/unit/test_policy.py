@@ -384,7 +384,8 @@ def _restart(state: GroupState, req: Requirement = NVFP4, now: float = 5.0) -> S
 def test_rank_of_an_ended_lifetime_is_aborted() -> None:
     state, _ = run_sequence([NVFP4])
     state = _restart(state).state
-    assert state.rank(1) is not None and state.rank(1).ended_lifetime == "life-1"
+    restarted = state.rank(1)
+    assert restarted is not None and restarted.ended_lifetime == "life-1"
     for rnd in (1, 2):
         with pytest.raises(RoundAborted, match="belongs to lifetime life-1, which ended"):
             policy.propose(state, prop(1, rnd, NVFP4), 5.0, TIMEOUT)
