@@ -311,7 +311,8 @@ _STORE_OPTIONS = (
         "--store-page-bytes",
         "store_page_bytes",
         int,
-        "bytes one page of a read of etcd's prefix may hold; pages are merged one by one "
+        "bytes one page of a read of etcd's prefix may hold: its keys are listed this over "
+        "--store-max-document-bytes at a time, each document then read alone "
         f"(default {DEFAULT_STORE_PAGE_BYTES}, at most {MAX_STORE_PAGE_BYTES})",
         "BYTES",
     ),
