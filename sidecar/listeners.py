@@ -256,6 +256,10 @@ async def start_coordinator_server(
         options=(
             *_SERVER_OPTIONS,
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            # A stream's window stays what the flag says: BDP probing grew it
+            # to about 4 MiB for a peer that writes and never reads.
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", config.stream_receive_bytes),
             *_listener_options(
                 config.max_listener_connections,
                 config.idle_connection_timeout,

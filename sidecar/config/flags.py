@@ -27,9 +27,11 @@ from moe_sidecar.config.values import (
     DEFAULT_STORE_MAX_EPOCH_LEAD,
     DEFAULT_STORE_MAX_GENERATION_LEAD,
     DEFAULT_STORE_PAGE_BYTES,
+    DEFAULT_STREAM_RECEIVE_BYTES,
     LOG_FORMATS,
     MAX_LIMIT,
     MAX_STORE_PAGE_BYTES,
+    MAX_STREAM_RECEIVE_BYTES,
     ConfigError,
     parse_listen_address,
 )
@@ -368,6 +370,18 @@ _STREAM_OPTIONS = (
         f"Session streams open at once; one more is RESOURCE_EXHAUSTED (default "
         f"{DEFAULT_MAX_SESSIONS})",
         "N",
+    ),
+)
+_STREAM_OPTIONS += (
+    _Option(
+        "--stream-receive-bytes",
+        "stream_receive_bytes",
+        _integer,
+        "bytes a coordinator stream's peer may send before the sidecar reads them (the HTTP/2 "
+        "window of each stream, not grown by gRPC's BDP probing), so a peer that writes and "
+        f"never reads holds at most this much (default {DEFAULT_STREAM_RECEIVE_BYTES}, at most "
+        f"{MAX_STREAM_RECEIVE_BYTES})",
+        "BYTES",
     ),
 )
 _OPTIONS += _STREAM_OPTIONS

@@ -25,7 +25,7 @@ from tests.integration.helpers import (
     propose_request,
     run_round,
 )
-from tests.integration.raw_http2 import RawCall, open_call
+from tests.integration.raw_http2 import RawCall, grpc_message, open_call
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,3 +126,33 @@ async def test_a_watch_stream_that_never_reads_is_cut_off(tmp_path: Path) -> Non
             assert watcher.trailers.get("grpc-status") == "14", watcher.trailers
         finally:
             watcher.close()
+
+
+async def test_a_session_that_writes_and_never_reads_holds_at_most_its_window(
+    tmp_path: Path,
+) -> None:
+    """A zero-window Session stream proposes, then keeps sending all the
+    sidecar's windows allow: with ``--stream-receive-bytes 16384`` the
+    sidecar lets it send at most about twice that, not the megabytes gRPC's BDP
+    probing granted (bench/bench_unread_sessions.py: 4,258,830 B per stream
+    before, 64,020 with the default window)."""
+    from bench.bench_unread_sessions import METHOD, feed_unread
+
+    async with running_server(make_config(tmp_path, stream_receive_bytes=16384)) as server:
+        host, port = server.addresses.listen[1].rsplit(":", 1)
+        call = open_call((host, int(port)), METHOD, None, window=0)
+        request = propose_request(0, group="unread/ep1", ep_size=1, local_ranks=1)
+        first = pb.SessionRequest(id=1, propose=request).SerializeToString()
+        call.send_data(grpc_message(first))
+        chunk = grpc_message(b"\x00" * 1000)
+        sent = 0
+        # The sidecar must stop granting room: feed it for 2 s, or until it
+        # granted more than the bound (the failure).
+        end = time.monotonic() + 2.0
+        try:
+            while time.monotonic() < end and sent <= 4 * 16384:
+                sent += await asyncio.to_thread(feed_unread, call, chunk)
+        finally:
+            call.close()
+        # One window, and the one gRPC opens again as it reads the first message.
+        assert 0 < sent <= 2 * 16384 + len(chunk), sent
