@@ -371,15 +371,13 @@ _STREAM_OPTIONS = (
         f"{DEFAULT_MAX_SESSIONS})",
         "N",
     ),
-)
-_STREAM_OPTIONS += (
     _Option(
         "--stream-receive-bytes",
         "stream_receive_bytes",
         _integer,
         "bytes a coordinator stream's peer may send before the sidecar reads them (the HTTP/2 "
         "window of each stream, not grown by gRPC's BDP probing), so a peer that writes and "
-        f"never reads holds at most this much (default {DEFAULT_STREAM_RECEIVE_BYTES}, at most "
+        f"never reads holds at most about twice this (default {DEFAULT_STREAM_RECEIVE_BYTES}, at most "
         f"{MAX_STREAM_RECEIVE_BYTES})",
         "BYTES",
     ),
