@@ -1,7 +1,9 @@
 """The bounds of the long streams, against a real sidecar (a server on real
-sockets): how many Session streams may be open (``--max-sessions``), and
-what becomes of a Watch stream whose peer never reads (a real HTTP/2 peer
-announcing a zero flow-control window, :mod:`tests.integration.raw_http2`).
+sockets): how many Session streams may be open (``--max-sessions``), how
+much a stream that writes and never reads may send (``--stream-receive-bytes``),
+that the ranks beside it are answered, and what becomes of a Watch stream
+whose peer never reads (a real HTTP/2 peer announcing a zero flow-control
+window, :mod:`tests.integration.raw_http2`).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ async def _ended(call: RawCall, within: float) -> bool:
 @pytest.mark.xfail(
     strict=True,
     reason="still open: a Watch stream whose peer never reads stays open (grpc cannot end "
-    "a call whose write is pending; see docs/operations.md)",
+    "a call whose write is pending; see docs/security.md)",
 )
 async def test_a_watch_stream_that_never_reads_is_cut_off(tmp_path: Path) -> None:
     """A zero-window Watch of every group falls more than its queue's limit
@@ -156,3 +158,43 @@ async def test_a_session_that_writes_and_never_reads_holds_at_most_its_window(
             call.close()
         # One window, and the one gRPC opens again as it reads the first message.
         assert 0 < sent <= 2 * 16384 + len(chunk), sent
+
+
+async def test_the_rank_beside_a_session_that_never_reads_is_answered(tmp_path: Path) -> None:
+    """Rank 1 proposes on a zero-window Session stream (its answer can never
+    go out); rank 0's proposal closes the round and rank 0 is answered, and
+    so are later calls: the stuck stream holds up only itself."""
+    async with (
+        running_server(make_config(tmp_path)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        group = "beside/ep2"
+        host, port = server.addresses.listen[1].rsplit(":", 1)
+        call = open_call(
+            (host, int(port)), "/moe_workspace.v1.WorkspaceCoordinator/Session", None, window=0
+        )
+        request = propose_request(1, group=group, ep_size=2, local_ranks=2)
+        call.send_data(grpc_message(pb.SessionRequest(id=1, propose=request).SerializeToString()))
+        call.keep_acknowledging()
+        try:
+
+            async def one_waiting() -> bool:
+                try:
+                    got = await stub.GetGroup(pb.GetGroupRequest(group=group), timeout=5)
+                except grpc.aio.AioRpcError:
+                    return False  # not proposed yet
+                return bool(got.waiting_ranks == 1)
+
+            deadline = time.monotonic() + 10
+            while not await one_waiting():
+                assert time.monotonic() < deadline, "rank 1's proposal never arrived"
+                await asyncio.sleep(0.02)  # the poll interval of a wait with a deadline
+            answer = await stub.Propose(
+                propose_request(0, group=group, ep_size=2, local_ranks=2), timeout=10
+            )
+            assert answer.action == pb.ACTION_BUILD
+            other = await run_round(stub, 1, NVFP4, group="other/ep2", local_ranks=2)
+            assert {a.action for a in other} == {pb.ACTION_BUILD}
+            assert call.data_received == 0
+        finally:
+            call.close()
