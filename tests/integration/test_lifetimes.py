@@ -128,3 +128,24 @@ async def test_a_rank_of_an_ended_lifetime_is_told_it_ended(tmp_path: Path) -> N
             assert "which ended when other ranks of the group restarted" in details(error), details(
                 error
             )
+
+
+async def test_a_new_start_missing_a_rank_times_out_saying_the_last_start_failed(
+    tmp_path: Path,
+) -> None:
+    """After a failed first start, a new start that again misses rank 3
+    times out saying that nothing runs and every local rank must propose
+    (not that the running lifetime's ranks did not restart)."""
+    async with (
+        running_server(make_config(tmp_path, round_timeout=TIMEOUT)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        await _start(stub, [0, 1, 2], "first", "ranks-proof-of-the-start-1")
+        again = await _start(stub, [0, 1, 2], "second", "ranks-proof-of-the-start-2")
+        for outcome in again:
+            assert isinstance(outcome, grpc.aio.AioRpcError), outcome
+            assert outcome.code() == grpc.StatusCode.DEADLINE_EXCEEDED, details(outcome)
+            text = details(outcome)
+            assert "3 of 4 local ranks began a new lifetime" in text, text
+            assert "the group's last start failed" in text, text
+            assert "running lifetime" not in text, text

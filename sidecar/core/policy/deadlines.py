@@ -10,7 +10,7 @@ from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
 from moe_sidecar.core.policy.proof import held_by_proofs_text
-from moe_sidecar.core.policy.restart import restart_layout
+from moe_sidecar.core.policy.restart import never_ran, restart_layout
 from moe_sidecar.core.policy.rounds import record_outcome, round_closed
 
 __all__ = ["expire", "resume"]
@@ -69,6 +69,11 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
     )
     if split and len(present) >= layout:
         message += split
+    elif never_ran(state):
+        message += (
+            "the group's last start failed (its round 1 was refused), so nothing runs: a new "
+            "start needs every local rank to propose" + (f"; {split}" if split else "")
+        )
     else:
         message += (
             "a new lifetime begins only when every local rank of the group restarts, and the "
