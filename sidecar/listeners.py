@@ -332,6 +332,10 @@ async def start_coordinator_server(
         options=(
             *_SERVER_OPTIONS,
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            # A stream's window stays what the flag says: BDP probing grew it
+            # to about 4 MiB for a peer that writes and never reads.
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", config.stream_receive_bytes),
             *_listener_options(
                 config.max_listener_connections,
                 config.idle_connection_timeout,
@@ -341,7 +345,10 @@ async def start_coordinator_server(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     servicer = CoordinatorServicer(
-        coordinator, ErrorTranslator(metrics), max_page_size=config.max_page_size
+        coordinator,
+        ErrorTranslator(metrics),
+        max_page_size=config.max_page_size,
+        max_sessions=config.max_sessions,
     )
     server.add_generic_rpc_handlers((coordinator_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -198,6 +198,9 @@ class SidecarMetrics:
             "not match the group's ranks' (or a rank holding the group's proof took its slot "
             "back).",
         )
+        self.sessions = self._gauge(
+            "moe_sidecar_sessions", "Session streams open now (at most --max-sessions)."
+        )
         for resource, value in limits.items():
             self.limit.labels(resource=resource).set(value)
 

@@ -18,6 +18,7 @@ from moe_sidecar.core.effects import EventKind, GroupEvent
 from moe_sidecar.core.group import GroupState
 from moe_sidecar.core.plan import Action
 from moe_sidecar.metrics import GroupSeries, SidecarMetrics
+from moe_sidecar.status import OncePerPeer
 
 __all__ = ["CLOSED_AS", "EventObserver"]
 
@@ -29,6 +30,9 @@ CLOSED_AS = {
     EventKind.ROUND_ABORTED: "aborted",
 }
 """The metric label of a round that closed without a decision, by event."""
+
+_MAX_UNLOGGED_GROUPS = 1024
+"""Groups whose unlogged proof refusals are counted for their next line."""
 
 _Fields: TypeAlias = dict[str, object]
 _Handler: TypeAlias = Callable[[GroupEvent, _Fields, GroupSeries], None]
@@ -46,6 +50,10 @@ class EventObserver:
     ) -> None:
         self._metrics = metrics
         self._sizing_of = sizing_of
+        # A stranger can earn thousands of proof refusals a second: one
+        # warning per group per minute, the counter counts every one.
+        self._log_refusal = OncePerPeer()
+        self._unlogged_refusals: dict[str, int] = {}
         self._handlers: dict[EventKind, _Handler] = {
             EventKind.ROUND_DECIDED: self._round_decided,
             **{kind: self._round_closed_undecided for kind in CLOSED_AS},
@@ -199,6 +207,19 @@ class EventObserver:
 
     def _proof_refused(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
         self._metrics.proof_refusals.inc()
+        if not self._log_refusal(event.group):
+            if len(self._unlogged_refusals) < _MAX_UNLOGGED_GROUPS:
+                unlogged = self._unlogged_refusals.get(event.group, 0) + 1
+                self._unlogged_refusals[event.group] = unlogged
+            return
         _log.warning(
-            "proof refused", extra={**fields, "rank": event.ep_rank, "reason": event.message}
+            "proof refused",
+            extra={
+                **fields,
+                "rank": event.ep_rank,
+                "reason": event.message,
+                "refused_unlogged": self._unlogged_refusals.pop(event.group, 0),
+                "note": "at most one line per group per minute; "
+                "moe_sidecar_proof_refusals_total counts every refusal",
+            },
         )

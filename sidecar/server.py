@@ -74,6 +74,8 @@ def _exported_limits(config: SidecarConfig) -> dict[str, float]:
     limits["workspace_bytes"] = config.max_workspace_bytes
     # Checked apart from LIMIT_FIELDS (0 is allowed: merge no group a local rank did not use).
     limits["merged_groups"] = config.max_merged_groups
+    limits["sessions"] = config.max_sessions
+    limits["stream_receive_bytes"] = config.stream_receive_bytes
     return limits
 
 

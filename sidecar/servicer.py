@@ -22,10 +22,12 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
+from moe_sidecar.config.values import DEFAULT_MAX_SESSIONS
 from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted, quote_name
 from moe_sidecar.core.group import Decision, GroupState, summarize
 from moe_sidecar.core.identity import lifetime_id
 from moe_sidecar.metrics import SidecarMetrics
+from moe_sidecar.session_places import SessionPlaces
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.wire.codec import (
@@ -181,6 +183,7 @@ class CoordinatorServicer:
         coordinator: the state holder.
         errors: the error -> status mapping.
         max_page_size: most groups one ListGroups page holds.
+        max_sessions: Session streams open at once (``--max-sessions``).
     """
 
     def __init__(
@@ -190,6 +193,7 @@ class CoordinatorServicer:
         *,
         max_page_size: int = 500,
         max_pending_response_bytes: int = MAX_PENDING_RESPONSE_BYTES,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         self._coordinator = coordinator
         self._errors = errors
@@ -197,6 +201,7 @@ class CoordinatorServicer:
         self._pending = _PendingResponses(max_pending_response_bytes, coordinator.metrics)
         self._encoded: tuple[Decision, int, str, bytes] | None = None
         self._sessions = _OpenSessions()
+        self._places = SessionPlaces(coordinator.metrics, max_sessions)
 
     def _decision_bytes(self, decision: Decision, ep_size: int, release: str) -> bytes:
         """The serialized wire form of ``decision``, encoded once per round:
@@ -228,8 +233,31 @@ class CoordinatorServicer:
         The first message answered without an error binds the session to its
         (group, rank, lifetime); a refused one binds nothing, so a stranger's
         bad first message cannot claim a session (nor depart a rank). While the
-        sidecar shuts down (:meth:`end_sessions`) the stream ends UNAVAILABLE.
+        sidecar shuts down (:meth:`end_sessions`) the stream ends UNAVAILABLE;
+        beyond ``--max-sessions`` open streams a new one is RESOURCE_EXHAUSTED
+        (:class:`~moe_sidecar.session_places.SessionPlaces`).
         """
+        refused = await self._errors.answer(context, "Session", self._open_session())
+        if refused is not None:
+            await context.abort(*refused)
+        try:
+            async for response in self._session(requests, context):
+                yield response
+        finally:
+            self._places.close_session()
+
+    async def _open_session(self) -> None:
+        """Takes one of the ``--max-sessions`` places.
+
+        Raises:
+            ResourceExhausted: every place is taken.
+        """
+        self._places.open_session()
+
+    async def _session(
+        self, requests: AsyncIterator[bytes], context: _Context
+    ) -> AsyncIterator[pb.SessionResponse | bytes]:
+        """Serves one Session stream's messages until its end."""
         binding: _Identity | None = None
         in_flight: _Identity | None = None
         """The identity of an unbound session's first message while it is

@@ -26,6 +26,7 @@ __all__ = [
     "answer_as_json",
     "default_release",
     "dispatch_kind",
+    "flag_out_of_range",
     "format_answer",
     "run",
 ]
@@ -149,11 +150,45 @@ def format_answer(answer: SizeAnswer) -> str:
     return "\n".join(lines)
 
 
+_INT32_MAX = (1 << 31) - 1
+"""The largest value of every integer flag: FlashInfer takes each as an int32."""
+
+
+def flag_out_of_range(args: argparse.Namespace) -> str:
+    """The first integer flag (or integer ``--dispatch``) beyond an int32, as
+    one line naming it; "" when every one is in range. Larger values would
+    overflow the sizing arithmetic's own checks before a release could refuse
+    them by name."""
+    flags: list[tuple[str, int]] = [
+        ("--ep", args.ep),
+        ("--tokens", args.tokens),
+        ("--hidden", args.hidden),
+        ("--top-k", args.top_k),
+        ("--experts", args.experts),
+        ("--eplb-experts", args.eplb_experts),
+        ("--extra-bytes", args.extra_bytes),
+    ]
+    flags += [("--dispatch", int(kind)) for kind in args.dispatch if kind.strip().isdigit()]
+    for flag, value in flags:
+        if abs(value) > _INT32_MAX:
+            return (
+                f"{flag}={value}: must be at most {_INT32_MAX} in magnitude (FlashInfer takes "
+                "it as an int32)"
+            )
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``moe-sidecar size``; returns the exit status."""
     from moe_sidecar.client.size.answer import SizeError, plan_sizes
 
     release = args.flashinfer or default_release()
+    beyond = flag_out_of_range(args)
+    if beyond:
+        print(f"moe-sidecar size: {beyond}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": beyond}))
+        return 2
     try:
         answer = plan_sizes(
             release,

@@ -23,15 +23,18 @@ from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
     DEFAULT_LISTEN,
     DEFAULT_MAX_MERGED_GROUPS,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_METRICS_HOST,
     DEFAULT_STATE_DIR,
     DEFAULT_STORE_MAX_DOCUMENT_BYTES,
     DEFAULT_STORE_MAX_EPOCH_LEAD,
     DEFAULT_STORE_MAX_GENERATION_LEAD,
     DEFAULT_STORE_PAGE_BYTES,
+    DEFAULT_STREAM_RECEIVE_BYTES,
     LOG_FORMATS,
     MAX_LIMIT,
     MAX_STORE_PAGE_BYTES,
+    MAX_STREAM_RECEIVE_BYTES,
     ConfigError,
     parse_listen_address,
 )
@@ -327,7 +330,8 @@ _STORE_OPTIONS = (
         "--store-page-bytes",
         "store_page_bytes",
         int,
-        "bytes one page of a read of etcd's prefix may hold; pages are merged one by one "
+        "bytes one page of a read of etcd's prefix may hold: its keys are listed this over "
+        "--store-max-document-bytes at a time, each document then read alone "
         f"(default {DEFAULT_STORE_PAGE_BYTES}, at most {MAX_STORE_PAGE_BYTES})",
         "BYTES",
     ),
@@ -375,6 +379,27 @@ _STORE_OPTIONS = (
     ),
 )
 _OPTIONS += _STORE_OPTIONS
+_STREAM_OPTIONS = (
+    _Option(
+        "--max-sessions",
+        "max_sessions",
+        _integer,
+        f"Session streams open at once; one more is RESOURCE_EXHAUSTED (default "
+        f"{DEFAULT_MAX_SESSIONS})",
+        "N",
+    ),
+    _Option(
+        "--stream-receive-bytes",
+        "stream_receive_bytes",
+        _integer,
+        "bytes a coordinator stream's peer may send before the sidecar reads them (the HTTP/2 "
+        "window of each stream, not grown by gRPC's BDP probing), so a peer that writes and "
+        f"never reads holds at most about twice this (default {DEFAULT_STREAM_RECEIVE_BYTES}, at most "
+        f"{MAX_STREAM_RECEIVE_BYTES})",
+        "BYTES",
+    ),
+)
+_OPTIONS += _STREAM_OPTIONS
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
 _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("listeners", ("--listen",)),
@@ -395,6 +420,7 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             *(o.flag for o in _OPTIONS if o.flag.startswith("--max-") and o not in _STORE_OPTIONS),
             "--idle-connection-timeout",
             "--metrics-request-timeout",
+            "--stream-receive-bytes",
         ),
     ),
 )

@@ -9,12 +9,14 @@ from moe_sidecar.config.values import (
     DEFAULT_HEALTH_HOST,
     DEFAULT_LISTEN,
     DEFAULT_MAX_MERGED_GROUPS,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_METRICS_HOST,
     DEFAULT_STATE_DIR,
     DEFAULT_STORE_MAX_DOCUMENT_BYTES,
     DEFAULT_STORE_MAX_EPOCH_LEAD,
     DEFAULT_STORE_MAX_GENERATION_LEAD,
     DEFAULT_STORE_PAGE_BYTES,
+    DEFAULT_STREAM_RECEIVE_BYTES,
     LIMIT_FIELDS,
     LISTENER_TIMEOUT_FIELDS,
     LOG_FORMATS,
@@ -22,7 +24,9 @@ from moe_sidecar.config.values import (
     MAX_LIMIT,
     MAX_NODE_NAME_LENGTH,
     MAX_STORE_PAGE_BYTES,
+    MAX_STREAM_RECEIVE_BYTES,
     MIN_STORE_DOCUMENT_BYTES,
+    MIN_STREAM_RECEIVE_BYTES,
     ConfigError,
     SqliteStore,
     StoreTarget,
@@ -139,6 +143,11 @@ class SidecarConfig:
     max_merged_groups: int = DEFAULT_MAX_MERGED_GROUPS
     """Groups created here from the cluster store (no local rank yet); they do
     not count against ``max_groups``."""
+    # --- the streams' bounds (flags: --max-sessions, --stream-receive-bytes) ---
+    stream_receive_bytes: int = DEFAULT_STREAM_RECEIVE_BYTES
+    """Bytes a coordinator stream's peer may send before the sidecar reads them."""
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    """Session streams open at once; one more is RESOURCE_EXHAUSTED."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
     store_target: StoreTarget = field(init=False, repr=False, compare=False)
     """``store`` parsed; with etcd, the node's SQLite in ``state_dir`` stays
@@ -232,6 +241,13 @@ class SidecarConfig:
         for name in ("store_max_generation_lead", "store_max_epoch_lead"):
             check_int(name, getattr(self, name), 1, MAX_GENERATION)
         check_int("max_merged_groups", self.max_merged_groups, 0, MAX_LIMIT)
+        check_int("max_sessions", self.max_sessions, 1, MAX_LIMIT)
+        check_int(
+            "stream_receive_bytes",
+            self.stream_receive_bytes,
+            MIN_STREAM_RECEIVE_BYTES,
+            MAX_STREAM_RECEIVE_BYTES,
+        )
         key = self.store_key_file
         if key is not None and not key.is_file():
             raise ConfigError(f"store_key_file={str(key)!r}: no such file")

@@ -20,12 +20,14 @@ __all__ = [
     "DEFAULT_HEALTH_HOST",
     "DEFAULT_LISTEN",
     "DEFAULT_MAX_MERGED_GROUPS",
+    "DEFAULT_MAX_SESSIONS",
     "DEFAULT_METRICS_HOST",
     "DEFAULT_STATE_DIR",
     "DEFAULT_STORE_MAX_DOCUMENT_BYTES",
     "DEFAULT_STORE_MAX_EPOCH_LEAD",
     "DEFAULT_STORE_MAX_GENERATION_LEAD",
     "DEFAULT_STORE_PAGE_BYTES",
+    "DEFAULT_STREAM_RECEIVE_BYTES",
     "LIMIT_FIELDS",
     "LISTENER_TIMEOUT_FIELDS",
     "LOG_FORMATS",
@@ -34,7 +36,9 @@ __all__ = [
     "MAX_NODE_NAME_LENGTH",
     "MAX_SECONDS",
     "MAX_STORE_PAGE_BYTES",
+    "MAX_STREAM_RECEIVE_BYTES",
     "MIN_STORE_DOCUMENT_BYTES",
+    "MIN_STREAM_RECEIVE_BYTES",
     "ConfigError",
     "SqliteStore",
     "StoreTarget",
@@ -89,6 +93,16 @@ DEFAULT_STORE_MAX_GENERATION_LEAD = 1_000_000
 DEFAULT_STORE_MAX_EPOCH_LEAD = 100_000
 """An epoch counts admin resets."""
 DEFAULT_MAX_MERGED_GROUPS = 128
+# --- the streams' bounds (the fields and flags below) ---
+DEFAULT_STREAM_RECEIVE_BYTES = 64 << 10
+"""Bytes a coordinator stream's peer may send before the sidecar reads them:
+the HTTP/2 window each stream is given, kept there (gRPC's BDP probing, which
+grew it to about 4 MiB for a peer that writes and never reads, is off)."""
+MIN_STREAM_RECEIVE_BYTES = 1 << 12
+MAX_STREAM_RECEIVE_BYTES = 16 << 20
+DEFAULT_MAX_SESSIONS = 2048
+"""Session streams open at once: 32 groups of 64 ranks, below
+``max_concurrent_rpcs`` (4096) so a flood meets this bound, named, first."""
 
 
 class ConfigError(ValueError):

@@ -125,6 +125,9 @@ class RankRecord:
     committed_generation: int = 0
     build_seconds: float = 0.0
     left: str = ""
+    ended_lifetime: str = ""
+    """The id of the rank's lifetime that ended when this one began with a
+    restart ("" when none): its ranks are told it ended, not that it is unknown."""
     """Why the rank is gone (its session stream closed), or empty while it is here."""
 
 

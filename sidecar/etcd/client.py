@@ -360,6 +360,75 @@ class EtcdClient:
                 return
             start = response.kvs[-1].key + b"\0"
 
+    async def read_prefix_by_key(
+        self,
+        prefix: str | bytes,
+        *,
+        keys: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+    ) -> AsyncIterator[PrefixPage]:
+        """The keys under ``prefix``, each value read alone, in key order.
+
+        The keys are listed first (``keys_only``, pages of at most ``keys``
+        keys), then each key's value is asked for on its own, all at the
+        first listing's revision (one consistent snapshot). So what the
+        client holds at once is one value, whatever the prefix holds: etcd
+        3.4 tells no value's size before sending it (``KeyValue`` carries
+        none), and a page of values is as large as its largest values. Every
+        listing yields a page without items (it carries the revision), then
+        one page per key; a value too large for one response is left out
+        and its key listed in :attr:`PrefixPage.too_large`.
+
+        Raises:
+            ValueError: ``keys`` is below 1.
+            EtcdUnavailable: no endpoint answered (EtcdTimeout: not in time).
+            EtcdCompacted: the snapshot's revision was compacted during the
+                read; read again.
+            EtcdAuthError: authentication failed or the prefix is not readable.
+            EtcdError: etcd refused the read (EtcdClientClosed: closed client).
+        """
+        if keys < 1:
+            raise ValueError(f"keys={keys!r}: must be at least 1")
+        start = key_bytes(prefix)
+        end = prefix_range_end(start)
+        revision = 0
+        while True:
+            listing = await self._range(
+                rpc_pb2.RangeRequest(
+                    key=start, range_end=end, limit=keys, revision=revision, keys_only=True
+                ),
+                timeout,
+            )
+            revision = revision or listing.header.revision
+            yield PrefixPage([], revision, [])
+            for kv in listing.kvs:
+                listed = KeyValue(kv.key, b"", kv.mod_revision)
+                yield await self._value_page(listed, revision, timeout)
+            if not listing.more or not listing.kvs:
+                return
+            start = listing.kvs[-1].key + b"\0"
+
+    async def _value_page(
+        self,
+        listed: KeyValue,
+        revision: int,
+        timeout: float | None,  # noqa: ASYNC109 (a gRPC deadline)
+    ) -> PrefixPage:
+        """The page of one listed key's value at ``revision``.
+
+        Raises:
+            EtcdError: as :meth:`read_prefix_by_key`.
+        """
+        request = rpc_pb2.RangeRequest(key=listed.key, revision=revision)
+        try:
+            response = await self._range(request, timeout)
+        except EtcdRequestError as error:
+            if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            return PrefixPage([], revision, [listed])
+        items = [KeyValue(kv.key, kv.value, kv.mod_revision) for kv in response.kvs]
+        return PrefixPage(items, revision, [])
+
     async def _range(
         self, request: rpc_pb2.RangeRequest, seconds: float | None
     ) -> rpc_pb2.RangeResponse:

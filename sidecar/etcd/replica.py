@@ -20,9 +20,11 @@ loop retries with backoff (50 ms doubling to 2 s); rounds never wait for it.
 
 Reading (the watch loop). At start and whenever the watch cannot resume
 (history compacted, etcd re-created or restored: its revision went
-backwards) the replica reads the whole prefix at one revision, in pages of
-at most ``--store-page-bytes`` (merged one by one, so no prefix outgrows
-the client's receive limit or the node's memory), merges every document,
+backwards) the replica reads the whole prefix at one revision: its keys
+first, in pages of ``--store-page-bytes / --store-max-document-bytes`` keys,
+then each document alone (etcd tells no value's size before sending it, so
+one document at a time is what bounds the node's memory, whatever the
+prefix holds), merges every document,
 queues every local group etcd lacks, and watches from that revision on.
 Every document read is untrusted (:func:`~moe_sidecar.etcd.document.open_document`:
 size, HMAC, decoding, the core's ranges, plausibility against the group
@@ -112,11 +114,12 @@ class ReplicaSettings:
 
     rules: DocumentRules = field(default_factory=DocumentRules)
     page_bytes: int = DEFAULT_STORE_PAGE_BYTES
-    """Bytes one page of a prefix read may hold."""
+    """Bytes one page of a prefix read may hold (its keys are listed a page at
+    a time, its documents read one by one)."""
 
     @property
     def page_keys(self) -> int:
-        """Keys per page: as many documents of the largest size accepted as fit a page."""
+        """Keys per listing page: as many documents of the largest size accepted as fit a page."""
         return max(1, min(DEFAULT_PAGE_SIZE, self.page_bytes // self.rules.max_document_bytes))
 
 
@@ -337,7 +340,7 @@ class EtcdReplica:
         self.metrics.resyncs.inc()
         self._known.clear()
         revision: int | None = None
-        pages = self._client.read_prefix(self._groups_prefix, keys=self._settings.page_keys)
+        pages = self._client.read_prefix_by_key(self._groups_prefix, keys=self._settings.page_keys)
         async for page in pages:
             if revision is None:
                 self._up()

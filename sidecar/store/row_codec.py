@@ -181,6 +181,7 @@ def encode_group(state: GroupState) -> str:
                 "committed_generation": r.committed_generation,
                 "build_seconds": r.build_seconds,
                 "left": r.left,
+                **({"ended_lifetime": r.ended_lifetime} if r.ended_lifetime else {}),
             }
             for r in state.ranks
         ],
@@ -276,6 +277,10 @@ def _decode_rank(r: Any) -> RankRecord:
         build_seconds=build_seconds_field(r, "build_seconds"),
         # Rows written before sessions have no "left".
         left=str_field(r, "left") if isinstance(r, dict) and "left" in r else "",
+        # Rows written before it have no "ended_lifetime".
+        ended_lifetime=(
+            str_field(r, "ended_lifetime") if isinstance(r, dict) and "ended_lifetime" in r else ""
+        ),
     )
 
 

@@ -67,6 +67,11 @@ class RawCall:
         """Bytes of DATA received on the call's stream (only while acknowledging)."""
         self.closed = threading.Event()
         """Set when the acknowledging thread stops: the connection ended."""
+        self.ended = threading.Event()
+        """Set when the call ends: its trailers came, or the stream was reset
+        (only while acknowledging)."""
+        self.trailers: dict[str, str] = {}
+        """The call's trailers (``grpc-status``, ``grpc-message``) once it ended."""
         self._reader: threading.Thread | None = None
 
     def keep_acknowledging(self) -> None:
@@ -91,12 +96,30 @@ class RawCall:
                         self.headers_received.set()
                     elif isinstance(event, h2.events.DataReceived):
                         self.data_received += event.flow_controlled_length
+                    elif isinstance(event, h2.events.TrailersReceived):
+                        self.trailers = {_text(k): _text(v) for k, v in event.headers}
+                        self.ended.set()
+                    elif isinstance(event, h2.events.StreamReset):
+                        self.ended.set()
                 # SETTINGS and PING acknowledgements only: no WINDOW_UPDATE.
                 self._sock.sendall(self._connection.data_to_send())
         except (OSError, h2.exceptions.ProtocolError):
             pass  # the server went away (a PING after its GOAWAY, a reset)
         finally:
             self.closed.set()
+
+    def send_data(self, body: bytes) -> None:
+        """Sends ``body`` on the call's stream (more of its request), before
+        :meth:`keep_acknowledging` reads the socket.
+
+        Raises:
+            h2.exceptions.FlowControlError: ``body`` does not fit the
+                server's window (it is sent at once, never waiting).
+        """
+        size = self._connection.max_outbound_frame_size
+        for start in range(0, len(body), size):
+            self._connection.send_data(self.stream_id, body[start : start + size])
+        self._sock.sendall(self._connection.data_to_send())
 
     def close(self) -> None:
         """Closes the socket (the server sees the peer go)."""
@@ -199,3 +222,7 @@ def _receive(sock: socket.socket) -> bytes:
     if not data:
         raise ConnectionError("the server closed the connection")
     return data
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

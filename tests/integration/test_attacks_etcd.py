@@ -338,3 +338,23 @@ async def test_with_a_cluster_key_only_signed_documents_are_merged(
             lambda v: v is not None and v.startswith(MAC_PREFIX),
             "the bare document replaced",
         )
+
+
+async def test_oversized_documents_are_read_one_at_a_time(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """100 junk documents of 1.4 MB (each over ``--store-max-document-bytes``)
+    under the prefix: a starting sidecar sets every one aside and its peak
+    RSS stays within 32 MiB of one started on an empty prefix in the same
+    run (read 32 values to a page, it peaked at 277.7 MiB against 48.6 MiB;
+    bench/bench_etcd_oversized.py measures both with 200)."""
+    from bench.bench_etcd_oversized import fill_prefix, sidecar_peak_rss_mib
+
+    await fill_prefix(etcd_server.endpoint, "/oversized", 100, 1_400_000)
+    base = await asyncio.to_thread(
+        sidecar_peak_rss_mib, tmp_path / "empty", f"etcd://{etcd_server.endpoint}/empty", 0
+    )
+    full = await asyncio.to_thread(
+        sidecar_peak_rss_mib, tmp_path / "full", f"etcd://{etcd_server.endpoint}/oversized", 100
+    )
+    assert full - base < 32, f"peak RSS {full:.1f} MiB, {base:.1f} MiB on an empty prefix"

@@ -304,8 +304,8 @@ async def test_a_squatted_group_is_taken_back_without_the_squatters_plan(
         assert "fewer local ranks may not end the group's lifetime" in details(error)
         old = _proposal(0, "squatter", STRANGER, PLANTED, rnd=2, local_ranks=1)
         error = await rpc_error(stub.Propose(old, timeout=10))
-        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, details(error)
-        assert "which this sidecar does not know" in details(error)
+        assert error.code() == grpc.StatusCode.ABORTED, details(error)
+        assert "which ended when other ranks of the group restarted" in details(error)
         assert (await _group(stub)).plan == answers[0].plan
         del server
 
@@ -408,3 +408,59 @@ async def test_an_etcd_document_above_the_ceiling_is_set_aside(
         assert "workspace ceiling" in sidecar.log.read_text(errors="replace")
     finally:
         sidecar.stop()
+
+
+async def test_a_round_and_a_restart_held_by_two_proofs_time_out_naming_the_cause(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0-1 with the real proof and a stranger's 2-3 with its own fill
+    every slot of round 1: it never closes, and its timeout names the two
+    proofs and their ranks (not "0 of 4 local ranks missing"). The same for
+    a restart of a running group."""
+    async with (
+        running_server(make_config(tmp_path, round_timeout=1.0)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        held = [
+            *_propose_all(stub, [0, 1], "real", REAL),
+            *_propose_all(stub, [2, 3], "s", STRANGER),
+        ]
+        for error in await asyncio.gather(*(rpc_error(call) for call in held)):
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, details(error)
+            text = details(error)
+            assert "it held proposals of 2 group proofs" in text, text
+            assert "holds ranks [0, 1]" in text and "holds ranks [2, 3]" in text, text
+            assert "local ranks missing" not in text, text
+
+        await asyncio.gather(*_propose_all(stub, range(RANKS), "run", REAL))
+        restart = [
+            *_propose_all(stub, [0, 1], "next", RESTARTED),
+            *_propose_all(stub, [2, 3], "s2", STRANGER),
+        ]
+        for error in await asyncio.gather(*(rpc_error(call) for call in restart)):
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, details(error)
+            text = details(error)
+            assert "the restart of group" in text and "4 of 4 local ranks" in text, text
+            assert "it held proposals of 2 group proofs" in text, text
+        del server
+
+
+async def test_a_flood_of_refused_proposals_writes_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """200 proposals with a rank's lifetime and a stranger's proof into a
+    running group are each refused and counted, but logged once (one line
+    per group per minute)."""
+    async with (
+        running_server(make_config(tmp_path)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        await asyncio.gather(*_propose_all(stub, range(RANKS), "real", REAL))
+        with caplog.at_level("WARNING", logger="moe_sidecar.state"):
+            for n in range(200):
+                # A rank's (leaked) lifetime with another proof: refused at once.
+                flood = _proposal(n % RANKS, f"real-{n % RANKS}", STRANGER, rnd=2)
+                _assert_denied(await rpc_error(stub.Propose(flood, timeout=10)), n % RANKS)
+        lines = [r for r in caplog.records if r.getMessage() == "proof refused"]
+        assert len(lines) == 1, len(lines)
+        assert _refusals(server) == 200

@@ -13,6 +13,7 @@ from moe_sidecar.core.errors import (
     ErrorCode,
     InvalidArgument,
     PreconditionFailed,
+    RoundAborted,
 )
 from moe_sidecar.core.group import (
     CommitRecord,
@@ -402,8 +403,11 @@ def _restart(state: GroupState, req: Requirement = NVFP4, now: float = 5.0) -> S
 def test_rank_of_an_ended_lifetime_is_aborted() -> None:
     state, _ = run_sequence([NVFP4])
     state = _restart(state).state
-    with pytest.raises(PreconditionFailed, match="restart this rank"):
-        policy.propose(state, prop(1, 2, NVFP4), 5.0, TIMEOUT, ceiling=CEILING)
+    restarted = state.rank(1)
+    assert restarted is not None and restarted.ended_lifetime == "life-1"
+    for rnd in (1, 2):
+        with pytest.raises(RoundAborted, match="belongs to lifetime life-1, which ended"):
+            policy.propose(state, prop(1, rnd, NVFP4), 5.0, TIMEOUT, ceiling=CEILING)
 
 
 def test_one_restarted_rank_waits_for_the_rest_and_ends_nothing() -> None:

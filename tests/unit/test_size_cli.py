@@ -152,3 +152,26 @@ def test_dispatch_takes_the_librarys_quant_format_names_in_any_case(given: str, 
     done = _size("--flashinfer", "0.7.4", *DEEPSEEK, "--dispatch", given, "--json")
     assert done.returncode == 0, done.stderr
     assert [layer["dispatch"] for layer in json.loads(done.stdout)["layers"]] == [kind]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--hidden", "1000000000000000000"),
+        ("--eplb-experts", "2147483648"),
+        ("--extra-bytes", "100000000000000000000"),
+        ("--dispatch", "100000000000000000000000"),
+        ("--tokens", "-9999999999"),
+    ],
+)
+def test_a_value_beyond_an_int32_is_one_line_naming_the_flag(flag: str, value: str) -> None:
+    argv = dict(zip(DEEPSEEK[::2], DEEPSEEK[1::2], strict=True))
+    argv[flag] = value
+    args = [item for pair in argv.items() for item in pair]
+    dispatch = () if flag == "--dispatch" else ("--dispatch", "nvfp4")
+    result = _size(*args, *dispatch)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"moe-sidecar size: {flag}={int(value)}: must be at most 2147483647 in magnitude "
+        "(FlashInfer takes it as an int32)"
+    ], result.stderr

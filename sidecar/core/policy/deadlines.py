@@ -9,7 +9,8 @@ from moe_sidecar.core.effects import EventKind, Step
 from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
-from moe_sidecar.core.policy.restart import restart_layout
+from moe_sidecar.core.policy.proof import held_by_proofs_text
+from moe_sidecar.core.policy.restart import never_ran, restart_layout
 from moe_sidecar.core.policy.rounds import record_outcome, round_closed
 from moe_sidecar.core.policy.views import expire_view, resume_view
 
@@ -24,11 +25,17 @@ def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
     parts = missing_text(missing)
     if unseen > 0:
         parts.append(f"{unseen} rank(s) never seen in this lifetime")
+    why = [held_by_proofs_text(rnd)]
+    if parts:
+        why.insert(
+            0,
+            f"{state.local_ranks - len(present)} of {state.local_ranks} local ranks "
+            f"missing: {'; '.join(parts)}",
+        )
     layer = rnd.proposals[0].requirement.layer if rnd.proposals else ""
     message = (
         f"round {rnd.number} of group {quote_name(state.name)} (layer {quote_name(layer)}) timed "
-        f"out after {rnd.deadline - rnd.opened_at:.1f}s: {state.local_ranks - len(present)} of "
-        f"{state.local_ranks} local ranks missing: {'; '.join(parts)}; "
+        f"out after {rnd.deadline - rnd.opened_at:.1f}s: {'; '.join(w for w in why if w)}; "
         f"ranks present: {sorted(present)}"
     )
     refusal = Refusal(
@@ -54,14 +61,26 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
     """Fails a restart past its deadline; the running lifetime goes on."""
     present = sorted(p.ep_rank for p in pending.proposals)
     running = [r for r in state.current_ranks() if r.ep_rank not in present]
+    layout = restart_layout(state)
+    split = held_by_proofs_text(pending)
     message = (
         f"the restart of group {quote_name(state.name)} timed out after "
-        f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {restart_layout(state)} "
-        f"local ranks began a new lifetime (ranks {present}); a new lifetime begins only "
-        "when every local rank of the group restarts, and the running lifetime's "
-        + ("; ".join(missing_text(running)) or "ranks")
-        + " did not"
+        f"{pending.deadline - pending.opened_at:.1f}s: {len(present)} of {layout} "
+        f"local ranks began a new lifetime (ranks {present}); "
     )
+    if split and len(present) >= layout:
+        message += split
+    elif never_ran(state):
+        message += (
+            "the group's last start failed (its round 1 was refused), so nothing runs: a new "
+            "start needs every local rank to propose" + (f"; {split}" if split else "")
+        )
+    else:
+        message += (
+            "a new lifetime begins only when every local rank of the group restarts, and the "
+            "running lifetime's " + ("; ".join(missing_text(running)) or "ranks") + " did not"
+        )
+        message += f"; {split}" if split else ""
     refusal = Refusal(
         round=1,
         code=ErrorCode.DEADLINE_EXCEEDED,

@@ -57,6 +57,7 @@ __all__ = [
     "Verdict",
     "closing_proof",
     "contest",
+    "held_by_proofs_text",
     "mismatch_text",
     "proof_text",
     "single_proof",
@@ -149,4 +150,24 @@ def mismatch_text(group: str, ep_rank: int, proof: str, why: str) -> str:
         f"({proof_text(proof)}): {why}; a process that is not one of the group's ranks cannot "
         "propose for it (the ranks share their proof over the EP group's CPU group at their "
         "first initialize())"
+    )
+
+
+def held_by_proofs_text(rnd: OpenRound) -> str:
+    """Why a round (or restart) holding proposals of more than one proof
+    cannot close (rule 1), naming each proof, its ranks and who opened the
+    round; "" when it holds one proof's proposals or none."""
+    slots = slots_by_proof(rnd)
+    if len(slots) <= 1:
+        return ""
+    held = "; ".join(
+        f"proof {proof_text(proof)}"
+        + (" (opened the round)" if proof == rnd.first_proof else "")
+        + f" holds ranks {sorted(q.ep_rank for q in rnd.proposals if q.proof == proof)}"
+        for proof, _ in slots.most_common()
+    )
+    return (
+        f"it held proposals of {len(slots)} group proofs ({held}), and a round closes only "
+        "when one proof holds every local slot: a process that is not one of the group's "
+        "ranks (another proof) held a slot"
     )

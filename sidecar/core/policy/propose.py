@@ -40,7 +40,7 @@ from moe_sidecar.core.policy.proof import (
     single_proof,
 )
 from moe_sidecar.core.policy.recovery import catch_up, may_catch_up
-from moe_sidecar.core.policy.restart import join_restart
+from moe_sidecar.core.policy.restart import join_restart, never_ran
 from moe_sidecar.core.policy.rounds import (
     decide_round,
     displace,
@@ -131,6 +131,11 @@ def _admit_new_lifetime(
     (:func:`join_restart`), which replaces the running lifetime only once
     every local rank has joined it.
     """
+    if record is not None and record.ended_lifetime == p.lifetime:
+        raise RoundAborted(
+            f"rank {p.ep_rank} of group {quote_name(p.group)} belongs to lifetime "
+            f"{short_id(p.lifetime)}, which ended when other ranks of the group restarted; restart this rank"
+        )
     if p.round != 1:
         raise PreconditionFailed(
             f"rank {p.ep_rank} of group {quote_name(p.group)} proposes round {p.round} from "
@@ -154,14 +159,11 @@ def _admit_new_lifetime(
     taken = record is not None and record.lifetime_index == state.lifetime_index
     if taken and _held_by_other_proof(state, p):
         taken = False
-    if taken or not _accepts_newcomers(state):
+    if taken or not _accepts_newcomers(state) or never_ran(state):
+        # A lifetime whose round 1 was refused ran nothing: every new
+        # lifetime, of a rank that was in it or of one that never came,
+        # begins the group's next start (a restart with nothing to wait for).
         return join_restart(state, p, now, round_timeout, node, ceiling)
-    if state.last_closed_round == 1:
-        # Round 1 of this lifetime was refused before this rank arrived: it
-        # is part of the same start and shares the refusal.
-        outcome = state.outcome_of(1)
-        assert outcome is not None
-        return Step(state, reply=outcome)
     joined = RankRecord(ep_rank=p.ep_rank, lifetime=p.lifetime, lifetime_index=state.lifetime_index)
     return _Admitted(state, joined, ())
 

@@ -6,6 +6,12 @@ rank has joined, then it ends and round 1 of the next lifetime is decided.
 Which proposals the restart takes is the group proof's rule (:mod:`.proof`):
 it completes only when every local rank proposed with one proof.
 
+A group whose running lifetime never ran (its round 1 was refused: a rank
+missing past the deadline, a stranger's proof holding a slot) has nothing to
+wait for: every new lifetime's round 1, of a rank that was in the failed
+start or of one that never came, joins the restart, which is the group's
+next start (:func:`never_ran`).
+
 A restart with more local ranks than the running lifetime (its layout is
 the first proposal's) takes the group over (see :mod:`.propose`) and does not
 inherit the stored plan: a new epoch begins with none.
@@ -47,7 +53,19 @@ from moe_sidecar.core.policy.rounds import (
     with_rank,
 )
 
-__all__ = ["join_restart", "restart_layout"]
+__all__ = ["join_restart", "never_ran", "restart_layout"]
+
+
+def never_ran(state: GroupState) -> bool:
+    """Whether the group's running lifetime never ran: its round 1 closed
+    refused (a rank missing past the deadline, a stranger's proof holding a
+    slot, a plan refused), so no rank of it built anything, and it has no
+    ranks for a restart to wait for."""
+    return (
+        state.open_round is None
+        and state.last_closed_round == 1
+        and isinstance(state.outcome_of(1), Refusal)
+    )
 
 
 def restart_layout(state: GroupState) -> int:
@@ -185,6 +203,7 @@ def _restart(
         proof=pending.proposals[0].proof,
     )
     for q in pending.proposals:
+        ended = state.rank(q.ep_rank)
         state = with_rank(
             state,
             RankRecord(
@@ -194,6 +213,7 @@ def _restart(
                 last_round=1,
                 last_layer=q.requirement.layer,
                 last_seen=now,
+                ended_lifetime=ended.lifetime if ended is not None else "",
             ),
         )
     effects.append(lifetime_started(state, p, now))
