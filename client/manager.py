@@ -51,6 +51,7 @@ from moe_sidecar.client.counters import ManagerCounters
 from moe_sidecar.client.covered import check_reuse, passes_as_covered
 from moe_sidecar.client.dispatch_layouts import DispatchLayouts
 from moe_sidecar.client.errors import BackendError, InternalError, InvalidArgument
+from moe_sidecar.client.first_round import share_proof_in_view
 from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.client.vllm_sizing import UNSET, LayerCall, classify_call
@@ -58,6 +59,7 @@ from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy import validate_group_name
+from moe_sidecar.core.policy.arrivals import Arrival
 
 __all__ = ["DEFAULT_MAX_UNANSWERED", "ManagerCounters", "WorkspaceManager"]
 
@@ -262,7 +264,10 @@ class WorkspaceManager:
         if self.ep_size == 1:
             self._group_proof = new_group_secret()
             return
-        self._group_proof = self._on_group.share_secret()
+        # Shared while the sidecar sees this rank arrived (bounded by its round timeout).
+        arrival = Arrival(self.group, self.ep_size, self.ep_rank, self.local_ranks, self.lifetime)
+        target = getattr(self._transport, "target", "")
+        self._group_proof = share_proof_in_view(self._on_group, self._transport, arrival, target)
 
     def _proposal(self, requirement: Requirement) -> Proposal:
         return Proposal(

@@ -42,8 +42,10 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeAlias
 
+from moe_sidecar.arrivals import FirstRoundArrivals
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import (
@@ -64,7 +66,17 @@ from moe_sidecar.core.errors import (
     ResourceExhausted,
     quote_name,
 )
-from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
+from moe_sidecar.core.group import (
+    CommitRecord,
+    Decision,
+    GroupState,
+    GroupSummary,
+    Outcome,
+    Proposal,
+    Refusal,
+    summarize,
+)
+from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
 from moe_sidecar.store.replica import Replica
@@ -151,6 +163,10 @@ class Coordinator:
         self._observer = EventObserver(self.metrics, self.ep_size_of)
         self._phase = _Phase.OPEN
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.arrivals = FirstRoundArrivals(
+            clock, round_timeout, self._groups.get, self._show_waiting, max_groups
+        )
+        """Ranks at their lifetime's first round that cannot propose yet."""
         for state in self._groups.values():
             self._observer.update_gauges(state)
         self.metrics.groups.set(len(self._groups))
@@ -165,6 +181,7 @@ class Coordinator:
         """
         self._loop = asyncio.get_running_loop()
         self._timers.bind(self._loop)
+        self.arrivals.bind(self._loop)
         now = self._clock()
         for name, state in list(self._groups.items()):
             # The time this sidecar was down does not count against the ranks.
@@ -196,6 +213,7 @@ class Coordinator:
             )
         )
         self._watchers.end_all(CoordinatorUnavailable("the sidecar is shutting down"))
+        self.arrivals.wake_all(CoordinatorUnavailable("the sidecar is shutting down"))
 
     def close(self) -> None:
         """Drains, writes every unsaved group, and closes the store. Idempotent."""
@@ -226,6 +244,8 @@ class Coordinator:
         if before is None:
             self.metrics.groups.set(len(self._groups))
         self._observer.update_gauges(step.state, before)
+        if self.arrivals.arrived_ranks(name):
+            self._show_waiting(name)
         for effect in step.effects:
             if isinstance(effect, Answer):
                 self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
@@ -307,6 +327,7 @@ class Coordinator:
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
         self._execute(step, before)
+        self.arrivals.proposed(proposal.group, proposal.lifetime, proposal.ep_rank)
         reply = step.reply
         if isinstance(reply, Decision) and (
             before is None or reply.round > before.last_closed_round
@@ -320,6 +341,33 @@ class Coordinator:
             return _answer(await waited)
         assert reply is not None
         return _answer(reply)
+
+    async def arrive(self, arrival: Arrival) -> None:
+        """Waits while a rank at its lifetime's first round shares the group's
+        proof, until it proposes (see :class:`~moe_sidecar.arrivals.FirstRoundArrivals`).
+
+        Raises:
+            InvalidArgument: a malformed field (nothing changes).
+            RoundTimedOut: ``--round-timeout`` passed, naming the ranks not there.
+            CoordinatorUnavailable: the sidecar is shutting down.
+        """
+        if self._phase is not _Phase.OPEN:
+            raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
+        await self.arrivals.arrive(arrival)
+
+    def _show_waiting(self, name: str) -> None:
+        """Sets the group's waiting-ranks gauge: its open round's and its arrivals'."""
+        state = self._groups.get(name)
+        waiting = len(state.open_round.proposals) if state and state.open_round else 0
+        self.metrics.group(name).set_waiting(waiting + len(self.arrivals.arrived_ranks(name)))
+
+    def summary(self, state: GroupState) -> GroupSummary:
+        """What operators are shown of ``state``, with its ranks at the first round."""
+        shown = summarize(state)
+        gone = self.arrivals.left_ranks(state.name)
+        return replace(
+            shown, arrived_ranks=self.arrivals.arrived_ranks(state.name), ranks=shown.ranks + gone
+        )
 
     def waiting_calls(self) -> int:
         """How many Propose calls wait for their round now."""
@@ -418,7 +466,7 @@ class Coordinator:
             GroupNotFound: no such group.
         """
         policy.validate_group_name(name)
-        state = self._groups.get(name)
+        state = self._groups.get(name) or self.arrivals.layout(name)
         if state is None:
             raise GroupNotFound.named(name)
         return state
@@ -442,11 +490,13 @@ class Coordinator:
         no activity for at least that many seconds.
         """
         now = self._clock()
-        names = sorted(self._groups)
+        names = sorted({*self._groups, *self.arrivals.names()})
         start = 0 if after is None else bisect.bisect_right(names, after)
         page: list[GroupState] = []
         for index in range(start, len(names)):
-            state = self._groups[names[index]]
+            state = self._groups.get(names[index]) or self.arrivals.layout(names[index])
+            if state is None:
+                continue
             if idle_for > 0 and (state.busy() or now - state.last_activity() < idle_for):
                 continue
             if len(page) == size:

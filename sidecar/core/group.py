@@ -261,6 +261,9 @@ class GroupSummary:
     history: tuple[Growth, ...]
     refused_proposals: int = 0
     """Proposals and commits refused because their group proof did not match."""
+    arrived_ranks: tuple[int, ...] = ()
+    """Ranks that arrived at their lifetime's first round and have not proposed
+    yet (:mod:`moe_sidecar.core.policy.arrivals`)."""
 
     def workspace_bytes(self, plan: Plan) -> int:
         """Per-rank FlashInfer workspace bytes of ``plan`` in this group."""

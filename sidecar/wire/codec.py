@@ -34,11 +34,14 @@ from moe_sidecar.core.group import (
 )
 from moe_sidecar.core.identity import lifetime_id, proof_id
 from moe_sidecar.core.plan import Action, Capacities, Plan
+from moe_sidecar.core.policy.arrivals import Arrival
 from moe_workspace.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "action_from_proto",
     "action_to_proto",
+    "arrival_from_proto",
+    "arrival_to_proto",
     "capacities_from_proto",
     "capacities_to_proto",
     "commit_from_proto",
@@ -358,6 +361,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
         ],
         history=[_growth_to_proto(g, s.ep_size) for g in s.history],
         refused_proposals=s.refused_proposals,
+        arrived_ranks=s.arrived_ranks,
     )
     if s.plan is not None:
         group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size))
@@ -408,6 +412,34 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
             for h in group.history
         ),
         refused_proposals=group.refused_proposals,
+        arrived_ranks=tuple(group.arrived_ranks),
+    )
+
+
+def arrival_to_proto(a: Arrival) -> pb.ArriveRequest:
+    """The ``ArriveRequest`` a rank sends for ``a`` (``a.lifetime`` is its token)."""
+    return pb.ArriveRequest(
+        group=a.group,
+        ep_size=a.ep_size,
+        ep_rank=a.ep_rank,
+        local_ranks=a.local_ranks,
+        lifetime=a.lifetime,
+    )
+
+
+def arrival_from_proto(request: pb.ArriveRequest) -> Arrival:
+    """The domain arrival of an ``ArriveRequest``; its lifetime token becomes
+    its id (:func:`moe_sidecar.core.identity.lifetime_id`).
+
+    Raises:
+        InvalidArgument: the lifetime token is not a usable secret.
+    """
+    return Arrival(
+        group=request.group,
+        ep_size=request.ep_size,
+        ep_rank=request.ep_rank,
+        local_ranks=request.local_ranks,
+        lifetime=lifetime_id(request.lifetime),
     )
 
 
