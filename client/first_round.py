@@ -38,13 +38,14 @@ from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.session import LOCAL_DEADLINE_DETAILS
 from moe_sidecar.client.transport import Transport
 from moe_sidecar.core.policy.arrivals import Arrival
+from moe_workspace.v1.coordinator_pb2 import ArriveResponse
 
 __all__ = ["share_proof_in_view"]
 
 _log = logging.getLogger(__name__)
 
 
-def _wait_for_either(share: SecretShare, call: grpc.Future) -> None:
+def _wait_for_either(share: SecretShare, call: grpc.Future[ArriveResponse]) -> None:
     """Returns once the broadcast or the arrival call ended."""
     ended = threading.Event()
     share.on_done(ended.set)
@@ -54,7 +55,7 @@ def _wait_for_either(share: SecretShare, call: grpc.Future) -> None:
     ended.wait()
 
 
-def _refusal(call: grpc.Future, target: str) -> RoundTimedOut | None:
+def _refusal(call: grpc.Future[ArriveResponse], target: str) -> RoundTimedOut | None:
     """The sidecar's timeout of the arrival (None: the call ended otherwise)."""
     failure = call.exception()
     if failure is None or not isinstance(failure, grpc.RpcError):

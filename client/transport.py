@@ -144,7 +144,7 @@ class Transport(Protocol):
         """
         ...
 
-    def arrive(self, arrival: Arrival) -> grpc.Future | None:
+    def arrive(self, arrival: Arrival) -> grpc.Future[pb.ArriveResponse] | None:
         """Tells the sidecar the rank reached its lifetime's first round
         (``arrival.lifetime`` is the token) without waiting: the call's future,
         which ends when the rank's first proposal arrives or the sidecar's
@@ -496,11 +496,11 @@ class GrpcTransport:
         self._unanswered.popleft()
         return _decision_from_proto(proposal, response.decision, self.target)
 
-    def arrive(self, arrival: Arrival) -> grpc.Future:
+    def arrive(self, arrival: Arrival) -> grpc.Future[pb.ArriveResponse]:
         """See :meth:`Transport.arrive` (it waits for the channel to be ready,
         within the propose deadline)."""
         self._rpc_count += 1
-        call: grpc.Future = self._stub_here().Arrive.future(
+        call: grpc.Future[pb.ArriveResponse] = self._stub_here().Arrive.future(
             arrival_to_proto(arrival), timeout=self.propose_timeout, wait_for_ready=True
         )
         return call
