@@ -255,7 +255,9 @@ class WorkspaceManager:
         and commit of the lifetime carries, so the sidecar can tell the
         group's ranks from any other process (one collective per lifetime;
         none in embedded mode, where the core is this process's own, nor for a
-        group of one rank, which draws it alone)."""
+        group of one rank, which draws it alone). Meanwhile the rank's
+        arrival waits at the sidecar, which shows it and ends the wait at its
+        round timeout (:mod:`moe_sidecar.client.first_round`)."""
         if self._group_proof is not None:
             return
         if self.embedded:
