@@ -15,6 +15,7 @@ by ranks gone at arrival are remembered (the oldest forgotten first).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import TypeAlias
 
@@ -32,6 +33,8 @@ from moe_sidecar.core.policy.arrivals import (
 from moe_sidecar.timers import RoundTimers
 
 __all__ = ["FirstRoundArrivals"]
+
+_log = logging.getLogger("moe_sidecar.arrivals")
 
 _Wakeup: TypeAlias = "Refusal | CoordinatorUnavailable | None"
 """None: the rank proposed; a refusal: its deadline passed."""
@@ -137,6 +140,10 @@ class FirstRoundArrivals:
             return
         held, answers = expire_arrivals(held, self._clock(), self._group_of(group))
         for a, refusal in answers:
+            _log.warning(
+                "first round timed out",
+                extra={"group": group, "rank": a.ep_rank, "detail": refusal.message},
+            )
             future = self._futures.pop((group, a.lifetime), None)
             if future is not None and not future.done():
                 future.set_result(refusal)
