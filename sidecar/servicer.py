@@ -351,7 +351,9 @@ class CoordinatorServicer:
     async def _get_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.GetGroupRequest, data)
         self._pending.check()
-        group = summary_to_proto(self._coordinator.summary(self._coordinator.group(request.group)))
+        group = summary_to_proto(
+            self._coordinator.summary(self._coordinator.shown_group(request.group))
+        )
         return self._pending.admit(context, group)
 
     async def ResetGroup(self, data: bytes, context: _Context) -> pb.Group:

@@ -466,6 +466,20 @@ class Coordinator:
             GroupNotFound: no such group.
         """
         policy.validate_group_name(name)
+        state = self._groups.get(name)
+        if state is None:
+            raise GroupNotFound.named(name)
+        return state
+
+    def shown_group(self, name: str) -> GroupState:
+        """One group's state as ``GetGroup`` shows it: a group known only by
+        ranks at their first round is shown with nothing but its layout.
+
+        Raises:
+            InvalidArgument: the name is malformed.
+            GroupNotFound: no such group, and no arrival of it.
+        """
+        policy.validate_group_name(name)
         state = self._groups.get(name) or self.arrivals.layout(name)
         if state is None:
             raise GroupNotFound.named(name)
@@ -497,7 +511,10 @@ class Coordinator:
             state = self._groups.get(names[index]) or self.arrivals.layout(names[index])
             if state is None:
                 continue
-            if idle_for > 0 and (state.busy() or now - state.last_activity() < idle_for):
+            arriving = names[index] not in self._groups  # ranks wait in it: never idle
+            if idle_for > 0 and (
+                arriving or state.busy() or now - state.last_activity() < idle_for
+            ):
                 continue
             if len(page) == size:
                 return page, page[-1].name

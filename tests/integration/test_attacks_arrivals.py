@@ -111,3 +111,25 @@ async def _until_shown(stub: Any, ranks: list[int]) -> Any:
                 raise
         assert asyncio.get_running_loop().time() < deadline, f"ranks {ranks} not shown"
         await asyncio.sleep(0.01)  # the poll interval of a wait with a deadline
+
+
+async def test_a_group_known_only_by_arrivals_cannot_be_reset_or_removed(tmp_path: Path) -> None:
+    # An admin acting on what `groups` shows must not make a group of a stranger's arrival.
+    async with (
+        running_server(make_config(tmp_path, enable_admin=True)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        arrival = asyncio.ensure_future(stub.Arrive(_arrival(0, "stranger"), timeout=20))
+        await _until_shown(stub, [0])
+        for call in (
+            stub.ResetGroup(pb.ResetGroupRequest(group=GROUP), timeout=5),
+            stub.RemoveGroup(pb.RemoveGroupRequest(group=GROUP), timeout=5),
+        ):
+            error = await rpc_error(call)
+            assert error.code() == grpc.StatusCode.NOT_FOUND, details(error)
+        idle = await stub.ListGroups(pb.ListGroupsRequest(idle_for_seconds=1), timeout=5)
+        assert list(idle.groups) == []  # ranks wait in it: it is not idle
+        arrival.cancel()
+        real = await asyncio.gather(*(stub.Propose(_proposal(r), timeout=10) for r in range(2)))
+        assert {a.action for a in real} == {pb.ACTION_BUILD}
+        assert real[0].plan.epoch == 0  # no reset happened
