@@ -278,13 +278,16 @@ class SecretShare:
         assert work is not None, "an async_op broadcast returns its work"
         self._work = work
 
+        self._ended = self._work.get_future()
+
     def on_done(self, callback: Callable[[], None]) -> None:
         """Calls ``callback`` (from another thread) once the broadcast ended, well or not."""
-        self._work.get_future().add_done_callback(lambda _: callback())
+        self._ended.add_done_callback(lambda _: callback())
 
     def done(self) -> bool:
-        """Whether the broadcast ended (every rank of the group took part, or it failed)."""
-        return bool(self._work.is_completed())
+        """Whether the broadcast ended (every rank of the group took part, or it failed),
+        as the future :meth:`on_done` waits on says."""
+        return bool(self._ended.done())
 
     def result(self) -> str:
         """Waits for the broadcast; the secret as hex digits, the same on every rank.

@@ -86,8 +86,8 @@ def share_proof_in_view(
 
     def wait(share: SecretShare) -> None:
         _wait_for_either(share, call)
-        if share.done():
-            return
+        if share.done() or not call.done():
+            return  # the proof is shared: the broadcast's result says how
         refused = _refusal(call, target)
         if refused is not None:
             raise refused from call.exception()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeAlias
 
 from moe_sidecar.core.errors import CoordinatorUnavailable
-from moe_sidecar.core.group import GroupState, RankSummary, Refusal
+from moe_sidecar.core.group import GroupState, GroupSummary, RankSummary, Refusal, summarize
 from moe_sidecar.core.policy.arrivals import (
     Arrival,
     Arrivals,
@@ -30,6 +31,7 @@ from moe_sidecar.core.policy.arrivals import (
     proposed,
     withdraw,
 )
+from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.timers import RoundTimers
 
 __all__ = ["FirstRoundArrivals"]
@@ -52,8 +54,8 @@ class FirstRoundArrivals:
         round_timeout: seconds an arrival waits (``--round-timeout``).
         group_of: the group's state, if the sidecar knows the group (for
             the last layers the ranks reported and the ranks proposing).
-        changed: called with a group's name when its arrived ranks changed
-            (the state holder sets the waiting-ranks gauge).
+        metrics: the sidecar's metrics (the waiting-ranks gauge counts the
+            open round's ranks and the arrived ones).
         max_gone: most groups remembered with no arrival waiting, only ranks
             gone at arrival (``--max-groups``).
     """
@@ -63,14 +65,14 @@ class FirstRoundArrivals:
         clock: Callable[[], float],
         round_timeout: float,
         group_of: Callable[[str], GroupState | None],
-        changed: Callable[[str], None],
+        metrics: SidecarMetrics,
         max_gone: int = 128,
     ) -> None:
         self._max_gone = max_gone
         self._clock = clock
         self._round_timeout = round_timeout
         self._group_of = group_of
-        self._changed = changed
+        self._metrics = metrics
         self._held: dict[str, Arrivals] = {}
         self._futures: dict[tuple[str, str], asyncio.Future[_Wakeup]] = {}
         self._timers = RoundTimers(clock, self._expire)
@@ -132,7 +134,7 @@ class FirstRoundArrivals:
         for name in gone_only[: max(0, len(gone_only) - self._max_gone)]:
             del self._held[name]
         self._timers.set(group, held.next_deadline())
-        self._changed(group)
+        self.show_waiting(group)
 
     def _expire(self, group: str) -> None:
         held = self._held.get(group)
@@ -148,6 +150,21 @@ class FirstRoundArrivals:
             if future is not None and not future.done():
                 future.set_result(refusal)
         self._set(group, held)
+
+    def show_waiting(self, group: str) -> None:
+        """Sets the group's waiting-ranks gauge: its open round's ranks and its arrived ones."""
+        state = self._group_of(group)
+        waiting = len(state.open_round.proposals) if state and state.open_round else 0
+        self._metrics.group(group).set_waiting(waiting + len(self.arrived_ranks(group)))
+
+    def summary(self, state: GroupState) -> GroupSummary:
+        """What operators are shown of ``state``, with its ranks at the first round
+        (and those gone there, as ranks that left)."""
+        shown = summarize(state)
+        arrived = self.arrived_ranks(state.name)
+        return replace(
+            shown, arrived_ranks=arrived, ranks=shown.ranks + self.left_ranks(state.name)
+        )
 
     def arrived_ranks(self, group: str) -> tuple[int, ...]:
         """The ranks of ``group`` waiting at its first round and not proposing yet."""

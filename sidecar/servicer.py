@@ -336,7 +336,7 @@ class CoordinatorServicer:
         page: list[pb.Group] = []
         page_bytes = 0
         for state in groups:
-            group = summary_to_proto(self._coordinator.summary(state))
+            group = summary_to_proto(self._coordinator.arrivals.summary(state))
             page_bytes += group.ByteSize()
             if page and page_bytes > MAX_PAGE_BYTES:
                 last = page[-1].name
@@ -352,7 +352,7 @@ class CoordinatorServicer:
         request = decode_request(pb.GetGroupRequest, data)
         self._pending.check()
         group = summary_to_proto(
-            self._coordinator.summary(self._coordinator.shown_group(request.group))
+            self._coordinator.arrivals.summary(self._coordinator.shown_group(request.group))
         )
         return self._pending.admit(context, group)
 
@@ -362,7 +362,9 @@ class CoordinatorServicer:
     async def _reset_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.ResetGroupRequest, data)
         self._pending.check()  # before the reset: a refusal changes nothing
-        group = summary_to_proto(self._coordinator.summary(self._coordinator.reset(request.group)))
+        group = summary_to_proto(
+            self._coordinator.arrivals.summary(self._coordinator.reset(request.group))
+        )
         return self._pending.admit(context, group, refuse=False)
 
     async def RemoveGroup(self, data: bytes, context: _Context) -> pb.RemoveGroupResponse:

@@ -42,7 +42,6 @@ import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypeAlias
 
 from moe_sidecar.arrivals import FirstRoundArrivals
@@ -70,11 +69,9 @@ from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
     GroupState,
-    GroupSummary,
     Outcome,
     Proposal,
     Refusal,
-    summarize,
 )
 from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.metrics import SidecarMetrics
@@ -164,7 +161,7 @@ class Coordinator:
         self._phase = _Phase.OPEN
         self._loop: asyncio.AbstractEventLoop | None = None
         self.arrivals = FirstRoundArrivals(
-            clock, round_timeout, self._groups.get, self._show_waiting, max_groups
+            clock, round_timeout, self._groups.get, self.metrics, max_groups
         )
         """Ranks at their lifetime's first round that cannot propose yet."""
         for state in self._groups.values():
@@ -245,7 +242,7 @@ class Coordinator:
             self.metrics.groups.set(len(self._groups))
         self._observer.update_gauges(step.state, before)
         if self.arrivals.arrived_ranks(name):
-            self._show_waiting(name)
+            self.arrivals.show_waiting(name)
         for effect in step.effects:
             if isinstance(effect, Answer):
                 self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
@@ -354,20 +351,6 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         await self.arrivals.arrive(arrival)
-
-    def _show_waiting(self, name: str) -> None:
-        """Sets the group's waiting-ranks gauge: its open round's and its arrivals'."""
-        state = self._groups.get(name)
-        waiting = len(state.open_round.proposals) if state and state.open_round else 0
-        self.metrics.group(name).set_waiting(waiting + len(self.arrivals.arrived_ranks(name)))
-
-    def summary(self, state: GroupState) -> GroupSummary:
-        """What operators are shown of ``state``, with its ranks at the first round."""
-        shown = summarize(state)
-        gone = self.arrivals.left_ranks(state.name)
-        return replace(
-            shown, arrived_ranks=self.arrivals.arrived_ranks(state.name), ranks=shown.ranks + gone
-        )
 
     def waiting_calls(self) -> int:
         """How many Propose calls wait for their round now."""

@@ -175,6 +175,8 @@ def expire_arrivals(
     answers = []
     for a in due:
         text, missing = _missing_text(a, held, group)
+        # Every rank came (some already propose): the proof did not reach this one.
+        text = text or "every rank arrived, but the group's proof did not reach this rank"
         message = (
             f"the first round of group {quote_name(a.group)} timed out for rank {a.ep_rank} after "
             f"{a.deadline - a.at:.1f}s: the EP group's ranks share their group proof over "
