@@ -29,6 +29,8 @@ The group's proof (:func:`share_group_secret`) is agreed here too: once per
 lifetime, before the first proposal, rank 0 of the EP group draws a random
 secret and broadcasts it over the same CPU group, so every rank of the
 lifetime sends the same proof and no process outside the group holds it.
+The broadcast runs in flight (:class:`SecretShare`) so that a rank can wait
+for it and for its sidecar at once (:mod:`moe_sidecar.client.first_round`).
 
 Every collective here runs on the group passed in, never the world: ranks of
 other EP groups (other pipeline stages) are not involved.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import cast
 
@@ -57,6 +60,7 @@ from moe_sidecar.core.plan import Action, Capacities, Plan, ShapeMismatch, join
 __all__ = [
     "GROUP_SECRET_BYTES",
     "LocalOutcome",
+    "SecretShare",
     "agree_round",
     "failure_code",
     "share_group_secret",
@@ -254,19 +258,59 @@ def agree_round(
     return _ACTIONS[max(v[_ACTION] for v in values)], plan
 
 
-def share_group_secret(group: dist.ProcessGroup) -> str:
-    """The group's proof for this lifetime: rank 0 of ``group`` draws
+class SecretShare:
+    """The group's proof on its way: rank 0 of ``group`` draws
     :data:`GROUP_SECRET_BYTES` random bytes and broadcasts them over
-    ``group`` (one collective; every rank must call it at the same point).
+    ``group`` (one collective, started here without waiting; every rank must
+    start it at the same point).
 
-    Returns the secret as hex digits, the same on every rank of ``group``.
+    Raises:
+        RuntimeError: the broadcast could not be started.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        if dist.get_rank(group) == 0:
+            drawn = torch.tensor(list(secrets.token_bytes(GROUP_SECRET_BYTES)), dtype=torch.uint8)
+        else:
+            drawn = torch.zeros(GROUP_SECRET_BYTES, dtype=torch.uint8)
+        self._drawn = drawn
+        work = dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+        assert work is not None, "an async_op broadcast returns its work"
+        self._work = work
+
+        self._ended = self._work.get_future()
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` (from another thread) once the broadcast ended, well or not."""
+        self._ended.add_done_callback(lambda _: callback())
+
+    def done(self) -> bool:
+        """Whether the broadcast ended (every rank of the group took part, or it failed),
+        as the future :meth:`on_done` waits on says."""
+        return bool(self._ended.done())
+
+    def result(self) -> str:
+        """Waits for the broadcast; the secret as hex digits, the same on every rank.
+
+        Raises:
+            RuntimeError: the broadcast failed (a rank of the group is gone).
+        """
+        self._work.wait()
+        return bytes(self._drawn.tolist()).hex()
+
+
+def share_group_secret(
+    group: dist.ProcessGroup, wait_for: Callable[[SecretShare], None] | None = None
+) -> str:
+    """The group's proof for this lifetime (:class:`SecretShare`), the same on
+    every rank of ``group``; ``wait_for`` is called with the broadcast in
+    flight, to wait for it where more than gloo can end the wait.
 
     Raises:
         RuntimeError: the broadcast failed (a rank of the group is gone).
+        CoordinatorError: raised by ``wait_for`` (the sidecar ended the wait).
     """
-    if dist.get_rank(group) == 0:
-        drawn = torch.tensor(list(secrets.token_bytes(GROUP_SECRET_BYTES)), dtype=torch.uint8)
-    else:
-        drawn = torch.zeros(GROUP_SECRET_BYTES, dtype=torch.uint8)
-    dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
-    return bytes(drawn.tolist()).hex()
+    share = SecretShare(group)
+    if wait_for is not None:
+        wait_for(share)
+    return share.result()

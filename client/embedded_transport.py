@@ -25,6 +25,7 @@ from moe_sidecar.core.group import (
     Refusal,
 )
 from moe_sidecar.core.identity import lifetime_id, proof_id
+from moe_sidecar.core.policy.arrivals import Arrival
 
 __all__ = ["EmbeddedTransport"]
 
@@ -143,6 +144,10 @@ class EmbeddedTransport:
         self._groups[group] = step.state
         if isinstance(step.reply, Refusal):
             raise step.reply.error()
+
+    def arrive(self, arrival: Arrival) -> None:
+        """Nothing to tell: embedded, no proof is shared before a proposal."""
+        return None
 
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """Always empty: in-process, no rank's departure is seen."""

@@ -6,9 +6,16 @@ The backend's own build collectives are not here (nor counted).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 
-from moe_sidecar.client.agreement import LocalOutcome, agree_round, share_group_secret
+from moe_sidecar.client.agreement import (
+    LocalOutcome,
+    SecretShare,
+    agree_round,
+    share_group_secret,
+)
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend
 from moe_sidecar.client.construction import local_ranks_of
 from moe_sidecar.client.errors import BackendError, InternalError, RankLost
@@ -52,15 +59,17 @@ class GroupCollectives:
         self.count += exchanges
         return local
 
-    def share_secret(self) -> str:
-        """The group's proof for a lifetime, drawn by rank 0 and shared.
+    def share_secret(self, wait_for: Callable[[SecretShare], None] | None = None) -> str:
+        """The group's proof for a lifetime, drawn by rank 0 and shared
+        (:func:`~moe_sidecar.client.agreement.share_group_secret`).
 
         Raises:
             RankLost: a peer died in the exchange.
+            CoordinatorError: raised by ``wait_for``.
         """
         self.count += 1
         try:
-            return share_group_secret(self._cpu_group)
+            return share_group_secret(self._cpu_group, wait_for)
         except RuntimeError as error:
             raise self._lost("sharing the group's proof", error) from error
 

@@ -42,6 +42,7 @@ from moe_sidecar.client.counters import ManagerCounters
 from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
 from moe_sidecar.client.engine_rules import NO_ENGINE, EngineRules
 from moe_sidecar.client.errors import BackendError, InvalidArgument
+from moe_sidecar.client.first_round import share_proof_in_view
 from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.held_workspace import HeldWorkspace
 from moe_sidecar.client.layer_need import LayerNeed
@@ -51,6 +52,7 @@ from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy import RETAINED_ROUNDS, validate_group_name
+from moe_sidecar.core.policy.arrivals import Arrival
 
 __all__ = ["DEFAULT_MAX_UNANSWERED", "AlltoAllManager", "ManagerCounters"]
 
@@ -238,7 +240,9 @@ class AlltoAllManager:
         and commit of the lifetime carries, so the sidecar can tell the
         group's ranks from any other process (one collective per lifetime;
         none in embedded mode, where the core is this process's own, nor for a
-        group of one rank, which draws it alone)."""
+        group of one rank, which draws it alone). Meanwhile the rank's
+        arrival waits at the sidecar, which shows it and ends the wait at its
+        round timeout (:mod:`moe_sidecar.client.first_round`)."""
         if self._group_proof is not None:
             return
         if self.embedded:
@@ -247,7 +251,10 @@ class AlltoAllManager:
         if self.ep_size == 1:
             self._group_proof = new_group_secret()
             return
-        self._group_proof = self._on_group.share_secret()
+        # Shared while the sidecar sees this rank arrived (bounded by its round timeout).
+        arrival = Arrival(self.group, self.ep_size, self.ep_rank, self.local_ranks, self.lifetime)
+        target = getattr(self._transport, "target", "")
+        self._group_proof = share_proof_in_view(self._on_group, self._transport, arrival, target)
 
     def _proposal(self, requirement: Requirement) -> Proposal:
         return Proposal(

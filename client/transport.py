@@ -52,8 +52,10 @@ from moe_sidecar.core.group import (
     Proposal,
     RankSummary,
 )
+from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.wire.address import AddressError, parse_listen_address
 from moe_sidecar.wire.codec import (
+    arrival_to_proto,
     commit_to_proto,
     decision_from_proto,
     proposal_to_proto,
@@ -140,6 +142,13 @@ class Transport(Protocol):
                 answered.
             InternalError: nothing is unanswered.
         """
+        ...
+
+    def arrive(self, arrival: Arrival) -> grpc.Future[pb.ArriveResponse] | None:
+        """Tells the sidecar the rank reached its lifetime's first round
+        (``arrival.lifetime`` is the token) without waiting: the call's future,
+        which ends when the rank's first proposal arrives or the sidecar's
+        round timeout passes; None when there is no sidecar to tell."""
         ...
 
     def gone_ranks(self, group: str) -> list[RankSummary]:
@@ -486,6 +495,15 @@ class GrpcTransport:
             self._wait_ready(deadline)
         self._unanswered.popleft()
         return _decision_from_proto(proposal, response.decision, self.target)
+
+    def arrive(self, arrival: Arrival) -> grpc.Future[pb.ArriveResponse]:
+        """See :meth:`Transport.arrive` (it waits for the channel to be ready,
+        within the propose deadline)."""
+        self._rpc_count += 1
+        call: grpc.Future[pb.ArriveResponse] = self._stub_here().Arrive.future(
+            arrival_to_proto(arrival), timeout=self.propose_timeout, wait_for_ready=True
+        )
+        return call
 
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """The ranks of ``group``'s current lifetime the sidecar knows are gone.

@@ -156,7 +156,8 @@ class SidecarMetrics:
         )
         self.waiting_ranks = self._gauge(
             "moe_sidecar_waiting_ranks",
-            "Local ranks that proposed the group's open round and wait for the rest.",
+            "Local ranks that wait for the rest: in the group's open round, or arrived at "
+            "their lifetime's first round and sharing the group's proof.",
             ("group",),
         )
         self.groups = self._gauge("moe_sidecar_groups", "Groups this sidecar knows.")

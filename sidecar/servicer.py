@@ -31,6 +31,7 @@ from moe_sidecar.session_places import SessionPlaces
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
 from moe_sidecar.wire.codec import (
+    arrival_from_proto,
     commit_from_proto,
     decision_to_proto,
     decode_request,
@@ -359,6 +360,14 @@ class CoordinatorServicer:
             request.id, self._decision_bytes(decision, proposal.ep_size, proposal.release)
         )
 
+    async def Arrive(self, data: bytes, context: _Context) -> pb.ArriveResponse:
+        return await self._errors.unary(context, "Arrive", self._arrive(data))
+
+    async def _arrive(self, data: bytes) -> pb.ArriveResponse:
+        request = decode_request(pb.ArriveRequest, data)
+        await self._coordinator.arrive(arrival_from_proto(request))
+        return pb.ArriveResponse()
+
     async def Commit(self, data: bytes, context: _Context) -> pb.CommitResponse:
         return await self._errors.unary(context, "Commit", self._commit_bytes(data))
 
@@ -398,7 +407,7 @@ class CoordinatorServicer:
         page: list[pb.Group] = []
         page_bytes = 0
         for state in groups:
-            group = summary_to_proto(summarize(state))
+            group = summary_to_proto(self._coordinator.arrivals.summary(state))
             page_bytes += group.ByteSize()
             if page and page_bytes > MAX_PAGE_BYTES:
                 last = page[-1].name
@@ -413,7 +422,9 @@ class CoordinatorServicer:
     async def _get_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.GetGroupRequest, data)
         self._pending.check()
-        group = summary_to_proto(summarize(self._coordinator.group(request.group)))
+        group = summary_to_proto(
+            self._coordinator.arrivals.summary(self._coordinator.shown_group(request.group))
+        )
         return self._pending.admit(context, group)
 
     async def ResetGroup(self, data: bytes, context: _Context) -> pb.Group:
@@ -422,7 +433,9 @@ class CoordinatorServicer:
     async def _reset_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.ResetGroupRequest, data)
         self._pending.check()  # before the reset: a refusal changes nothing
-        group = summary_to_proto(summarize(self._coordinator.reset(request.group)))
+        group = summary_to_proto(
+            self._coordinator.arrivals.summary(self._coordinator.reset(request.group))
+        )
         return self._pending.admit(context, group, refuse=False)
 
     async def ExcludeRanks(self, data: bytes, context: _Context) -> pb.Group:

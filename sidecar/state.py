@@ -49,6 +49,7 @@ from dataclasses import replace
 from typing import TypeAlias
 
 from moe_sidecar import flashinfer
+from moe_sidecar.arrivals import FirstRoundArrivals
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import (
@@ -69,7 +70,15 @@ from moe_sidecar.core.errors import (
     ResourceExhausted,
     quote_name,
 )
-from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
+from moe_sidecar.core.group import (
+    CommitRecord,
+    Decision,
+    GroupState,
+    Outcome,
+    Proposal,
+    Refusal,
+)
+from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
 from moe_sidecar.store.replica import Replica
@@ -176,6 +185,10 @@ class Coordinator:
         self._observer = EventObserver(self.metrics, self.sizing_of)
         self._phase = _Phase.OPEN
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.arrivals = FirstRoundArrivals(
+            clock, round_timeout, self._groups.get, self.metrics, max_groups
+        )
+        """Ranks at their lifetime's first round that cannot propose yet."""
         for state in self._groups.values():
             self._observer.update_gauges(state)
         self.metrics.groups.set(len(self._groups))
@@ -190,6 +203,7 @@ class Coordinator:
         """
         self._loop = asyncio.get_running_loop()
         self._timers.bind(self._loop)
+        self.arrivals.bind(self._loop)
         now = self._clock()
         for name, state in list(self._groups.items()):
             # The time this sidecar was down does not count against the ranks.
@@ -221,6 +235,7 @@ class Coordinator:
             )
         )
         self._watchers.end_all(CoordinatorUnavailable("the sidecar is shutting down"))
+        self.arrivals.wake_all(CoordinatorUnavailable("the sidecar is shutting down"))
 
     def close(self) -> None:
         """Drains, writes every unsaved group, and closes the store. Idempotent."""
@@ -251,6 +266,8 @@ class Coordinator:
         if before is None:
             self.metrics.groups.set(len(self._groups))
         self._observer.update_gauges(step.state, before)
+        if self.arrivals.arrived_ranks(name):
+            self.arrivals.show_waiting(name)
         for effect in step.effects:
             if isinstance(effect, Answer):
                 self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
@@ -348,6 +365,7 @@ class Coordinator:
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
         self._execute(step, before)
+        self.arrivals.proposed(proposal.group, proposal.lifetime, proposal.ep_rank)
         reply = step.reply
         if isinstance(reply, Decision) and (
             before is None or reply.round > before.last_closed_round
@@ -361,6 +379,19 @@ class Coordinator:
             return _answer(await waited)
         assert reply is not None
         return _answer(reply)
+
+    async def arrive(self, arrival: Arrival) -> None:
+        """Waits while a rank at its lifetime's first round shares the group's
+        proof, until it proposes (see :class:`~moe_sidecar.arrivals.FirstRoundArrivals`).
+
+        Raises:
+            InvalidArgument: a malformed field (nothing changes).
+            RoundTimedOut: ``--round-timeout`` passed, naming the ranks not there.
+            CoordinatorUnavailable: the sidecar is shutting down.
+        """
+        if self._phase is not _Phase.OPEN:
+            raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
+        await self.arrivals.arrive(arrival)
 
     def waiting_calls(self) -> int:
         """How many Propose calls wait for their round now."""
@@ -469,6 +500,20 @@ class Coordinator:
             raise GroupNotFound.named(name)
         return state
 
+    def shown_group(self, name: str) -> GroupState:
+        """One group's state as ``GetGroup`` shows it: a group known only by
+        ranks at their first round is shown with nothing but its layout.
+
+        Raises:
+            InvalidArgument: the name is malformed.
+            GroupNotFound: no such group, and no arrival of it.
+        """
+        policy.validate_group_name(name)
+        state = self._groups.get(name) or self.arrivals.layout(name)
+        if state is None:
+            raise GroupNotFound.named(name)
+        return state
+
     def sizing_of(self, name: str) -> tuple[int, str] | None:
         """The EP size and FlashInfer release of group ``name``, what its
         workspace bytes are derived by (None: no such group)."""
@@ -489,12 +534,17 @@ class Coordinator:
         no activity for at least that many seconds.
         """
         now = self._clock()
-        names = sorted(self._groups)
+        names = sorted({*self._groups, *self.arrivals.names()})
         start = 0 if after is None else bisect.bisect_right(names, after)
         page: list[GroupState] = []
         for index in range(start, len(names)):
-            state = self._groups[names[index]]
-            if idle_for > 0 and (state.busy() or now - state.last_activity() < idle_for):
+            state = self._groups.get(names[index]) or self.arrivals.layout(names[index])
+            if state is None:
+                continue
+            arriving = names[index] not in self._groups  # ranks wait in it: never idle
+            if idle_for > 0 and (
+                arriving or state.busy() or now - state.last_activity() < idle_for
+            ):
                 continue
             if len(page) == size:
                 return page, page[-1].name

@@ -299,6 +299,9 @@ class GroupSummary:
     """The FlashInfer release the group's ranks build with (empty: the default)."""
     view: View | None = None
     """The current lifetime's membership view (None: nothing built yet)."""
+    arrived_ranks: tuple[int, ...] = ()
+    """Ranks that arrived at their lifetime's first round and have not proposed
+    yet (:mod:`moe_sidecar.core.policy.arrivals`)."""
 
     def workspace_bytes(self, plan: Plan, size: WorkspaceSize) -> int:
         """Per-rank workspace bytes of ``plan`` in this group, by ``size`` (the

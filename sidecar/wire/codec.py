@@ -36,11 +36,14 @@ from moe_sidecar.core.group import (
 from moe_sidecar.core.identity import lifetime_id, proof_id
 from moe_sidecar.core.membership import Acknowledgement, View, ViewState
 from moe_sidecar.core.plan import Action, Capacities, Plan
+from moe_sidecar.core.policy.arrivals import Arrival
 from moe_workspace.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "action_from_proto",
     "action_to_proto",
+    "arrival_from_proto",
+    "arrival_to_proto",
     "capacities_from_proto",
     "capacities_to_proto",
     "commit_from_proto",
@@ -417,6 +420,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
         history=[_growth_to_proto(g, s.ep_size, s.release) for g in s.history],
         refused_proposals=s.refused_proposals,
         flashinfer_release=flashinfer.release_named(s.release).name,
+        arrived_ranks=s.arrived_ranks,
     )
     if s.plan is not None:
         group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size, s.release))
@@ -471,6 +475,34 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
         refused_proposals=group.refused_proposals,
         release=group.flashinfer_release,
         view=view_from_proto(group.view) if group.HasField("view") else None,
+        arrived_ranks=tuple(group.arrived_ranks),
+    )
+
+
+def arrival_to_proto(a: Arrival) -> pb.ArriveRequest:
+    """The ``ArriveRequest`` a rank sends for ``a`` (``a.lifetime`` is its token)."""
+    return pb.ArriveRequest(
+        group=a.group,
+        ep_size=a.ep_size,
+        ep_rank=a.ep_rank,
+        local_ranks=a.local_ranks,
+        lifetime=a.lifetime,
+    )
+
+
+def arrival_from_proto(request: pb.ArriveRequest) -> Arrival:
+    """The domain arrival of an ``ArriveRequest``; its lifetime token becomes
+    its id (:func:`moe_sidecar.core.identity.lifetime_id`).
+
+    Raises:
+        InvalidArgument: the lifetime token is not a usable secret.
+    """
+    return Arrival(
+        group=request.group,
+        ep_size=request.ep_size,
+        ep_rank=request.ep_rank,
+        local_ranks=request.local_ranks,
+        lifetime=lifetime_id(request.lifetime),
     )
 
 

@@ -106,6 +106,11 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
             f"flashinfer={flashinfer.release_named(g.release).name}"
             + (f" open_round={g.open_round} ({g.waiting_ranks} waiting)" if g.open_round else "")
         )
+        if g.arrived_ranks:
+            lines.append(
+                f"  arrived at the first round, sharing the group's proof: ranks "
+                f"{list(g.arrived_ranks)} (waiting for the other ranks of the EP group)"
+            )
         if g.refused_proposals:
             lines.append(
                 f"  refused proposals: {g.refused_proposals} (their group proof did not match "
@@ -186,6 +191,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
             "last_closed_round": g.last_closed_round,
             "open_round": g.open_round,
             "waiting_ranks": g.waiting_ranks,
+            "arrived_ranks": list(g.arrived_ranks),
             "refused_proposals": g.refused_proposals,
             "view": _view_json(g.view),
             "ranks": [

@@ -74,8 +74,9 @@ def test_two_nodes_agree_on_one_plan(tmp_path: Path) -> None:
     assert history[0][0] < history[1][0] == history[2][0]
     for result in results:
         assert all(r["max_error"] == 0.0 for r in result["records"])
-        # Every round: one RPC (two with the commit) and one all-gather.
-        assert [r["delta"]["rpcs"] for r in result["records"]] == [2, 2, 1]
+        # Every round: one RPC (two with the commit, three with the first
+        # round's Arrive) and one all-gather.
+        assert [r["delta"]["rpcs"] for r in result["records"]] == [3, 2, 1]
         assert result["records"][2]["dist_calls"] == ["all_gather"]
     final_bytes, final_tokens, final_generation = history[-1]
     for sidecar_view in stored:

@@ -290,6 +290,57 @@ class ProposeRequest(_message.Message):
 Global___ProposeRequest: _TypeAlias = ProposeRequest  # noqa: Y015
 
 @_typing.final
+class ArriveRequest(_message.Message):
+    """A rank that has reached its lifetime's first round (see Arrive). Carries
+    no proof: anyone can send one, and it changes no round and no group.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    EP_SIZE_FIELD_NUMBER: _builtins.int
+    EP_RANK_FIELD_NUMBER: _builtins.int
+    LOCAL_RANKS_FIELD_NUMBER: _builtins.int
+    LIFETIME_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    ep_size: _builtins.int
+    ep_rank: _builtins.int
+    local_ranks: _builtins.int
+    lifetime: _builtins.str
+    """The rank's lifetime token, as its proposals will carry it."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        ep_size: _builtins.int = ...,
+        ep_rank: _builtins.int = ...,
+        local_ranks: _builtins.int = ...,
+        lifetime: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "group", b"group", "lifetime", b"lifetime", "local_ranks", b"local_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArriveRequest: _TypeAlias = ArriveRequest  # noqa: Y015
+
+@_typing.final
+class ArriveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArriveResponse: _TypeAlias = ArriveResponse  # noqa: Y015
+
+@_typing.final
 class Plan(_message.Message):
     """A decided workspace. The plans of a group form a lattice: the higher epoch
     wins, else the component-wise maximum of the capacities.
@@ -1018,6 +1069,7 @@ class Group(_message.Message):
     REFUSED_PROPOSALS_FIELD_NUMBER: _builtins.int
     FLASHINFER_RELEASE_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
+    ARRIVED_RANKS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -1057,6 +1109,13 @@ class Group(_message.Message):
     def view(self) -> Global___View:
         """The current lifetime's membership view; absent before anything is built."""
 
+    @_builtins.property
+    def arrived_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ranks that arrived at their lifetime's first round (Arrive) and have not
+        proposed yet: they are sharing the group's proof, and wait for the ranks
+        not named here.
+        """
+
     def __init__(
         self,
         *,
@@ -1076,10 +1135,11 @@ class Group(_message.Message):
         refused_proposals: _builtins.int = ...,
         flashinfer_release: _builtins.str = ...,
         view: Global___View | None = ...,
+        arrived_ranks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "view", b"view", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrived_ranks", b"arrived_ranks", "ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "view", b"view", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,6 +44,11 @@ class WorkspaceCoordinatorStub:
                 request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.Arrive = channel.unary_unary(
+                '/moe_workspace.v1.WorkspaceCoordinator/Arrive',
+                request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ArriveRequest.SerializeToString,
+                response_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ArriveResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/moe_workspace.v1.WorkspaceCoordinator/Commit',
                 request_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.CommitRequest.SerializeToString,
@@ -99,6 +104,18 @@ class WorkspaceCoordinatorServicer:
         """Proposes one layer's requirement for round `round` and waits until every
         local rank of the group has proposed that round (or the round fails).
         Idempotent: a retry of a closed round is answered with the same decision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Arrive(self, request, context):
+        """Says that a rank has reached its lifetime's first round and is sharing
+        the group's proof with its peers (before it holds the proof, so before
+        it can propose). Answered when the rank's first proposal arrives, or
+        with DEADLINE_EXCEEDED after --round-timeout naming the ranks that have
+        not arrived. It never enters a round: it only makes the wait visible
+        and bounded. The call's end before the rank proposed means it is gone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +186,11 @@ def add_WorkspaceCoordinatorServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ProposeRequest.FromString,
                     response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ProposeResponse.SerializeToString,
+            ),
+            'Arrive': grpc.unary_unary_rpc_method_handler(
+                    servicer.Arrive,
+                    request_deserializer=moe__workspace_dot_v1_dot_coordinator__pb2.ArriveRequest.FromString,
+                    response_serializer=moe__workspace_dot_v1_dot_coordinator__pb2.ArriveResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -260,6 +282,33 @@ class WorkspaceCoordinator:
             '/moe_workspace.v1.WorkspaceCoordinator/Propose',
             moe__workspace_dot_v1_dot_coordinator__pb2.ProposeRequest.SerializeToString,
             moe__workspace_dot_v1_dot_coordinator__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Arrive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_workspace.v1.WorkspaceCoordinator/Arrive',
+            moe__workspace_dot_v1_dot_coordinator__pb2.ArriveRequest.SerializeToString,
+            moe__workspace_dot_v1_dot_coordinator__pb2.ArriveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,14 @@ class WorkspaceCoordinatorStub:
     local rank of the group has proposed that round (or the round fails).
     Idempotent: a retry of a closed round is answered with the same decision.
     """
+    Arrive: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ArriveRequest, _coordinator_pb2.ArriveResponse]
+    """Says that a rank has reached its lifetime's first round and is sharing
+    the group's proof with its peers (before it holds the proof, so before
+    it can propose). Answered when the rank's first proposal arrives, or
+    with DEADLINE_EXCEEDED after --round-timeout naming the ranks that have
+    not arrived. It never enters a round: it only makes the wait visible
+    and bounded. The call's end before the rank proposed means it is gone.
+    """
     Commit: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CommitRequest, _coordinator_pb2.CommitResponse]
     """Records the generation a rank holds after building and passing the
     EP-scoped barrier.
@@ -87,6 +95,14 @@ class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
     """Proposes one layer's requirement for round `round` and waits until every
     local rank of the group has proposed that round (or the round fails).
     Idempotent: a retry of a closed round is answered with the same decision.
+    """
+    Arrive: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ArriveRequest, _coordinator_pb2.ArriveResponse]  # type: ignore[assignment]
+    """Says that a rank has reached its lifetime's first round and is sharing
+    the group's proof with its peers (before it holds the proof, so before
+    it can propose). Answered when the rank's first proposal arrives, or
+    with DEADLINE_EXCEEDED after --round-timeout naming the ranks that have
+    not arrived. It never enters a round: it only makes the wait visible
+    and bounded. The call's end before the rank proposed means it is gone.
     """
     Commit: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CommitRequest, _coordinator_pb2.CommitResponse]  # type: ignore[assignment]
     """Records the generation a rank holds after building and passing the
@@ -134,6 +150,20 @@ class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Proposes one layer's requirement for round `round` and waits until every
         local rank of the group has proposed that round (or the round fails).
         Idempotent: a retry of a closed round is answered with the same decision.
+        """
+
+    @_abc_1.abstractmethod
+    def Arrive(
+        self,
+        request: _coordinator_pb2.ArriveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ArriveResponse, _abc.Awaitable[_coordinator_pb2.ArriveResponse]]:
+        """Says that a rank has reached its lifetime's first round and is sharing
+        the group's proof with its peers (before it holds the proof, so before
+        it can propose). Answered when the rank's first proposal arrives, or
+        with DEADLINE_EXCEEDED after --round-timeout naming the ranks that have
+        not arrived. It never enters a round: it only makes the wait visible
+        and bounded. The call's end before the rank proposed means it is gone.
         """
 
     @_abc_1.abstractmethod

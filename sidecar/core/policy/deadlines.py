@@ -23,7 +23,12 @@ def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
     missing = [r for r in state.current_ranks() if r.ep_rank not in present]
     unseen = state.local_ranks - len(present) - len(missing)
     parts = missing_text(missing)
-    if unseen > 0:
+    if unseen > 0 and state.local_ranks == state.ep_size:
+        # Every rank is local: the ones never seen are known by number.
+        known = present | {r.ep_rank for r in missing}
+        never = [rank for rank in range(state.ep_size) if rank not in known]
+        parts.extend(f"rank {rank} (never seen in this lifetime)" for rank in never)
+    elif unseen > 0:
         parts.append(f"{unseen} rank(s) never seen in this lifetime")
     why = [held_by_proofs_text(rnd)]
     if parts:
