@@ -135,5 +135,5 @@ def test_plugin_mode(environ: dict[str, str], mode: str | None) -> None:
 
 
 def test_plugin_mode_names_a_malformed_switch() -> None:
-    with pytest.raises(InvalidArgument, match="MOE_SIDECAR_SGLANG.*'perhaps'"):
+    with pytest.raises(InvalidArgument, match=r"MOE_SIDECAR_SGLANG.*'perhaps'"):
         plugin_mode({"MOE_SIDECAR_SGLANG": "perhaps"})
