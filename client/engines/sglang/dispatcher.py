@@ -93,7 +93,7 @@ def dispatcher_class(module: ModuleType, on_created: Any) -> type:
     and are passed to ``on_created`` (``cpu_group`` is set on them first)."""
     base: type = module.FlashinferDispatcher
 
-    class SidecarFlashinferDispatcher(base):  # type: ignore[misc, valid-type]
+    class SidecarFlashinferDispatcher(base):  # type: ignore[misc]
         """SGLang's dispatcher; moe-sidecar builds its workspaces after load."""
 
         moe_sidecar_defers = True
