@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import start_processes
 
 HIDDEN, TOP_K, EXPERTS = 7168, 8, 256
 TARGET_LAYERS = 3
@@ -136,40 +136,29 @@ def _round_trip(handle: Any, rank: int, ep: int, tokens: int, nvfp4: bool) -> bo
     return bool(torch.equal(combined.cpu(), expected))
 
 
-def _rank(rank: int, ep: int, tokens: int, init: str, out: str, backend_name: str) -> None:
-    if backend_name == "flashinfer":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        torch.zeros(1, device="cuda")  # the CUDA context, before any reading
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ep)
-    from moe_sidecar.client.backends import BuildSpec, backend_for
+def _adapter(rank: int, ep: int, tokens: int, backend_name: str) -> dict[str, Any]:
+    """The adapter's namespaces built (target, then draft), measured, and round-tripped."""
     from moe_sidecar.client.engines.sglang.naming import SglangLayout
-    from moe_sidecar.client.engines.sglang.sizing import (
-        DispatchType,
-        Namespace,
-        engine_workspace_bytes,
-    )
+    from moe_sidecar.client.engines.sglang.sizing import Namespace
     from moe_sidecar.client.engines.sglang.workspaces import NamespaceWorkspaces
-    from moe_sidecar.core.layer import layer_capacities
-
-    group = dist.group.WORLD
-    sglang_bytes = engine_workspace_bytes(
-        ep, tokens, HIDDEN, TOP_K, DispatchType.NVFP4, Namespace.DECODE, eagle=True
-    )
 
     def layer(namespace: Namespace, quant: dict[str, Any]) -> SglangLayer:
-        return SglangLayer(group, ep, tokens, quant, int(namespace), sglang_bytes)
+        return SglangLayer(
+            dist.group.WORLD, ep, tokens, quant, int(namespace), _sglang_bytes(ep, tokens)
+        )
 
     layout = SglangLayout("deepseek-ai/DeepSeek-V3", "modelopt_fp4", ep, 1, ep, ep, 0, draft=False)
     workspaces = NamespaceWorkspaces(environ={}, backend=backend_name)
-    scale = {"input_global_scale": torch.ones(1)}
-    target = [layer(Namespace.DECODE, scale) for _ in range(TARGET_LAYERS)]
+    target = [
+        layer(Namespace.DECODE, {"input_global_scale": torch.ones(1)}) for _ in range(TARGET_LAYERS)
+    ]
     for d in target:
         workspaces.add(d)
     started = time.perf_counter()
     target_sizes, target_bytes = _measured(
         ep, lambda: workspaces.size_after_load(layout, {}, startup_overlap=False)
     )
-    target_seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started
     draft = layer(Namespace.SPECULATIVE, {})
     draft.dispatch_type = _SglangDispatchType.BF16
     workspaces.add(draft)
@@ -178,35 +167,76 @@ def _rank(rank: int, ep: int, tokens: int, init: str, out: str, backend_name: st
         ep, lambda: workspaces.size_after_load(draft_layout, {}, startup_overlap=False)
     )
     workspaces.seal()
-    target_exact = _round_trip(target[0].moe_a2a, rank, ep, tokens, nvfp4=True)
-    draft_exact = _round_trip(draft.moe_a2a, rank, ep, tokens, nvfp4=False)
+    exact = {
+        "target_nvfp4": _round_trip(target[0].moe_a2a, rank, ep, tokens, nvfp4=True),
+        "draft_bf16": _round_trip(draft.moe_a2a, rank, ep, tokens, nvfp4=False),
+    }
+    groups = list(workspaces.groups)
+    workspaces.cleanup()
+    (decode,) = target_sizes.values()
+    (speculative,) = draft_sizes.values()
+    return {
+        "groups": groups,
+        "target_bytes": decode.exact_bytes_per_rank,
+        "draft_bytes": speculative.exact_bytes_per_rank,
+        "measured": (target_bytes, draft_bytes),
+        "exact": exact,
+        "seconds": seconds,
+    }
 
-    # SGLang's own sizing in the same run: FlashInfer's MoeAlltoAll at its sizes.
-    backend = backend_for(backend_name, group)
+
+def _sglang_bytes(ep: int, tokens: int) -> int:
+    from moe_sidecar.client.engines.sglang.sizing import (
+        DispatchType,
+        Namespace,
+        engine_workspace_bytes,
+    )
+
+    return engine_workspace_bytes(
+        ep, tokens, HIDDEN, TOP_K, DispatchType.NVFP4, Namespace.DECODE, eagle=True
+    )
+
+
+def _sglang_own(rank: int, ep: int, tokens: int, backend_name: str) -> tuple[int, bool]:
+    """FlashInfer's MoeAlltoAll at SGLang's own sizes (decode and speculative):
+    the device bytes per rank and whether SGLang's call form was exact on it."""
+    from moe_sidecar.client.backends import BuildSpec, backend_for
+    from moe_sidecar.core.layer import layer_capacities
+
+    world = dist.group.WORLD
+    assert world is not None
+    backend = backend_for(backend_name, world)
     capacities = layer_capacities(tokens, TOP_K, EXPERTS, HIDDEN, 2 * HIDDEN)
+    size = _sglang_bytes(ep, tokens)
 
-    def sglang_own() -> list[Any]:
-        return [
-            backend.build(BuildSpec(ep, rank, capacities, sglang_bytes + 128 * ns)) for ns in (0, 1)
-        ]
+    def build() -> list[Any]:
+        return [backend.build(BuildSpec(ep, rank, capacities, size + 128 * ns)) for ns in (0, 1)]
 
-    own, own_bytes = _measured(ep, sglang_own)
-    own_exact = _round_trip(own[0], rank, ep, tokens, nvfp4=True)
+    own, own_bytes = _measured(ep, build)
+    exact = _round_trip(own[0], rank, ep, tokens, nvfp4=True)
     for handle in own:
         backend.release(handle)
-    workspaces.cleanup()
+    return own_bytes, exact
+
+
+def _rank(rank: int, ep: int, tokens: int, init: str, out: str, backend_name: str) -> None:
+    if backend_name == "flashinfer":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.zeros(1, device="cuda")  # the CUDA context, before any reading
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ep)
+    ours = _adapter(rank, ep, tokens, backend_name)
+    own_bytes, own_exact = _sglang_own(rank, ep, tokens, backend_name)
     dist.barrier()
     if rank == 0:
         mib = 1 << 20
-        (decode,) = target_sizes.values()
-        (speculative,) = draft_sizes.values()
+        target_bytes, draft_bytes = ours["measured"]
         result = {
             "ep": ep,
             "tokens_per_rank": tokens,
-            "groups": list(workspaces.groups),
-            "adapter_target_bytes_per_rank": decode.exact_bytes_per_rank,
-            "adapter_draft_bytes_per_rank": speculative.exact_bytes_per_rank,
-            "sglang_bytes_per_rank_each": [sglang_bytes, sglang_bytes + 128],
+            "groups": ours["groups"],
+            "adapter_target_bytes_per_rank": ours["target_bytes"],
+            "adapter_draft_bytes_per_rank": ours["draft_bytes"],
+            "sglang_bytes_per_rank_each": [_sglang_bytes(ep, tokens) + 128 * ns for ns in (0, 1)],
             "measured_device_mib_per_rank": {
                 "adapter_target": target_bytes / mib,
                 "adapter_draft": draft_bytes / mib,
@@ -214,13 +244,13 @@ def _rank(rank: int, ep: int, tokens: int, init: str, out: str, backend_name: st
                 "sglang_own_total": own_bytes / mib,
             },
             "saved_mib_per_rank_measured": (own_bytes - target_bytes - draft_bytes) / mib,
-            "exact": {"target_nvfp4": target_exact, "draft_bf16": draft_exact},
+            "exact": ours["exact"],
             "sglang_own_exact": own_exact,
-            "target_first_build_seconds": target_seconds,
+            "target_first_build_seconds": ours["seconds"],
         }
         print(json.dumps(result, indent=2))
         Path(out, f"sglang-{backend_name}-ep{ep}.json").write_text(json.dumps(result, indent=2))
-    if not (target_exact and draft_exact and own_exact):
+    if not (all(ours["exact"].values()) and own_exact):
         raise SystemExit(f"rank {rank}: a combine differs from the CPU prediction")
     dist.destroy_process_group()
 
@@ -236,7 +266,7 @@ def main() -> int:
     args = parser.parse_args()
     init = f"file://{tempfile.mkdtemp()}/rendezvous"
     backend = "reference" if args.cpu else "flashinfer"
-    mp.start_processes(
+    start_processes(
         _rank,
         args=(args.ep, args.tokens, init, args.out, backend),
         nprocs=args.ep,
