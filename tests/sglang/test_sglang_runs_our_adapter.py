@@ -4,7 +4,8 @@ Each rank runs :func:`tests.sglang.workers.sglang_rank` against a real sidecar
 on a Unix socket (the reference backend): SGLang's plugin loader finds the
 entry point, SGLang's factory builds the dispatchers (our subclass), the
 decided plans are the exact sizes (NVFP4 target, bf16 MTP draft) rather than
-SGLang's bf16 ones, SGLang's dispatch/combine run on what was built, and a
+SGLang's bf16 ones, SGLang's dispatch/combine run on what was built, a
+layer loaded with SGLang's startup overlap is sized for bf16 rows, and a
 growth after sealing is refused without changing anything.
 """
 
@@ -102,7 +103,11 @@ def test_sglang_dispatchers_sized_exactly_through_a_sidecar(tmp_path: Path) -> N
         refusal = result["sealed_refusal"]
         assert refusal is not None and "CUDA graphs were already captured" in refusal, refusal
         assert "BF16 rows" in refusal and repr(decode) in refusal
-        assert result["after_refusal"] == result["groups"]
+        overlap = result["overlap"]
+        assert overlap is not None and overlap["dispatch_bytes"] == layer_dispatch_bytes(
+            HIDDEN, TOP_K, DispatchType.BF16
+        )
+        assert result["after_refusal"] == result["before_seal"]
     assert groups[decode].plan.capacities.dispatch_bytes_per_token == layer_dispatch_bytes(
         HIDDEN, TOP_K, DispatchType.NVFP4
     )

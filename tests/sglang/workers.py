@@ -11,7 +11,8 @@ One rank (of 2 on gloo), in order:
    then the draft's layer (``speculative_context``, bf16) and the hook again;
 4. SGLang's own ``dispatch()`` and ``combine()`` of the draft's layer (bf16
    rows) on what the manager built (the reference backend);
-5. our BEFORE-graph-capture hook, then a target layer needing more: refused.
+5. a layer loaded with SGLang's startup overlap: sized for bf16 rows;
+6. our BEFORE-graph-capture hook, then a target layer needing more: refused.
 
 There is no ``ModelRunner`` (it loads weights): the hooks SGLang registered
 on its methods are checked to be in place, and called with what they read
@@ -201,6 +202,18 @@ def sglang_rank(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
             if d.moe_a2a is manager.moe_alltoall
         )
         result["end_to_end"] = _end_to_end(rank, draft[0])
+
+        # SGLang's startup overlap (weights after graph capture): an NVFP4
+        # layer is sized for bf16 rows. Its own group, by MOE_SIDECAR_GROUP.
+        os.environ["MOE_SIDECAR_GROUP"] = "overlap"
+        overlapped = _runner(
+            _layers(_dispatchers(1, {"input_global_scale": torch.ones(1)})), model_dir, draft=False
+        )
+        overlapped.startup_weight_load = object()
+        plugin.after_load_model(None, overlapped)
+        del os.environ["MOE_SIDECAR_GROUP"]
+        result["before_seal"] = _groups()
+        result["overlap"] = result["before_seal"].get("overlap/decode")
 
         plugin.before_cuda_graphs(target_runner)
         wider = _dispatchers(1, {})
