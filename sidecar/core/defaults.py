@@ -18,6 +18,7 @@ __all__ = [
     "ENV_LOCAL_RANKS",
     "ENV_PREFIX",
     "ENV_PROPOSE_TIMEOUT",
+    "ENV_SGLANG",
     "ENV_TARGET",
     "ENV_VLLM",
     "VLLM_LOW_PRECISION_COMBINE",
@@ -44,6 +45,9 @@ ENV_VLLM: Final = "MOE_SIDECAR_VLLM"
 (embedded mode); ``0`` leaves vLLM alone even with ``MOE_SIDECAR_TARGET`` set;
 unset: replace it exactly when ``MOE_SIDECAR_TARGET`` is set. Any of
 :data:`BOOLEAN_FORMS` is accepted, as for every boolean variable."""
+ENV_SGLANG: Final = "MOE_SIDECAR_SGLANG"
+"""The SGLang plugin, as :data:`ENV_VLLM` for vLLM: ``1`` sizes SGLang's
+FlashInfer dispatcher even without a sidecar (embedded mode), ``0`` never."""
 VLLM_LOW_PRECISION_COMBINE: Final = "VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE"
 """vLLM's own switch for FP8 combine (``bool(int(...))``, default 0); the
 manager reads it as vLLM 0.33's manager does."""
@@ -53,7 +57,7 @@ DEFAULT_TARGET: Final = "127.0.0.1:50051"
 """Where ``moe-sidecar serve`` listens by default, and where ``groups`` looks."""
 
 CLIENT_ENV_KEYS: Final = frozenset(
-    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND, ENV_VLLM}
+    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND, ENV_VLLM, ENV_SGLANG}
 )
 """Keys with the project's prefix that the client library reads; the sidecar
 ignores them, so one environment can serve both."""

@@ -32,7 +32,7 @@ from typing import Any, Final
 from moe_sidecar.client.engines.sglang.naming import SglangLayout
 from moe_sidecar.client.engines.sglang.workspaces import NamespaceWorkspaces
 from moe_sidecar.client.vllm_plugin import check_environment
-from moe_sidecar.core.defaults import BOOLEAN_FORMS, EMBEDDED, ENV_TARGET, parse_bool
+from moe_sidecar.core.defaults import BOOLEAN_FORMS, EMBEDDED, ENV_SGLANG, ENV_TARGET, parse_bool
 from moe_sidecar.core.errors import InvalidArgument
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
 
 PLUGIN_NAME: Final = "moe_sidecar"
 """The entry point's name (what ``SGLANG_PLUGINS`` lists to select it)."""
-ENV_SGLANG: Final = "MOE_SIDECAR_SGLANG"
 DISPATCHER_MODULE: Final = "sglang.srt.layers.moe.token_dispatcher.flashinfer"
 DISPATCHER: Final = f"{DISPATCHER_MODULE}.FlashinferDispatcher"
 LOAD_MODEL: Final = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
