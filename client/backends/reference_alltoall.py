@@ -468,8 +468,12 @@ class ReferenceAlltoAll:
         runtime_max_tokens_per_rank: int,
         *,
         output: torch.Tensor | None = None,
+        payload_in_workspace: bool = False,
     ) -> torch.Tensor:
         """FlashInfer's ``MoeAlltoAll.combine``; collective over the EP group.
+
+        ``payload_in_workspace`` is FlashInfer's keyword (SGLang passes it):
+        False, as here, means ``payload`` is the expert output itself.
 
         Raises:
             RuntimeError: ``... workspace insufficient for combine payload
@@ -479,6 +483,11 @@ class ReferenceAlltoAll:
             ValueError: a malformed payload or output.
             BackendError: after release.
         """
+        if payload_in_workspace:
+            raise ValueError(
+                "payload_in_workspace=True: the reference all-to-all has no MoE output "
+                "written into its workspace; pass the expert output as payload"
+            )
         buffer = self.workspace
         state = self._dispatched
         if state is None:

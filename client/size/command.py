@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from moe_sidecar.client.size.releases import DISPATCH_KINDS, RELEASES
 
 if TYPE_CHECKING:
+    from moe_sidecar.client.engines.sglang.sizing import NamespaceSize
     from moe_sidecar.client.size.answer import SizeAnswer
 
 __all__ = [
@@ -26,8 +27,10 @@ __all__ = [
     "answer_as_json",
     "default_release",
     "dispatch_kind",
+    "engine_as_json",
     "flag_out_of_range",
     "format_answer",
+    "format_engine",
     "run",
 ]
 
@@ -97,6 +100,21 @@ def add_command(subparsers: Any) -> None:
         "--extra-bytes", type=int, default=0, help="extra dispatch bytes per token of every layer"
     )
     parser.add_argument("--json", action="store_true", help="the answer as a JSON object")
+    parser.add_argument(
+        "--engine",
+        choices=("sglang",),
+        default=None,
+        help="also print what this engine maps by itself for the same model, per workspace "
+        "namespace (sglang: SGLang 0.5.23's FlashInfer dispatcher)",
+    )
+    parser.add_argument(
+        "--draft-dispatch",
+        action="append",
+        default=[],
+        metavar="KIND",
+        help="with --engine sglang: a layer kind of the speculative draft (MTP/NEXTN) model, "
+        "which gets its own workspace (repeat for each)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -206,8 +224,62 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(error)}))
         return 2
+    engine: list[NamespaceSize] = []
+    if args.engine == "sglang":
+        from moe_sidecar.client.engines.sglang.size import EngineSizeError, sglang_sizes
+
+        try:
+            engine = sglang_sizes(
+                release,
+                args.ep,
+                args.tokens,
+                args.hidden,
+                args.top_k,
+                tuple(args.dispatch),
+                tuple(args.draft_dispatch),
+            )
+        except EngineSizeError as error:
+            print(f"moe-sidecar size: {error}", file=sys.stderr)
+            if args.json:
+                print(json.dumps({"ok": False, "error": str(error)}))
+            return 2
     if args.json:
-        print(json.dumps(answer_as_json(answer), indent=2))
+        document = answer_as_json(answer)
+        if engine:
+            document |= engine_as_json(args.engine, engine)
+        print(json.dumps(document, indent=2))
     else:
         print(format_answer(answer))
+        if engine:
+            print(format_engine(args.engine, engine))
     return 0
+
+
+def engine_as_json(engine: str, sizes: list[NamespaceSize]) -> dict[str, Any]:
+    """The ``--engine`` part of the ``--json`` object: per rank, over its namespaces."""
+    return {
+        "engine": engine,
+        "engine_bytes_per_rank": sum(size.engine_bytes_per_rank for size in sizes),
+        "exact_bytes_per_rank": sum(size.exact_bytes_per_rank for size in sizes),
+        "engine_namespaces": [
+            {
+                "namespace": size.namespace.name.lower(),
+                "engine_bytes_per_rank": size.engine_bytes_per_rank,
+                "exact_bytes_per_rank": size.exact_bytes_per_rank,
+            }
+            for size in sizes
+        ],
+    }
+
+
+def format_engine(engine: str, sizes: list[NamespaceSize]) -> str:
+    """The ``--engine`` section for a terminal."""
+    lines = [f"  {engine}, one workspace per namespace (per rank):"]
+    for size in sizes:
+        lines.append(
+            f"    {size.namespace.name.lower():>11}: {engine} alone "
+            f"{_mib(size.engine_bytes_per_rank)}, exact {_mib(size.exact_bytes_per_rank)}"
+        )
+    saved = sum(size.saved_bytes_per_rank for size in sizes)
+    lines.append(f"    saved: {_mib(saved)} per rank")
+    return "\n".join(lines)

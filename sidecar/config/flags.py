@@ -43,7 +43,7 @@ from moe_sidecar.core.limits import DEFAULT_MAX_WORKSPACE_BYTES
 
 __all__ = ["ENGINE_ENV_KEYS", "add_serve_arguments", "check_environment", "config_from_flags"]
 
-ENGINE_ENV_KEYS: Final = frozenset({"MOE_SIDECAR_VLLM"})
+ENGINE_ENV_KEYS: Final = frozenset({"MOE_SIDECAR_VLLM", "MOE_SIDECAR_SGLANG"})
 """The keys with the project's prefix that the client's engine rooms read
 (``moe_sidecar.client.engines``: vLLM's plugin switch), which the sidecar
 leaves to them. The daemon imports no client module, so the names are

@@ -45,29 +45,22 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from moe_sidecar.client.backends import BACKENDS
 from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
 from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
 from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, Generation
-from moe_sidecar.client.peer_loss import policy_from_environment
+from moe_sidecar.client.environment import check_environment
 from moe_sidecar.core.defaults import (
     BOOLEAN_FORMS,
     EMBEDDED,
     ENV_BACKEND,
-    ENV_GROUP,
-    ENV_LOCAL_RANKS,
-    ENV_PROPOSE_TIMEOUT,
     ENV_TARGET,
     parse_bool,
 )
 from moe_sidecar.core.errors import InvalidArgument
-from moe_sidecar.core.limits import check_name
-from moe_sidecar.wire.address import AddressError, parse_listen_address
 
 __all__ = [
     "ALL2ALL_MODULE",
@@ -120,43 +113,6 @@ def plugin_mode(environ: Mapping[str, str]) -> str | None:
     if flag or target == EMBEDDED:
         return "embedded"
     return None
-
-
-def check_environment(environ: Mapping[str, str]) -> None:
-    """Checks the variables the manager reads, as the manager will read them.
-
-    Raises:
-        InvalidArgument: the first malformed one, naming it, its value and
-            what it takes.
-    """
-    target = environ.get(ENV_TARGET, "").strip()
-    if target and target != EMBEDDED:
-        try:
-            parse_listen_address(target, ENV_TARGET)
-        except AddressError as error:
-            raise InvalidArgument(str(error), field=ENV_TARGET, value=target) from None
-    local_ranks = environ.get(ENV_LOCAL_RANKS, "").strip()
-    if local_ranks and not (local_ranks.isdigit() and int(local_ranks) >= 1):
-        raise InvalidArgument.of(
-            ENV_LOCAL_RANKS, local_ranks, "must be a whole number of ranks on this node, at least 1"
-        )
-    timeout = environ.get(ENV_PROPOSE_TIMEOUT, "").strip()
-    if timeout:
-        try:
-            seconds = float(timeout)
-        except ValueError:
-            seconds = math.nan
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise InvalidArgument.of(
-                ENV_PROPOSE_TIMEOUT, timeout, "must be a positive number of seconds, e.g. 120"
-            )
-    backend = environ.get(ENV_BACKEND, "").strip()
-    if backend and backend not in BACKENDS:
-        raise InvalidArgument.of(ENV_BACKEND, backend, f"must be one of {', '.join(BACKENDS)}")
-    group = environ.get(ENV_GROUP, "").strip()
-    if group:
-        check_name(ENV_GROUP, group, allow_empty=False)
-    policy_from_environment(environ)
 
 
 def detect_generation(vllm_class: Any) -> Generation:
