@@ -1,0 +1,23 @@
+# GPU call (1 x H200, FlashInfer 0.7.2.post1 with its module carried in .gpu/aot):
+# on one tree, at once (the ranks of each part share the one GPU; a trap stays
+# inside its process): every GPU test (tests/gpu), SGLang's adapter at
+# DeepSeek-V3 shapes (EP 2 and EP 8) and the peer-loss kill with and without
+# the watcher. Everything it writes is packed into $OUT/final-0721.tgz (the
+# device tool returns at most 8 files).
+#   bash bench/gpu_runs/final-0721.sh      (on the GPU machine, .gpu carried, $OUT set)
+. bench/gpu_runs/common.sh
+mkdir -p "$OUT/run"
+(timeout 420 python3 -m pytest tests/gpu -v -s -p no:cacheprovider --deselect tests/gpu/test_prewarm.py \
+  >"$OUT/run/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >>"$OUT/run/gpu-tests.log") &
+(for ep in 2 8; do
+  timeout 250 python3 bench/gpu_runs/sglang_alltoall.py --ep "$ep" --tokens 4096 --out "$OUT/run" \
+    >"$OUT/run/sglang-ep$ep.log" 2>&1; echo "sglang ep$ep rc=$?" >>"$OUT/run/sglang-ep$ep.log"
+done) &
+(timeout 560 python3 bench/peer_loss_gpu.py --ranks 4 --hang-cap 400 --out "$OUT/run" \
+  >"$OUT/run/peer-loss.log" 2>&1; echo "peer-loss rc=$?" >>"$OUT/run/peer-loss.log") &
+wait
+cp "$OUT/machine.txt" "$OUT/run/" 2>/dev/null
+tar czf "$OUT/final-0721.tgz" -C "$OUT" run && rm -rf "$OUT/run"
+echo "== tails"; tar xzf "$OUT/final-0721.tgz" -O run/gpu-tests.log | tail -n 15
+tar xzf "$OUT/final-0721.tgz" -O run/sglang-ep8.log | tail -n 12
+tar xzf "$OUT/final-0721.tgz" -O run/peer-loss.log | tail -n 15
