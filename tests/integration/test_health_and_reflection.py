@@ -201,6 +201,7 @@ async def test_reflection_lists_every_service_and_serves_calls(
         "grpc.reflection.v1alpha.ServerReflection",
     }
     assert methods == [
+        "Arrive",
         "Commit",
         "ExcludeRanks",
         "GetGroup",
