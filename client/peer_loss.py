@@ -181,6 +181,7 @@ class PeerLossWatcher:
     def _run(self) -> None:
         pause = _RECONNECT_S[0]
         while not self._stopped.is_set():
+            was_subscribed = self._subscribed.is_set()
             try:
                 loss = self._watch_once()
             except grpc.RpcError as error:
@@ -191,6 +192,8 @@ class PeerLossWatcher:
                 if loss is not None:
                     self._on_loss(loss)
                     return
+            if self._subscribed.is_set() and not was_subscribed:
+                pause = _RECONNECT_S[0]  # it was live: the next break starts from the shortest wait
             self._stopped.wait(pause)
             pause = min(pause * 2, _RECONNECT_S[1])
 
@@ -209,7 +212,14 @@ class PeerLossWatcher:
             stub = pb_grpc.WorkspaceCoordinatorStub(self._channel)
             call = stub.Watch(pb.WatchRequest(group=self._group))
             self._call = call
-        call.initial_metadata()  # the sidecar sends it once subscribed
+        # The sidecar sends the headers once subscribed; a refused stream
+        # (the group not known yet, too many watchers) ends without them, and
+        # initial_metadata() returns then too: only a live stream counts.
+        call.initial_metadata()
+        if isinstance(call, grpc.Future) and call.done():
+            for _ in call:  # raises the stream's error
+                pass
+            return None
         self._subscribed.set()
         for message in call:
             event = event_from_proto(message)

@@ -748,12 +748,15 @@ class Coordinator:
 
         Raises:
             InvalidArgument: the name is malformed.
-            GroupNotFound: no such group.
+            GroupNotFound: no such group, and no arrival of it.
             ResourceExhausted: ``--max-watchers`` streams are open.
             CoordinatorUnavailable: the sidecar is shutting down.
         """
         if group:
-            self.group(group)
+            # A group known only by ranks at their first round (Arrive) may be
+            # watched: their peer-loss watchers subscribe before the first
+            # proposal, so no death of the lifetime can be missed.
+            self.shown_group(group)
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down")
         try:

@@ -118,6 +118,9 @@ def test_a_rank_dying_in_the_post_build_barrier_is_rank_lost(
         timeout=60,
         tmp_path=tmp_path / "ranks",
         args=(target, f"barrier-death-{mode}:fp4/tp1-ep3/pp0", KILLED),
+        # The survivors report what the barrier raised: their watchers must
+        # not end them first (the default, exit, would: status 75).
+        envs=[{"MOE_SIDECAR_ON_PEER_LOSS": "raise"}] * RANKS,
         dies={KILLED: workers.DEATH_STATUS},
     )
     for rank in SURVIVORS:

@@ -16,7 +16,8 @@ sidecar and act by ``MOE_SIDECAR_ON_PEER_LOSS``:
   watchers still end the survivors when a rank is killed afterwards.
 
 Times are CLOCK_MONOTONIC, which every process of the machine shares: the
-kill's, and when the test saw each survivor's exit (polled every 5 ms).
+kill's, and when the test saw each survivor's exit (a thread blocked in
+its wait() per rank).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Ranks:
         self.stderr_paths = [tmp_path / f"rank{r}.stderr" for r in range(WORLD)]
         self.answers: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in range(WORLD)]
         self.processes: list[subprocess.Popen[str]] = []
+        self.ended: list[threading.Event] = []
+        self.ended_at: list[float] = []
+        """When each rank's exit was seen, by a thread blocked in its wait()."""
         for rank in range(WORLD):
             with open(self.stderr_paths[rank], "w") as stderr:
                 process = subprocess.Popen(
@@ -79,10 +83,18 @@ class Ranks:
                     text=True,
                 )
             self.processes.append(process)
+            self.ended.append(threading.Event())
+            self.ended_at.append(0.0)
+            threading.Thread(target=self._wait, args=(rank,), daemon=True).start()
             assert process.stdout is not None
             threading.Thread(
                 target=self._read, args=(process.stdout, self.answers[rank]), daemon=True
             ).start()
+
+    def _wait(self, rank: int) -> None:
+        self.processes[rank].wait()
+        self.ended_at[rank] = time.monotonic()
+        self.ended[rank].set()
 
     @staticmethod
     def _read(stdout: IO[str], answers: queue.Queue[dict[str, Any]]) -> None:
@@ -126,22 +138,17 @@ class Ranks:
         """SIGKILLs ``rank``; the CLOCK_MONOTONIC time of the kill."""
         killed_at = time.monotonic()
         os.kill(self.processes[rank].pid, signal.SIGKILL)
-        self.processes[rank].wait(timeout=10)
+        assert self.ended[rank].wait(10), f"rank {rank} still running 10s after SIGKILL"
         return killed_at
 
     def exits(self, ranks: Sequence[int], timeout: float) -> dict[int, tuple[int, float]]:
         """Each of ``ranks``' exit status and when it was seen, waiting at most ``timeout``."""
-        seen: dict[int, tuple[int, float]] = {}
         deadline = time.monotonic() + timeout
-        while len(seen) < len(ranks) and time.monotonic() < deadline:
-            for rank in ranks:
-                code = self.processes[rank].poll()
-                if rank not in seen and code is not None:
-                    seen[rank] = (code, time.monotonic())
-            time.sleep(0.005)  # the poll interval of a wait with a deadline
-        missing = sorted(set(ranks) - set(seen))
+        for rank in ranks:
+            self.ended[rank].wait(max(deadline - time.monotonic(), 0.0))
+        missing = [r for r in ranks if not self.ended[r].is_set()]
         assert not missing, f"ranks {missing} still running {timeout}s later"
-        return seen
+        return {r: (self.processes[r].returncode, self.ended_at[r]) for r in ranks}
 
     def stderr(self, rank: int) -> str:
         return self.stderr_paths[rank].read_text()
