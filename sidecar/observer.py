@@ -172,12 +172,16 @@ class EventObserver:
         )
 
     def _rank_left(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
-        # INFO: every lifetime ends this way, a clean exit as much as a crash;
-        # a departure that fails an open round is logged again, at WARNING,
-        # as that round's abort.
-        _log.info("rank left", extra={**fields, "rank": event.ep_rank, "detail": event.message})
+        # A rank that said goodbye (its cleanup) left normally: INFO. One whose
+        # session broke without it died, or was killed: WARNING, as its peers'
+        # watchers act on it. A departure that fails an open round is logged
+        # again, at WARNING, as that round's abort.
+        extra = {**fields, "rank": event.ep_rank, "detail": event.message}
         if event.lost:
             self._metrics.ranks_lost.inc()
+            _log.warning("rank lost: its session broke without a goodbye", extra=extra)
+        else:
+            _log.info("rank left the group normally", extra=extra)
 
     def _view_changed(self, event: GroupEvent, fields: _Fields, series: GroupSeries) -> None:
         if event.view is not None:

@@ -127,3 +127,20 @@ def test_a_reuse_round_is_logged_at_debug_a_build_at_info(
     assert [(r.levelname, r.__dict__["round"]) for r in caplog.records] == [("DEBUG", 3)]
     sample = metrics.registry.get_sample_value
     assert sample("moe_sidecar_rounds_total", {"group": "g", "action": "reuse"}) == 2
+
+
+def test_a_rank_that_said_goodbye_left_normally_one_whose_session_broke_was_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics = SidecarMetrics()
+    observer = EventObserver(metrics, lambda group: (2, ""))
+    caplog.set_level(logging.INFO, logger="moe_sidecar.state")
+    for rank, lost in ((0, False), (1, True)):
+        observer.observe(
+            GroupEvent("g", EventKind.RANK_LEFT, 1.0, ep_rank=rank, message="closed", lost=lost)
+        )
+    assert [(r.levelname, r.getMessage(), r.__dict__["rank"]) for r in caplog.records] == [
+        ("INFO", "rank left the group normally", 0),
+        ("WARNING", "rank lost: its session broke without a goodbye", 1),
+    ]
+    assert metrics.ranks_lost._value.get() == 1
