@@ -14,7 +14,7 @@ python3 -m venv "$venv"
 py=$venv/bin/python
 "$py" -m pip install -q --upgrade pip
 if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch") != "2.13.0+cpu")' 2>/dev/null; then
-    "$py" -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    "$py" -m pip install -q torch==2.13.0  # the CPU build, as .ci/run installs it
 fi
 if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(m.version("sglang") != "0.5.23")' 2>/dev/null; then
     "$py" -m pip install -q --no-deps sglang==0.5.23 triton==3.9.0 flashinfer-python==0.7.2 \
