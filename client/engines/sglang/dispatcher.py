@@ -8,8 +8,8 @@ names of SGLang's module standing in for FlashInfer while it runs:
 * ``MoeAlltoAll``: :class:`DeferredAlltoAll`, which records what SGLang asked
   for (its workspace size per namespace) and allocates nothing;
 * ``moe_a2a_get_workspace_size_per_rank``: the pure function that computes
-  FlashInfer 0.7.2's size byte for byte
-  (:func:`moe_sidecar.core.sizing.workspace_size_per_rank`), so no CUDA
+  the size of SGLang's FlashInfer release byte for byte
+  (:func:`moe_sidecar.flashinfer.v0_7_2_post1.workspace_size_per_rank`), so no CUDA
   module is loaded to size what is not built.
 
 The new dispatcher then registers with the process's

@@ -20,11 +20,13 @@ from moe_sidecar.client.engines.sglang.sizing import (
     engine_workspace_bytes,
     exact_workspace_bytes,
 )
+from moe_sidecar.flashinfer import v0_7_2_post1
 
 __all__ = ["SGLANG_FLASHINFER", "SGLANG_KINDS", "EngineSizeError", "sglang_sizes"]
 
-SGLANG_FLASHINFER: Final = "0.7.2.post1"
-"""The client release whose all-to-all SGLang's pin (0.7.2) matches file for file."""
+SGLANG_FLASHINFER: Final = v0_7_2_post1.RELEASE.name
+"""The release whose all-to-all SGLang's pin matches file for file (its row
+of :data:`moe_sidecar.flashinfer.RELEASES` serves SGLang's version too)."""
 
 SGLANG_KINDS: Final = {
     "bf16": DispatchType.BF16,
@@ -64,7 +66,7 @@ def sglang_sizes(
     """
     if release != SGLANG_FLASHINFER:
         raise EngineSizeError(
-            f"--engine sglang: SGLang {SGLANG_VERSION} builds FlashInfer 0.7.2's MoeAlltoAll "
+            f"--engine sglang: SGLang {SGLANG_VERSION} builds FlashInfer's MoeAlltoAll "
             f"(--flashinfer {SGLANG_FLASHINFER}), not {release}"
         )
     target_rows = _kinds("--dispatch", target)
