@@ -48,17 +48,41 @@ def _proposal(rank: int, lifetime: str, proof: str = "ranks-proof-of-the-start-1
     return request
 
 
-async def _start(stub: Any, ranks: list[int], lifetime: str, proof: str) -> list[Any]:
+async def _held(stub: Any, proposals: int) -> None:
+    """Returns once the sidecar holds ``proposals`` waiting proposals of the
+    group (its open round's and its pending restart's, of any proof).
+
+    Concurrent calls are separate streams, each served by its own task: the
+    order they are sent in is not the order the sidecar takes them in, so a
+    test that needs an order waits for each call to be held."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        try:
+            group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+            if group.waiting_ranks + group.restarting_ranks >= proposals:
+                return
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        assert asyncio.get_running_loop().time() < deadline, f"{proposals} proposal(s) never held"
+        await asyncio.sleep(0.005)
+
+
+async def _start(
+    stub: Any, ranks: list[int], lifetime: str, proof: str, *, held: int = 0
+) -> list[Any]:
     """``ranks`` propose round 1 one after another (a rank's call starts
-    once the sidecar holds the one before), each with its own lifetime."""
+    once the sidecar holds the one before), each with its own lifetime;
+    ``held``: the group's proposals the sidecar already holds."""
     calls = []
-    for rank in ranks:
+    for n, rank in enumerate(ranks):
+        if n:
+            await _held(stub, held + n)
         calls.append(
             asyncio.ensure_future(
                 stub.Propose(_proposal(rank, f"{lifetime}-{rank}", proof), timeout=20)
             )
         )
-        await asyncio.sleep(0)  # let the call go out in this order
     return list(await asyncio.gather(*calls, return_exceptions=True))
 
 
@@ -98,8 +122,10 @@ async def test_a_start_held_by_a_stranger_until_it_timed_out_starts_again(
         stranger = asyncio.ensure_future(
             stub.Propose(_proposal(3, "stranger", "a-stranger-s-own-proof-3"), timeout=20)
         )
-        await asyncio.sleep(0)
-        failed = await _start(stub, [0, 1, 2], "first", "ranks-proof-of-the-start-1")
+        # Held before the ranks come (a stranger's proposal arriving after
+        # three of the four is refused at once: rule 3 of policy/proof.py).
+        await _held(stub, 1)
+        failed = await _start(stub, [0, 1, 2], "first", "ranks-proof-of-the-start-1", held=1)
         assert all(isinstance(f, grpc.aio.AioRpcError) for f in failed), failed
         assert (await rpc_error(stranger)).code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
