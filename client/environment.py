@@ -13,18 +13,20 @@ from collections.abc import Mapping
 from moe_sidecar.client.backends import BACKENDS
 from moe_sidecar.client.peer_loss import policy_from_environment
 from moe_sidecar.core.defaults import (
+    BOOLEAN_FORMS,
     EMBEDDED,
     ENV_BACKEND,
     ENV_GROUP,
     ENV_LOCAL_RANKS,
     ENV_PROPOSE_TIMEOUT,
     ENV_TARGET,
+    parse_bool,
 )
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.limits import check_name
 from moe_sidecar.wire.address import AddressError, parse_listen_address
 
-__all__ = ["check_environment"]
+__all__ = ["check_environment", "plugin_mode"]
 
 
 def check_environment(environ: Mapping[str, str]) -> None:
@@ -62,3 +64,29 @@ def check_environment(environ: Mapping[str, str]) -> None:
     if group:
         check_name(ENV_GROUP, group, allow_empty=False)
     policy_from_environment(environ)
+
+
+def plugin_mode(environ: Mapping[str, str], switch: str, acts: str) -> str | None:
+    """``"sidecar"``, ``"embedded"`` or None (leave the engine alone): an
+    engine's plugin acts with a sidecar target, or embedded when its
+    ``switch`` variable is true; a false ``switch`` leaves the engine alone
+    even with a target. ``acts`` says what true does, for the error.
+
+    Raises:
+        InvalidArgument: ``switch`` is set to none of :data:`BOOLEAN_FORMS`.
+    """
+    text = environ.get(switch, "").strip()
+    try:
+        flag = parse_bool(text) if text else None
+    except ValueError:
+        raise InvalidArgument.of(
+            switch, text, f"must be {BOOLEAN_FORMS} (true: {acts}; false: never), or unset"
+        ) from None
+    if flag is False:
+        return None
+    target = environ.get(ENV_TARGET, "").strip()
+    if target and target != EMBEDDED:
+        return "sidecar"
+    if flag or target == EMBEDDED:
+        return "embedded"
+    return None

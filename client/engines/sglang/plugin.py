@@ -33,8 +33,7 @@ from moe_sidecar.client.engines.sglang.naming import SglangLayout
 from moe_sidecar.client.engines.sglang.settings import ENV_SGLANG
 from moe_sidecar.client.engines.sglang.workspaces import NamespaceWorkspaces
 from moe_sidecar.client.environment import check_environment
-from moe_sidecar.core.defaults import BOOLEAN_FORMS, EMBEDDED, ENV_TARGET, parse_bool
-from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.client.environment import plugin_mode as engine_plugin_mode
 
 __all__ = [
     "DISPATCHER",
@@ -74,25 +73,9 @@ def plugin_mode(environ: Mapping[str, str]) -> str | None:
     """``"sidecar"``, ``"embedded"`` or None (leave SGLang alone), from the environment.
 
     Raises:
-        InvalidArgument: ``MOE_SIDECAR_SGLANG`` is set to none of :data:`BOOLEAN_FORMS`.
+        InvalidArgument: ``MOE_SIDECAR_SGLANG`` is set to none of the boolean forms.
     """
-    text = environ.get(ENV_SGLANG, "").strip()
-    try:
-        flag = parse_bool(text) if text else None
-    except ValueError:
-        raise InvalidArgument.of(
-            ENV_SGLANG,
-            text,
-            f"must be {BOOLEAN_FORMS} (true: size SGLang's dispatcher; false: never), or unset",
-        ) from None
-    if flag is False:
-        return None
-    target = environ.get(ENV_TARGET, "").strip()
-    if target and target != EMBEDDED:
-        return "sidecar"
-    if flag or target == EMBEDDED:
-        return "embedded"
-    return None
+    return engine_plugin_mode(environ, ENV_SGLANG, "size SGLang's dispatcher")
 
 
 def layout_of(runner: Any) -> SglangLayout:

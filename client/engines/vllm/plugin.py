@@ -53,14 +53,11 @@ from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
 from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
 from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, Generation
 from moe_sidecar.client.environment import check_environment
+from moe_sidecar.client.environment import plugin_mode as engine_plugin_mode
 from moe_sidecar.core.defaults import (
-    BOOLEAN_FORMS,
-    EMBEDDED,
     ENV_BACKEND,
     ENV_TARGET,
-    parse_bool,
 )
-from moe_sidecar.core.errors import InvalidArgument
 
 __all__ = [
     "ALL2ALL_MODULE",
@@ -94,25 +91,9 @@ def plugin_mode(environ: Mapping[str, str]) -> str | None:
     """``"sidecar"``, ``"embedded"`` or None (leave vLLM alone), from the environment.
 
     Raises:
-        InvalidArgument: ``MOE_SIDECAR_VLLM`` is set to none of :data:`BOOLEAN_FORMS`.
+        InvalidArgument: ``MOE_SIDECAR_VLLM`` is set to none of the boolean forms.
     """
-    text = environ.get(ENV_VLLM, "").strip()
-    try:
-        flag = parse_bool(text) if text else None
-    except ValueError:
-        raise InvalidArgument.of(
-            ENV_VLLM,
-            text,
-            f"must be {BOOLEAN_FORMS} (true: replace vLLM's manager; false: never), or unset",
-        ) from None
-    if flag is False:
-        return None
-    target = environ.get(ENV_TARGET, "").strip()
-    if target and target != EMBEDDED:
-        return "sidecar"
-    if flag or target == EMBEDDED:
-        return "embedded"
-    return None
+    return engine_plugin_mode(environ, ENV_VLLM, "replace vLLM's manager")
 
 
 def detect_generation(vllm_class: Any) -> Generation:
