@@ -103,16 +103,7 @@ def exclude(
         raise PreconditionFailed(
             f"view {view.number} failed ({view.cause}): the group must restart"
         )
-    state = replace(state, view=following, view_lifetime=state.lifetime_index)
-    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
-    return Step(
-        state,
-        effects=(
-            Persist(),
-            Publish(replace(event, view=following)),
-            Deadline(state.next_deadline()),
-        ),
-    )
+    return _adopt(state, following, now)
 
 
 def acknowledge_view(
@@ -149,18 +140,10 @@ def acknowledge_view(
     following = acknowledge(view, ep_rank, number, rounds, now)
     if following == view:
         return Step(state)
-    state = replace(state, view=following, view_lifetime=state.lifetime_index)
     if following.state is ViewState.PROPOSED:
+        state = replace(state, view=following, view_lifetime=state.lifetime_index)
         return Step(state, effects=(Persist(),))
-    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(following))
-    return Step(
-        state,
-        effects=(
-            Persist(),
-            Publish(replace(event, view=following)),
-            Deadline(state.next_deadline()),
-        ),
-    )
+    return _adopt(state, following, now)
 
 
 def expire_view(state: GroupState, now: float) -> Step | None:
@@ -170,16 +153,7 @@ def expire_view(state: GroupState, now: float) -> Step | None:
     failed = expire(view, now) if view is not None else None
     if failed is None:
         return None
-    state = replace(state, view=failed, view_lifetime=state.lifetime_index)
-    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(failed))
-    return Step(
-        state,
-        effects=(
-            Persist(),
-            Publish(replace(event, view=failed)),
-            Deadline(state.next_deadline()),
-        ),
-    )
+    return _adopt(state, failed, now)
 
 
 def resume_view(state: GroupState, now: float, ack_timeout: float) -> GroupState:
@@ -189,3 +163,13 @@ def resume_view(state: GroupState, now: float, ack_timeout: float) -> GroupState
     if view is None or view.deadline is None:
         return state
     return replace(state, view=replace(view, deadline=now + ack_timeout))
+
+
+def _adopt(state: GroupState, view: View, now: float) -> Step:
+    """The lifetime's view becomes ``view``: stored, published, its deadline set."""
+    state = replace(state, view=view, view_lifetime=state.lifetime_index)
+    event = group_event(state, EventKind.VIEW_CHANGED, now, message=view_text(view))
+    return Step(
+        state,
+        effects=(Persist(), Publish(replace(event, view=view)), Deadline(state.next_deadline())),
+    )
