@@ -28,7 +28,9 @@ from moe_sidecar.core.policy.arrivals import (
     arrive,
     arrived_ranks,
     expire_arrivals,
+    has_proposed,
     proposed,
+    validate_arrival,
     withdraw,
 )
 from moe_sidecar.metrics import SidecarMetrics
@@ -92,6 +94,9 @@ class FirstRoundArrivals:
             CoordinatorUnavailable: the sidecar drains.
         """
         assert self._loop is not None, "FirstRoundArrivals.bind() was not called"
+        validate_arrival(a)
+        if has_proposed(self._group_of(a.group), a):
+            return  # its proposal came first: nothing to wait for
         held = arrive(self._held.get(a.group, Arrivals()), a, self._clock(), self._round_timeout)
         key = (a.group, a.lifetime)
         earlier = self._futures.pop(key, None)

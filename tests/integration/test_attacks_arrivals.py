@@ -74,6 +74,41 @@ async def test_a_strangers_arrivals_neither_complete_nor_hold_up_the_real_round(
         assert group.plan == real[0].plan
 
 
+async def test_an_arrival_that_reaches_the_sidecar_after_its_proposal_ends_at_once(
+    tmp_path: Path,
+) -> None:
+    # The arrival and the proposal travel on different calls: when the proposal
+    # comes first, the arrival has nothing to wait for. Held, it would wait out
+    # the round timeout and, once its rank's process exits, show the rank gone.
+    async with (
+        running_server(make_config(tmp_path, round_timeout=30.0)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        first = asyncio.ensure_future(stub.Propose(_proposal(0), timeout=20))
+        await _until_waiting(stub, 1)
+        await stub.Arrive(_arrival(0, "real-0"), timeout=5)
+        await stub.Propose(_proposal(1), timeout=10)
+        await first
+        await stub.Arrive(_arrival(1, "real-1"), timeout=5)
+        group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+        assert list(group.arrived_ranks) == [] and [r.left for r in group.ranks] == ["", ""]
+        assert group.waiting_ranks == 0
+
+
+async def _until_waiting(stub: Any, count: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        try:
+            group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+            if group.waiting_ranks == count:
+                return
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        assert asyncio.get_running_loop().time() < deadline, f"{count} waiting ranks not shown"
+        await asyncio.sleep(0.01)  # the poll interval of a wait with a deadline
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [

@@ -17,6 +17,7 @@ from moe_sidecar.core.policy.arrivals import (
     arrive,
     arrived_ranks,
     expire_arrivals,
+    has_proposed,
     proposed,
     withdraw,
 )
@@ -124,6 +125,42 @@ def test_ranks_already_proposing_are_not_counted_as_arrived_twice() -> None:
     proposal = Proposal("g", 4, 0, 4, "real-0", 1, Requirement(Capacities(16, 200, 400, 2, 8)))
     state = GroupState("g", 4, 4, open_round=OpenRound(1, 0.0, 10.0, proposals=(proposal,)))
     assert arrived_ranks(held, state) == (1,)
+
+
+_PROPOSAL = Proposal("g", 4, 0, 4, "real-0", 1, Requirement(Capacities(16, 200, 400, 2, 8)))
+
+
+@pytest.mark.parametrize(
+    ("state", "arrival", "expected"),
+    [
+        (None, _arrival(0, "real-0"), False),
+        (GroupState("g", 4, 4), _arrival(0, "real-0"), False),
+        # Its proposal waits in the open round, or in a restart.
+        (
+            GroupState("g", 4, 4, open_round=OpenRound(1, 0.0, 10.0, (_PROPOSAL,))),
+            _arrival(0, "real-0"),
+            True,
+        ),
+        (
+            GroupState("g", 4, 4, pending=OpenRound(1, 0.0, 10.0, (_PROPOSAL,))),
+            _arrival(0, "real-0"),
+            True,
+        ),
+        # Its round closed: the group knows the rank by this lifetime.
+        (GroupState("g", 4, 4, ranks=(RankRecord(0, "real-0", 0),)), _arrival(0, "real-0"), True),
+        # Another lifetime of the rank, or another rank, proposed: this one waits.
+        (GroupState("g", 4, 4, ranks=(RankRecord(0, "old-0", 0),)), _arrival(0, "real-0"), False),
+        (
+            GroupState("g", 4, 4, open_round=OpenRound(1, 0.0, 10.0, (_PROPOSAL,))),
+            _arrival(1, "real-0"),
+            False,
+        ),
+    ],
+)
+def test_an_arrival_after_its_own_proposal_has_nothing_to_wait_for(
+    state: GroupState | None, arrival: Arrival, expected: bool
+) -> None:
+    assert has_proposed(state, arrival) is expected
 
 
 def test_a_stranger_cannot_make_a_real_ranks_wait_end_sooner() -> None:

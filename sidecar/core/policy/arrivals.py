@@ -38,6 +38,7 @@ __all__ = [
     "arrive",
     "arrived_ranks",
     "expire_arrivals",
+    "has_proposed",
     "proposed",
     "validate_arrival",
     "withdraw",
@@ -114,6 +115,23 @@ def proposed(held: Arrivals, lifetime: str, ep_rank: int) -> Arrivals:
         waiting=tuple(w for w in held.waiting if w.lifetime != lifetime),
         left=tuple(r for r in held.left if r != ep_rank),
     )
+
+
+def has_proposed(group: GroupState | None, a: Arrival) -> bool:
+    """Whether ``a``'s lifetime already proposed for its rank: its arrival
+    then has nothing to wait for (the arrival call and the proposal travel
+    on different calls, so the proposal can reach the sidecar first)."""
+    if group is None:
+        return False
+    record = group.rank(a.ep_rank)
+    if record is not None and record.lifetime == a.lifetime:
+        return True
+    for rnd in (group.open_round, group.pending):
+        if rnd is not None:
+            proposal = rnd.proposal_of(a.ep_rank)
+            if proposal is not None and proposal.lifetime == a.lifetime:
+                return True
+    return False
 
 
 def withdraw(held: Arrivals, lifetime: str) -> Arrivals:
