@@ -788,8 +788,21 @@ class Fuzzer:
 
 
 def _stored(groups: list[pb.Group]) -> list[pb.Group]:
-    """The groups a restart keeps: those some rank has proposed for."""
-    return [g for g in groups if g.lifetimes or g.history or g.HasField("plan")]
+    """What a restart keeps: the groups some rank has proposed for, each
+    without what only its first round's arrivals show (ranks waiting there, and
+    those whose arrival ended before they proposed, shown with lifetime "-")."""
+    kept = []
+    for group in groups:
+        if not (group.lifetimes or group.history or group.HasField("plan")):
+            continue
+        stored = pb.Group()
+        stored.CopyFrom(group)
+        stored.waiting_ranks -= len(group.arrived_ranks)
+        del stored.arrived_ranks[:]
+        del stored.ranks[:]
+        stored.ranks.extend(rank for rank in group.ranks if rank.lifetime != "-")
+        kept.append(stored)
+    return kept
 
 
 def _text(message: Any) -> str:
