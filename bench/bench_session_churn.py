@@ -13,30 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from bench.sidecar_process import rss_mib, running_sidecar
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.integration.helpers import propose_request
-from tests.multiprocess.harness import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 GROUP = "churn/ep1"
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 async def _open_session(stub: Any, lifetime: str, group: str = GROUP) -> Any:
@@ -58,7 +46,7 @@ async def _churn(target: str, pid: int, args: argparse.Namespace) -> list[float]
                 call = await _open_session(stub, f"churn-{serial}")
                 call.cancel()
             await asyncio.sleep(0.2)  # let the sidecar see the streams end
-            rss.append(_rss_mib(pid))
+            rss.append(rss_mib(pid))
             print(f"after {serial:6d} sessions closed: RSS {rss[-1]:7.1f} MiB", flush=True)
     return rss
 
@@ -68,32 +56,11 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--per-batch", type=int, default=500)
     args = parser.parse_args()
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable, "-m", "moe_sidecar",
-            "--listen", f"127.0.0.1:{port}",
-            "--state-dir", f"{tmp}/state",
-            "--health-port", "0", "--metrics-port", "0",
-        ]  # fmt: skip
-        with open(f"{tmp}/sidecar.log", "wb") as log:
-            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline and process.poll() is None
-                    time.sleep(0.1)  # the poll interval of a wait with a deadline
-            idle = _rss_mib(process.pid)
-            print(time.strftime("bench_session_churn, %Y-%m-%d %H:%M UTC", time.gmtime()))
-            print(f"sidecar RSS idle: {idle:7.1f} MiB")
-            rss = asyncio.run(_churn(f"127.0.0.1:{port}", process.pid, args))
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
+    with running_sidecar() as (process, port):
+        idle = rss_mib(process.pid)
+        print(time.strftime("bench_session_churn, %Y-%m-%d %H:%M UTC", time.gmtime()))
+        print(f"sidecar RSS idle: {idle:7.1f} MiB")
+        rss = asyncio.run(_churn(f"127.0.0.1:{port}", process.pid, args))
     first, last = rss[0], rss[-1]
     print(f"last batch over first: {last / first:.2f}x; over idle: {last / idle:.2f}x")
     return 0

@@ -15,29 +15,17 @@ and at the end, the bytes the sidecar let the peers send, and the ratio.
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import h2.exceptions
 
+from bench.sidecar_process import rss_mib, running_sidecar
 from moe_workspace.v1 import coordinator_pb2 as pb
 from tests.integration.helpers import propose_request
 from tests.integration.raw_http2 import RawCall, grpc_message, open_call
-from tests.multiprocess.harness import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 METHOD = "/moe_workspace.v1.WorkspaceCoordinator/Session"
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def feed_unread(call: RawCall, chunk: bytes) -> int:
@@ -69,52 +57,31 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable, "-m", "moe_sidecar",
-            "--listen", f"127.0.0.1:{port}",
-            "--state-dir", f"{tmp}/state",
-            "--health-port", "0", "--metrics-port", "0",
-        ]  # fmt: skip
-        with open(f"{tmp}/sidecar.log", "wb") as log:
-            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while True:
+    with running_sidecar() as (process, port):
+        idle = rss_mib(process.pid)
+        calls = []
+        for n in range(args.streams):
+            call = open_call(("127.0.0.1", port), METHOD, None, window=0)
+            request = propose_request(0, group=f"unread-{n}/ep1", ep_size=1, local_ranks=1)
+            call.send_data(
+                grpc_message(pb.SessionRequest(id=1, propose=request).SerializeToString())
+            )
+            calls.append(call)
+        chunk = grpc_message(b"\x00" * 16_000)
+        sent = 0
+        end = time.monotonic() + args.seconds
+        stuck: set[int] = set()
+        while time.monotonic() < end and len(stuck) < len(calls):
+            for index, call in enumerate(calls):
+                if index in stuck:
+                    continue
                 try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline and process.poll() is None
-                    time.sleep(0.1)  # the poll interval of a wait with a deadline
-            idle = _rss_mib(process.pid)
-            calls = []
-            for n in range(args.streams):
-                call = open_call(("127.0.0.1", port), METHOD, None, window=0)
-                request = propose_request(0, group=f"unread-{n}/ep1", ep_size=1, local_ranks=1)
-                call.send_data(
-                    grpc_message(pb.SessionRequest(id=1, propose=request).SerializeToString())
-                )
-                calls.append(call)
-            chunk = grpc_message(b"\x00" * 16_000)
-            sent = 0
-            end = time.monotonic() + args.seconds
-            stuck: set[int] = set()
-            while time.monotonic() < end and len(stuck) < len(calls):
-                for index, call in enumerate(calls):
-                    if index in stuck:
-                        continue
-                    try:
-                        sent += feed_unread(call, chunk)
-                    except TimeoutError:
-                        stuck.add(index)  # the sidecar stopped reading this socket
-            held = _rss_mib(process.pid)
-            for call in calls:
-                call.close()
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
+                    sent += feed_unread(call, chunk)
+                except TimeoutError:
+                    stuck.add(index)  # the sidecar stopped reading this socket
+        held = rss_mib(process.pid)
+        for call in calls:
+            call.close()
     print(time.strftime("bench_unread_sessions, %Y-%m-%d %H:%M UTC", time.gmtime()))
     print(f"{args.streams} Session streams with a zero window, writing for {args.seconds:g} s")
     print(f"bytes the sidecar let them send: {sent:,} ({sent / args.streams:,.0f} per stream)")

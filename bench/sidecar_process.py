@@ -1,0 +1,64 @@
+"""A real sidecar process for the memory benches, and its resident memory."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.multiprocess.harness import free_port
+
+__all__ = ["rss_mib", "running_sidecar"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rss_mib(pid: int) -> float:
+    """The resident memory of process ``pid`` in MiB (VmRSS).
+
+    Raises:
+        RuntimeError: /proc shows no VmRSS for it.
+    """
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+@contextmanager
+def running_sidecar() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``python -m moe_sidecar`` on a free loopback port with a state dir of
+    its own (health and metrics off), once it accepts connections; yields the
+    process and the port, and stops it on exit.
+
+    Raises:
+        AssertionError: it exited or did not listen within 30 s.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable, "-m", "moe_sidecar",
+            "--listen", f"127.0.0.1:{port}",
+            "--state-dir", f"{tmp}/state",
+            "--health-port", "0", "--metrics-port", "0",
+        ]  # fmt: skip
+        with open(f"{tmp}/sidecar.log", "wb") as log:
+            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and process.poll() is None
+                    time.sleep(0.1)  # the poll interval of a wait with a deadline
+            yield process, port
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
