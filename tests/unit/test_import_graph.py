@@ -120,6 +120,22 @@ def test_the_wire_reaches_only_the_core_and_the_releases() -> None:
         assert not outside, f"{name} imports {outside}"
 
 
+CODEC = "moe_sidecar.wire.codec"
+
+
+def test_the_codec_is_imported_from_its_package_face_only() -> None:
+    # One codec for the wire: its modules are split by job, not by caller.
+    outside = {
+        path: {m for m in _imports(path) if m.startswith(CODEC + ".") and m in MODULES}
+        for path in (
+            *(p for n, p in MODULES.items() if not n.startswith(CODEC)),
+            *(p for d in ("tests", "bench", "scripts") for p in (ROOT / d).rglob("*.py")),
+        )
+    }
+    reaching = {str(path.relative_to(ROOT)): sorted(m) for path, m in outside.items() if m}
+    assert reaching == {}, f"import from {CODEC} itself: {reaching}"
+
+
 RELEASE_ROOM = sorted(name for name in MODULES if name.startswith("moe_sidecar.flashinfer"))
 """Each FlashInfer release's module and their table."""
 
