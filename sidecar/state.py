@@ -40,7 +40,6 @@ until a round of it is decided (:mod:`moe_sidecar.core.policy.recovery`).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import enum
 import logging
 import time
@@ -51,22 +50,15 @@ from typing import TypeAlias
 from moe_sidecar import flashinfer
 from moe_sidecar.arrivals import FirstRoundArrivals
 from moe_sidecar.core import limits, policy
-from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
+from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.effects import (
-    Answer,
-    Deadline,
-    Dismiss,
     EventKind,
     GroupEvent,
-    Publish,
-    Replicate,
-    Step,
     Wait,
 )
 from moe_sidecar.core.errors import (
     AdminDisabled,
     CoordinatorUnavailable,
-    GroupNotFound,
     ResourceExhausted,
     quote_name,
 )
@@ -79,10 +71,12 @@ from moe_sidecar.core.group import (
     Refusal,
 )
 from moe_sidecar.core.policy.arrivals import Arrival
+from moe_sidecar.group_reads import GroupReads
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
+from moe_sidecar.step_executor import StepExecutor
 from moe_sidecar.store.replica import Replica
-from moe_sidecar.store.sqlite import ReuseRecord, StateStore, StoreError
+from moe_sidecar.store.sqlite import StateStore, StoreError
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
@@ -161,7 +155,6 @@ class Coordinator:
         self._max_groups = max_groups
         self._max_merged_groups = max_merged_groups
         """Groups made here from the cluster store alone; not part of ``max_groups``."""
-        self._replica = replica
         self.node = node
         """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
@@ -189,6 +182,19 @@ class Coordinator:
             clock, round_timeout, self._groups.get, self.metrics, max_groups
         )
         """Ranks at their lifetime's first round that cannot propose yet."""
+        self._reads = GroupReads(self._groups, self.arrivals, clock)
+        self._executor = StepExecutor(
+            self._groups,
+            self._dirty,
+            store,
+            replica,
+            self.metrics,
+            self._observer,
+            self.arrivals,
+            self._waiters,
+            self._timers,
+            self._watchers,
+        )
         for state in self._groups.values():
             self._observer.update_gauges(state)
         self.metrics.groups.set(len(self._groups))
@@ -251,78 +257,6 @@ class Coordinator:
             self._phase = _Phase.CLOSED
             self._store.close()
 
-    # --- executing a step -----------------------------------------------------------
-
-    def _execute(self, step: Step, before: GroupState | None) -> None:
-        """Carries out ``step``: persist first, then every other effect in order.
-
-        Raises:
-            CoordinatorUnavailable: the step had to persist and could not;
-                nothing of it happened.
-        """
-        name = step.state.name
-        self._persist(step, before)
-        self._groups[name] = step.state
-        if before is None:
-            self.metrics.groups.set(len(self._groups))
-        self._observer.update_gauges(step.state, before)
-        if self.arrivals.arrived_ranks(name):
-            self.arrivals.show_waiting(name)
-        for effect in step.effects:
-            if isinstance(effect, Answer):
-                self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
-            elif isinstance(effect, Dismiss):
-                key = (effect.lifetime_index, effect.round)
-                self._waiters.wake_lifetime(name, key, effect.lifetime, effect.outcome)
-            elif isinstance(effect, Publish):
-                self._publish(effect.event)
-            elif isinstance(effect, Deadline):
-                self._timers.set(name, effect.at)
-            elif isinstance(effect, Replicate) and self._replica is not None:
-                self._replica.replicate(name)
-
-    def _persist(self, step: Step, before: GroupState | None) -> None:
-        """Writes the step's state when it persists (recording it pending for
-        the cluster store when it replicates), or marks it dirty.
-
-        Raises:
-            CoordinatorUnavailable: the write failed.
-        """
-        name = step.state.name
-        replicate = self._replica is not None and step.replicates
-        reuse = step.reuse_record
-        if reuse is not None and not step.persists:
-            try:
-                self._store.record_reuse(
-                    ReuseRecord(name, reuse.lifetime_index, reuse.round, reuse.layer)
-                )
-            except StoreError as error:
-                _log.error("cannot record a round", extra={"group": name, "error": str(error)})
-                raise CoordinatorUnavailable(
-                    f"cannot record round {reuse.round} of group {quote_name(name)}: {error}; "
-                    "nothing was decided"
-                ) from error
-        if step.persists or replicate:
-            try:
-                if step.persists:
-                    self._store.save(step.state, pending=replicate)
-                else:
-                    self._store.mark_pending((name,))
-            except StoreError as error:
-                _log.error("cannot persist group", extra={"group": name, "error": str(error)})
-                raise CoordinatorUnavailable(
-                    f"cannot persist group {quote_name(name)}: {error}; nothing was decided"
-                ) from error
-        if step.persists:
-            self._dirty.discard(name)
-        elif step.state is not before:
-            self._dirty.add(name)
-
-    def _publish(self, event: GroupEvent) -> None:
-        """Counts, logs and fans out one event."""
-        self._observer.observe(event)
-        self._watchers.publish(event)
-
     # --- proposals ------------------------------------------------------------------
 
     async def propose(self, proposal: Proposal) -> Decision:
@@ -364,7 +298,7 @@ class Coordinator:
         )
         if before is None and proposal.group in self._removed:
             self._forget_removed(proposal.group)
-        self._execute(step, before)
+        self._executor.execute(step, before)
         self.arrivals.proposed(proposal.group, proposal.lifetime, proposal.ep_rank)
         reply = step.reply
         if isinstance(reply, Decision) and (
@@ -437,7 +371,7 @@ class Coordinator:
             # The clock moved less than the timer thought: look again at the deadline.
             self._timers.set(state.name, state.next_deadline())
             return 0
-        self._execute(step, state)
+        self._executor.execute(step, state)
         return 1
 
     # --- commits, reads, admin ------------------------------------------------------
@@ -463,7 +397,7 @@ class Coordinator:
         if step is None:
             return
         try:
-            self._execute(step, state)
+            self._executor.execute(step, state)
         except CoordinatorUnavailable:
             _log.exception("could not record a rank's departure", extra={"group": group})
 
@@ -482,74 +416,42 @@ class Coordinator:
             raise CoordinatorUnavailable("the sidecar has stopped")
         state = self.group(group)
         step = policy.commit(state, record, self._clock(), node=self.node, ceiling=self._ceiling)
-        self._execute(step, state)
+        self._executor.execute(step, state)
         if isinstance(step.reply, Refusal):
             raise step.reply.error()
         return step.state
 
     def group(self, name: str) -> GroupState:
-        """One group's state.
+        """One group's state (see :meth:`GroupReads.group`).
 
         Raises:
             InvalidArgument: the name is malformed.
             GroupNotFound: no such group.
         """
-        policy.validate_group_name(name)
-        state = self._groups.get(name)
-        if state is None:
-            raise GroupNotFound.named(name)
-        return state
+        return self._reads.group(name)
 
     def shown_group(self, name: str) -> GroupState:
-        """One group's state as ``GetGroup`` shows it: a group known only by
-        ranks at their first round is shown with nothing but its layout.
+        """One group's state as ``GetGroup`` shows it (see :meth:`GroupReads.shown_group`).
 
         Raises:
             InvalidArgument: the name is malformed.
             GroupNotFound: no such group, and no arrival of it.
         """
-        policy.validate_group_name(name)
-        state = self._groups.get(name) or self.arrivals.layout(name)
-        if state is None:
-            raise GroupNotFound.named(name)
-        return state
+        return self._reads.shown_group(name)
 
     def sizing_of(self, name: str) -> tuple[int, str] | None:
-        """The EP size and FlashInfer release of group ``name``, what its
-        workspace bytes are derived by (None: no such group)."""
-        state = self._groups.get(name)
-        return (state.ep_size, state.release) if state is not None else None
+        """The EP size and FlashInfer release of group ``name`` (None: no such group)."""
+        return self._reads.sizing_of(name)
 
     def groups(self) -> list[GroupState]:
         """Every group, by name."""
-        return [self._groups[name] for name in sorted(self._groups)]
+        return self._reads.all_groups()
 
     def groups_page(
         self, after: str | None, size: int, idle_for: float = 0.0
     ) -> tuple[list[GroupState], str | None]:
-        """Up to ``size`` groups named after ``after`` (in name order), and the
-        name to continue after (None: this was the last page).
-
-        ``idle_for`` > 0 keeps only groups with no open round or restart and
-        no activity for at least that many seconds.
-        """
-        now = self._clock()
-        names = sorted({*self._groups, *self.arrivals.names()})
-        start = 0 if after is None else bisect.bisect_right(names, after)
-        page: list[GroupState] = []
-        for index in range(start, len(names)):
-            state = self._groups.get(names[index]) or self.arrivals.layout(names[index])
-            if state is None:
-                continue
-            arriving = names[index] not in self._groups  # ranks wait in it: never idle
-            if idle_for > 0 and (
-                arriving or state.busy() or now - state.last_activity() < idle_for
-            ):
-                continue
-            if len(page) == size:
-                return page, page[-1].name
-            page.append(state)
-        return page, None
+        """A page of groups and the name to continue after (see :meth:`GroupReads.groups_page`)."""
+        return self._reads.groups_page(after, size, idle_for)
 
     def remove(self, name: str) -> None:
         """Forgets a group entirely (an admin call), freeing one of ``--max-groups``.
@@ -576,7 +478,7 @@ class Coordinator:
         self._dirty.discard(name)
         self._timers.set(name, None)
         self.metrics.groups.set(len(self._groups))
-        self._publish(
+        self._executor.publish(
             GroupEvent(name, EventKind.GROUP_REMOVED, self._clock(), message="removed by an admin")
         )
         self.metrics.forget(name)
@@ -611,7 +513,7 @@ class Coordinator:
         self._check_admin("ResetGroup", name)
         state = self.group(name)
         step = policy.reset(state, self._clock())
-        self._execute(step, state)
+        self._executor.execute(step, state)
         return step.state
 
     def acknowledge_view(
@@ -626,7 +528,7 @@ class Coordinator:
         """
         state = self.group(name)
         step = policy.acknowledge_view(state, ep_rank, lifetime, number, rounds, self._clock())
-        self._execute(step, state)
+        self._executor.execute(step, state)
         return step.state
 
     def exclude(self, name: str, ranks: tuple[int, ...], reason: str) -> GroupState:
@@ -642,7 +544,7 @@ class Coordinator:
         self._check_admin("ExcludeRanks", name)
         state = self.group(name)
         step = policy.exclude(state, ranks, reason, self._clock(), self._round_timeout)
-        self._execute(step, state)
+        self._executor.execute(step, state)
         return step.state
 
     # --- the cluster store ----------------------------------------------------------
@@ -653,12 +555,11 @@ class Coordinator:
 
     def cluster_plan(self, name: str) -> ClusterPlan | None:
         """The replicated part of group ``name`` (None: no such group)."""
-        state = self._groups.get(name)
-        return cluster_plan_of(state) if state is not None else None
+        return self._reads.cluster_plan(name)
 
     def group_names(self) -> list[str]:
         """Every group's name, sorted."""
-        return sorted(self._groups)
+        return self._reads.group_names()
 
     def merge(self, remote: ClusterPlan) -> bool:
         """Merges a group's plan from the cluster store (another node's decision).
@@ -690,7 +591,7 @@ class Coordinator:
         step = policy.merge(before, remote, self._clock(), node=self.node, ceiling=self._ceiling)
         if before is None and not step.persists:
             return False
-        self._execute(step, before)
+        self._executor.execute(step, before)
         return step.persists
 
     def _check_group_budget(self, proposal: Proposal) -> None:
