@@ -5,36 +5,24 @@ pure functions of :mod:`moe_sidecar.core.policy`) and the store they persist
 to, and it holds one collaborator per other job: the futures of Proposes
 waiting for their round (:class:`~moe_sidecar.waiters.RoundWaiters`), the round
 deadline timers (:class:`~moe_sidecar.timers.RoundTimers`), the Watch streams
-(:class:`~moe_sidecar.watch.Watchers`), and the metrics and logs that describe
-the groups (:class:`~moe_sidecar.observer.EventObserver`). Everything runs on
-one asyncio event loop, so no locks.
-
-Each call applies one policy step and executes its effects
-(:mod:`moe_sidecar.core.effects`) in order: :class:`~moe_sidecar.core.effects.Persist`
-first (when the write fails, nothing of the step happens and the caller gets
-UNAVAILABLE), then answers, events and timers. It never compares states to
-find out what happened: the step says it.
-
-With a cluster store (:mod:`moe_sidecar.store.replica`), a step that carries
-:class:`~moe_sidecar.core.effects.Replicate` records the group as pending in the
-same SQLite transaction as its :class:`~moe_sidecar.core.effects.Persist`, then
-wakes the replica, which pushes it without holding anyone up; plans decided
-on other nodes come back through :meth:`Coordinator.merge`, one more step of
-the core.
+(:class:`~moe_sidecar.watch.Watchers`), the metrics and logs that describe
+the groups (:class:`~moe_sidecar.observer.EventObserver`), the execution of
+a step's effects (:class:`~moe_sidecar.step_executor.StepExecutor`: persist
+first, then answers, events and timers), the reads of the groups
+(:class:`~moe_sidecar.group_reads.GroupReads`) and the admin calls
+(:class:`~moe_sidecar.admin_calls.AdminCalls`). Everything runs on one
+asyncio event loop, so no locks. Each call applies one policy step and hands
+it to the executor; plans decided on other nodes come back through
+:meth:`Coordinator.merge`, one more step of the core.
 
 A step that changes what a restart needs (a round that builds, grows or is
-refused, an aborted round, a commit, a reset, a timeout, a merge) persists.
-A round decided REUSE changes only the retained outcomes and the ranks' last
-rounds: it writes its short record
-(:class:`~moe_sidecar.core.effects.RecordReuse`) before anyone hears of it,
-and at start the records are applied to the rows they follow
-(:func:`moe_sidecar.core.policy.recovery.replay_reuse`), so every answer a
-rank received is given again after a crash. A proposal that only joins a
-round answers nobody: its state is marked dirty and rides along with the
-next write of its group (or the flush at close); a joining rank's retry
-rebuilds it. Rows written by a release that recorded nothing of its REUSE
-rounds may lag them: such a group is handed to the core as ``recovered``
-until a round of it is decided (:mod:`moe_sidecar.core.policy.recovery`).
+refused, an aborted round, a commit, a reset, a timeout, a merge) persists;
+a round decided REUSE writes its short record, and at start the records are
+applied to the rows they follow (:mod:`moe_sidecar.stored_groups`), so every
+answer a rank received is given again after a crash. Rows written by a
+release that recorded nothing of its REUSE rounds may lag them: such a group
+is handed to the core as ``recovered`` until a round of it is decided
+(:mod:`moe_sidecar.core.policy.recovery`).
 """
 
 from __future__ import annotations
@@ -48,28 +36,13 @@ from dataclasses import replace
 from typing import TypeAlias
 
 from moe_sidecar import flashinfer
+from moe_sidecar.admin_calls import AdminCalls
 from moe_sidecar.arrivals import FirstRoundArrivals
 from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan
-from moe_sidecar.core.effects import (
-    EventKind,
-    GroupEvent,
-    Wait,
-)
-from moe_sidecar.core.errors import (
-    AdminDisabled,
-    CoordinatorUnavailable,
-    ResourceExhausted,
-    quote_name,
-)
-from moe_sidecar.core.group import (
-    CommitRecord,
-    Decision,
-    GroupState,
-    Outcome,
-    Proposal,
-    Refusal,
-)
+from moe_sidecar.core.effects import Wait
+from moe_sidecar.core.errors import CoordinatorUnavailable, ResourceExhausted, quote_name
+from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.group_reads import GroupReads
 from moe_sidecar.metrics import SidecarMetrics
@@ -77,6 +50,7 @@ from moe_sidecar.observer import EventObserver
 from moe_sidecar.step_executor import StepExecutor
 from moe_sidecar.store.replica import Replica
 from moe_sidecar.store.sqlite import StateStore, StoreError
+from moe_sidecar.stored_groups import stored_groups
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
@@ -92,25 +66,6 @@ _log = logging.getLogger("moe_sidecar.state")
 def _merged_only(state: GroupState) -> bool:
     """A group made here from the cluster store that no local rank has proposed for."""
     return not state.ranks and not state.busy()
-
-
-def _with_reuse_records(store: StateStore) -> dict[str, GroupState]:
-    """Every stored group, with the REUSE rounds recorded since its row was
-    written applied to it (a record that does not follow its row, of a
-    lifetime or round the row has since passed, changes nothing).
-
-    Raises:
-        StoreError: the store cannot be read.
-    """
-    groups = store.load()
-    for record in store.reuse_records():
-        state = groups.get(record.group)
-        if state is None:
-            continue
-        replayed = policy.replay_reuse(state, record.lifetime_index, record.round, record.layer)
-        if replayed is not None:
-            groups[record.group] = replayed
-    return groups
 
 
 def _answer(outcome: Outcome) -> Decision:
@@ -160,18 +115,15 @@ class Coordinator:
         self._round_timeout = round_timeout
         self._ceiling = limits.WorkspaceCeiling(max_workspace_bytes, flashinfer.workspace_size)
         """``--max-workspace-bytes``, measured in each group's FlashInfer release."""
-        self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
-        self._groups: dict[str, GroupState] = _with_reuse_records(store)
+        self._groups: dict[str, GroupState] = stored_groups(store)
         self._removed: set[str] = store.removed()
         """Groups an admin removed here: the cluster store's copy stays out."""
         self._dirty: set[str] = set()
         self._recovered: set[str] = set(self._groups)
-        """Groups read from their rows with no round decided since: a row
-        may lag the rounds that closed REUSE unrecorded, as a release that
-        recorded none wrote them (see
-        :mod:`moe_sidecar.core.policy.recovery`)."""
+        """Groups read from their rows with no round decided since: a row may lag
+        its REUSE rounds (see :mod:`moe_sidecar.core.policy.recovery`)."""
         self._waiters = RoundWaiters()
         self._timers = RoundTimers(clock, self._on_timer)
         self._watchers = Watchers(watch_queue_limit, max_watchers)
@@ -182,11 +134,20 @@ class Coordinator:
             clock, round_timeout, self._groups.get, self.metrics, max_groups
         )
         """Ranks at their lifetime's first round that cannot propose yet."""
-        self._reads = GroupReads(self._groups, self.arrivals, clock)
-        self._executor = StepExecutor(
+        self._reads, self._executor, self._admin = self._parts(replica, admin_enabled)
+        for state in self._groups.values():
+            self._observer.update_gauges(state)
+        self.metrics.groups.set(len(self._groups))
+
+    def _parts(
+        self, replica: Replica | None, admin_enabled: bool
+    ) -> tuple[GroupReads, StepExecutor, AdminCalls]:
+        """The reads, the step executor and the admin calls on this coordinator's parts."""
+        reads = GroupReads(self._groups, self.arrivals, self._clock)
+        executor = StepExecutor(
             self._groups,
             self._dirty,
-            store,
+            self._store,
             replica,
             self.metrics,
             self._observer,
@@ -195,9 +156,16 @@ class Coordinator:
             self._timers,
             self._watchers,
         )
-        for state in self._groups.values():
-            self._observer.update_gauges(state)
-        self.metrics.groups.set(len(self._groups))
+        admin = AdminCalls(
+            admin_enabled,
+            reads,
+            executor,
+            self._removed,
+            self._recovered,
+            self._round_timeout,
+            lambda: self._phase is _Phase.CLOSED,
+        )
+        return reads, executor, admin
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -297,7 +265,7 @@ class Coordinator:
             recovered=proposal.group in self._recovered,
         )
         if before is None and proposal.group in self._removed:
-            self._forget_removed(proposal.group)
+            self._admin.forget_removed(proposal.group)
         self._executor.execute(step, before)
         self.arrivals.proposed(proposal.group, proposal.lifetime, proposal.ep_rank)
         reply = step.reply
@@ -454,7 +422,7 @@ class Coordinator:
         return self._reads.groups_page(after, size, idle_for)
 
     def remove(self, name: str) -> None:
-        """Forgets a group entirely (an admin call), freeing one of ``--max-groups``.
+        """Forgets a group entirely (an admin call; see :meth:`AdminCalls.remove`).
 
         Raises:
             AdminDisabled: the sidecar runs without ``--enable-admin``.
@@ -463,43 +431,7 @@ class Coordinator:
             PreconditionFailed: a round or a restart of the group is open.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        self._check_admin("RemoveGroup", name)
-        state = self.group(name)
-        policy.check_removable(state)
-        try:
-            self._store.delete(name)
-        except StoreError as error:
-            raise CoordinatorUnavailable(
-                f"cannot remove group {quote_name(name)}: {error}"
-            ) from error
-        del self._groups[name]
-        self._recovered.discard(name)
-        self._removed.add(name)
-        self._dirty.discard(name)
-        self._timers.set(name, None)
-        self.metrics.groups.set(len(self._groups))
-        self._executor.publish(
-            GroupEvent(name, EventKind.GROUP_REMOVED, self._clock(), message="removed by an admin")
-        )
-        self.metrics.forget(name)
-
-    def _forget_removed(self, name: str) -> None:
-        try:
-            self._store.forget_removed(name)
-        except StoreError as error:
-            raise CoordinatorUnavailable(
-                f"cannot record group {quote_name(name)} again: {error}"
-            ) from error
-        self._removed.discard(name)
-
-    def _check_admin(self, call: str, name: str) -> None:
-        if not self._admin_enabled:
-            raise AdminDisabled(
-                f"{call}(group={quote_name(name)}) is an admin call; start the sidecar with "
-                "--enable-admin (env MOE_SIDECAR_ENABLE_ADMIN=true) to allow it"
-            )
-        if self._phase is _Phase.CLOSED:
-            raise CoordinatorUnavailable("the sidecar has stopped")
+        self._admin.remove(name)
 
     def reset(self, name: str) -> GroupState:
         """Forgets a group's stored plan and history (an admin call).
@@ -510,11 +442,7 @@ class Coordinator:
             GroupNotFound: no such group.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        self._check_admin("ResetGroup", name)
-        state = self.group(name)
-        step = policy.reset(state, self._clock())
-        self._executor.execute(step, state)
-        return step.state
+        return self._admin.reset(name)
 
     def acknowledge_view(
         self, name: str, ep_rank: int, lifetime: str, number: int, rounds: int
@@ -533,7 +461,7 @@ class Coordinator:
 
     def exclude(self, name: str, ranks: tuple[int, ...], reason: str) -> GroupState:
         """Takes ``ranks`` out of the group's membership view (an admin drain;
-        see :func:`moe_sidecar.core.policy.exclude`).
+        see :meth:`AdminCalls.exclude`).
 
         Raises:
             AdminDisabled: the sidecar runs without ``--enable-admin``.
@@ -541,11 +469,7 @@ class Coordinator:
             InvalidArgument, PreconditionFailed: as the policy says, changing nothing.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        self._check_admin("ExcludeRanks", name)
-        state = self.group(name)
-        step = policy.exclude(state, ranks, reason, self._clock(), self._round_timeout)
-        self._executor.execute(step, state)
-        return step.state
+        return self._admin.exclude(name, ranks, reason)
 
     # --- the cluster store ----------------------------------------------------------
 
