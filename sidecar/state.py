@@ -5,42 +5,29 @@ pure functions of :mod:`moe_sidecar.core.policy`) and the store they persist
 to, and it holds one collaborator per other job: the futures of Proposes
 waiting for their round (:class:`~moe_sidecar.waiters.RoundWaiters`), the round
 deadline timers (:class:`~moe_sidecar.timers.RoundTimers`), the Watch streams
-(:class:`~moe_sidecar.watch.Watchers`), and the metrics and logs that describe
-the groups (:class:`~moe_sidecar.observer.EventObserver`). Everything runs on
-one asyncio event loop, so no locks.
-
-Each call applies one policy step and executes its effects
-(:mod:`moe_sidecar.core.effects`) in order: :class:`~moe_sidecar.core.effects.Persist`
-first (when the write fails, nothing of the step happens and the caller gets
-UNAVAILABLE), then answers, events and timers. It never compares states to
-find out what happened: the step says it.
-
-With a cluster store (:mod:`moe_sidecar.store.replica`), a step that carries
-:class:`~moe_sidecar.core.effects.Replicate` records the group as pending in the
-same SQLite transaction as its :class:`~moe_sidecar.core.effects.Persist`, then
-wakes the replica, which pushes it without holding anyone up; plans decided
-on other nodes come back through :meth:`Coordinator.merge`, one more step of
-the core.
+(:class:`~moe_sidecar.watch.Watchers`), the metrics and logs that describe
+the groups (:class:`~moe_sidecar.observer.EventObserver`), the execution of
+a step's effects (:class:`~moe_sidecar.step_executor.StepExecutor`: persist
+first, then answers, events and timers), the reads of the groups
+(:class:`~moe_sidecar.group_reads.GroupReads`) and the admin calls
+(:class:`~moe_sidecar.admin_calls.AdminCalls`). Everything runs on one
+asyncio event loop, so no locks. Each call applies one policy step and hands
+it to the executor; plans decided on other nodes come back through
+:meth:`Coordinator.merge`, one more step of the core.
 
 A step that changes what a restart needs (a round that builds, grows or is
-refused, an aborted round, a commit, a reset, a timeout, a merge) persists.
-A round decided REUSE changes only the retained outcomes and the ranks' last
-rounds: it writes its short record
-(:class:`~moe_sidecar.core.effects.RecordReuse`) before anyone hears of it,
-and at start the records are applied to the rows they follow
-(:func:`moe_sidecar.core.policy.recovery.replay_reuse`), so every answer a
-rank received is given again after a crash. A proposal that only joins a
-round answers nobody: its state is marked dirty and rides along with the
-next write of its group (or the flush at close); a joining rank's retry
-rebuilds it. Rows written by a release that recorded nothing of its REUSE
-rounds may lag them: such a group is handed to the core as ``recovered``
-until a round of it is decided (:mod:`moe_sidecar.core.policy.recovery`).
+refused, an aborted round, a commit, a reset, a timeout, a merge) persists;
+a round decided REUSE writes its short record, and at start the records are
+applied to the rows they follow (:mod:`moe_sidecar.stored_groups`), so every
+answer a rank received is given again after a crash. Rows written by a
+release that recorded nothing of its REUSE rounds may lag them: such a group
+is handed to the core as ``recovered`` until a round of it is decided
+(:mod:`moe_sidecar.core.policy.recovery`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import enum
 import logging
 import time
@@ -49,40 +36,21 @@ from dataclasses import replace
 from typing import TypeAlias
 
 from moe_sidecar import flashinfer
+from moe_sidecar.admin_calls import AdminCalls
 from moe_sidecar.arrivals import FirstRoundArrivals
 from moe_sidecar.core import limits, policy
-from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
-from moe_sidecar.core.effects import (
-    Answer,
-    Deadline,
-    Dismiss,
-    EventKind,
-    GroupEvent,
-    Publish,
-    Replicate,
-    Step,
-    Wait,
-)
-from moe_sidecar.core.errors import (
-    AdminDisabled,
-    CoordinatorUnavailable,
-    GroupNotFound,
-    ResourceExhausted,
-    quote_name,
-)
-from moe_sidecar.core.group import (
-    CommitRecord,
-    Decision,
-    GroupState,
-    Outcome,
-    Proposal,
-    Refusal,
-)
+from moe_sidecar.core.cluster import ClusterPlan
+from moe_sidecar.core.effects import Wait
+from moe_sidecar.core.errors import CoordinatorUnavailable, ResourceExhausted, quote_name
+from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
 from moe_sidecar.core.policy.arrivals import Arrival
+from moe_sidecar.group_reads import GroupReads
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
+from moe_sidecar.step_executor import StepExecutor
 from moe_sidecar.store.replica import Replica
-from moe_sidecar.store.sqlite import ReuseRecord, StateStore, StoreError
+from moe_sidecar.store.sqlite import StateStore, StoreError
+from moe_sidecar.stored_groups import stored_groups
 from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
@@ -98,25 +66,6 @@ _log = logging.getLogger("moe_sidecar.state")
 def _merged_only(state: GroupState) -> bool:
     """A group made here from the cluster store that no local rank has proposed for."""
     return not state.ranks and not state.busy()
-
-
-def _with_reuse_records(store: StateStore) -> dict[str, GroupState]:
-    """Every stored group, with the REUSE rounds recorded since its row was
-    written applied to it (a record that does not follow its row, of a
-    lifetime or round the row has since passed, changes nothing).
-
-    Raises:
-        StoreError: the store cannot be read.
-    """
-    groups = store.load()
-    for record in store.reuse_records():
-        state = groups.get(record.group)
-        if state is None:
-            continue
-        replayed = policy.replay_reuse(state, record.lifetime_index, record.round, record.layer)
-        if replayed is not None:
-            groups[record.group] = replayed
-    return groups
 
 
 def _answer(outcome: Outcome) -> Decision:
@@ -161,24 +110,20 @@ class Coordinator:
         self._max_groups = max_groups
         self._max_merged_groups = max_merged_groups
         """Groups made here from the cluster store alone; not part of ``max_groups``."""
-        self._replica = replica
         self.node = node
         """This node's name, recorded on every growth decided here."""
         self._round_timeout = round_timeout
         self._ceiling = limits.WorkspaceCeiling(max_workspace_bytes, flashinfer.workspace_size)
         """``--max-workspace-bytes``, measured in each group's FlashInfer release."""
-        self._admin_enabled = admin_enabled
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock
-        self._groups: dict[str, GroupState] = _with_reuse_records(store)
+        self._groups: dict[str, GroupState] = stored_groups(store)
         self._removed: set[str] = store.removed()
         """Groups an admin removed here: the cluster store's copy stays out."""
         self._dirty: set[str] = set()
         self._recovered: set[str] = set(self._groups)
-        """Groups read from their rows with no round decided since: a row
-        may lag the rounds that closed REUSE unrecorded, as a release that
-        recorded none wrote them (see
-        :mod:`moe_sidecar.core.policy.recovery`)."""
+        """Groups read from their rows with no round decided since: a row may lag
+        its REUSE rounds (see :mod:`moe_sidecar.core.policy.recovery`)."""
         self._waiters = RoundWaiters()
         self._timers = RoundTimers(clock, self._on_timer)
         self._watchers = Watchers(watch_queue_limit, max_watchers)
@@ -189,9 +134,38 @@ class Coordinator:
             clock, round_timeout, self._groups.get, self.metrics, max_groups
         )
         """Ranks at their lifetime's first round that cannot propose yet."""
+        self._reads, self._executor, self._admin = self._parts(replica, admin_enabled)
         for state in self._groups.values():
             self._observer.update_gauges(state)
         self.metrics.groups.set(len(self._groups))
+
+    def _parts(
+        self, replica: Replica | None, admin_enabled: bool
+    ) -> tuple[GroupReads, StepExecutor, AdminCalls]:
+        """The reads, the step executor and the admin calls on this coordinator's parts."""
+        reads = GroupReads(self._groups, self.arrivals, self._clock)
+        executor = StepExecutor(
+            self._groups,
+            self._dirty,
+            self._store,
+            replica,
+            self.metrics,
+            self._observer,
+            self.arrivals,
+            self._waiters,
+            self._timers,
+            self._watchers,
+        )
+        admin = AdminCalls(
+            admin_enabled,
+            reads,
+            executor,
+            self._removed,
+            self._recovered,
+            self._round_timeout,
+            lambda: self._phase is _Phase.CLOSED,
+        )
+        return reads, executor, admin
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -251,78 +225,6 @@ class Coordinator:
             self._phase = _Phase.CLOSED
             self._store.close()
 
-    # --- executing a step -----------------------------------------------------------
-
-    def _execute(self, step: Step, before: GroupState | None) -> None:
-        """Carries out ``step``: persist first, then every other effect in order.
-
-        Raises:
-            CoordinatorUnavailable: the step had to persist and could not;
-                nothing of it happened.
-        """
-        name = step.state.name
-        self._persist(step, before)
-        self._groups[name] = step.state
-        if before is None:
-            self.metrics.groups.set(len(self._groups))
-        self._observer.update_gauges(step.state, before)
-        if self.arrivals.arrived_ranks(name):
-            self.arrivals.show_waiting(name)
-        for effect in step.effects:
-            if isinstance(effect, Answer):
-                self._waiters.wake(name, (effect.lifetime_index, effect.round), effect.outcome)
-            elif isinstance(effect, Dismiss):
-                key = (effect.lifetime_index, effect.round)
-                self._waiters.wake_lifetime(name, key, effect.lifetime, effect.outcome)
-            elif isinstance(effect, Publish):
-                self._publish(effect.event)
-            elif isinstance(effect, Deadline):
-                self._timers.set(name, effect.at)
-            elif isinstance(effect, Replicate) and self._replica is not None:
-                self._replica.replicate(name)
-
-    def _persist(self, step: Step, before: GroupState | None) -> None:
-        """Writes the step's state when it persists (recording it pending for
-        the cluster store when it replicates), or marks it dirty.
-
-        Raises:
-            CoordinatorUnavailable: the write failed.
-        """
-        name = step.state.name
-        replicate = self._replica is not None and step.replicates
-        reuse = step.reuse_record
-        if reuse is not None and not step.persists:
-            try:
-                self._store.record_reuse(
-                    ReuseRecord(name, reuse.lifetime_index, reuse.round, reuse.layer)
-                )
-            except StoreError as error:
-                _log.error("cannot record a round", extra={"group": name, "error": str(error)})
-                raise CoordinatorUnavailable(
-                    f"cannot record round {reuse.round} of group {quote_name(name)}: {error}; "
-                    "nothing was decided"
-                ) from error
-        if step.persists or replicate:
-            try:
-                if step.persists:
-                    self._store.save(step.state, pending=replicate)
-                else:
-                    self._store.mark_pending((name,))
-            except StoreError as error:
-                _log.error("cannot persist group", extra={"group": name, "error": str(error)})
-                raise CoordinatorUnavailable(
-                    f"cannot persist group {quote_name(name)}: {error}; nothing was decided"
-                ) from error
-        if step.persists:
-            self._dirty.discard(name)
-        elif step.state is not before:
-            self._dirty.add(name)
-
-    def _publish(self, event: GroupEvent) -> None:
-        """Counts, logs and fans out one event."""
-        self._observer.observe(event)
-        self._watchers.publish(event)
-
     # --- proposals ------------------------------------------------------------------
 
     async def propose(self, proposal: Proposal) -> Decision:
@@ -363,8 +265,8 @@ class Coordinator:
             recovered=proposal.group in self._recovered,
         )
         if before is None and proposal.group in self._removed:
-            self._forget_removed(proposal.group)
-        self._execute(step, before)
+            self._admin.forget_removed(proposal.group)
+        self._executor.execute(step, before)
         self.arrivals.proposed(proposal.group, proposal.lifetime, proposal.ep_rank)
         reply = step.reply
         if isinstance(reply, Decision) and (
@@ -437,7 +339,7 @@ class Coordinator:
             # The clock moved less than the timer thought: look again at the deadline.
             self._timers.set(state.name, state.next_deadline())
             return 0
-        self._execute(step, state)
+        self._executor.execute(step, state)
         return 1
 
     # --- commits, reads, admin ------------------------------------------------------
@@ -463,7 +365,7 @@ class Coordinator:
         if step is None:
             return
         try:
-            self._execute(step, state)
+            self._executor.execute(step, state)
         except CoordinatorUnavailable:
             _log.exception("could not record a rank's departure", extra={"group": group})
 
@@ -482,77 +384,45 @@ class Coordinator:
             raise CoordinatorUnavailable("the sidecar has stopped")
         state = self.group(group)
         step = policy.commit(state, record, self._clock(), node=self.node, ceiling=self._ceiling)
-        self._execute(step, state)
+        self._executor.execute(step, state)
         if isinstance(step.reply, Refusal):
             raise step.reply.error()
         return step.state
 
     def group(self, name: str) -> GroupState:
-        """One group's state.
+        """One group's state (see :meth:`GroupReads.group`).
 
         Raises:
             InvalidArgument: the name is malformed.
             GroupNotFound: no such group.
         """
-        policy.validate_group_name(name)
-        state = self._groups.get(name)
-        if state is None:
-            raise GroupNotFound.named(name)
-        return state
+        return self._reads.group(name)
 
     def shown_group(self, name: str) -> GroupState:
-        """One group's state as ``GetGroup`` shows it: a group known only by
-        ranks at their first round is shown with nothing but its layout.
+        """One group's state as ``GetGroup`` shows it (see :meth:`GroupReads.shown_group`).
 
         Raises:
             InvalidArgument: the name is malformed.
             GroupNotFound: no such group, and no arrival of it.
         """
-        policy.validate_group_name(name)
-        state = self._groups.get(name) or self.arrivals.layout(name)
-        if state is None:
-            raise GroupNotFound.named(name)
-        return state
+        return self._reads.shown_group(name)
 
     def sizing_of(self, name: str) -> tuple[int, str] | None:
-        """The EP size and FlashInfer release of group ``name``, what its
-        workspace bytes are derived by (None: no such group)."""
-        state = self._groups.get(name)
-        return (state.ep_size, state.release) if state is not None else None
+        """The EP size and FlashInfer release of group ``name`` (None: no such group)."""
+        return self._reads.sizing_of(name)
 
     def groups(self) -> list[GroupState]:
         """Every group, by name."""
-        return [self._groups[name] for name in sorted(self._groups)]
+        return self._reads.all_groups()
 
     def groups_page(
         self, after: str | None, size: int, idle_for: float = 0.0
     ) -> tuple[list[GroupState], str | None]:
-        """Up to ``size`` groups named after ``after`` (in name order), and the
-        name to continue after (None: this was the last page).
-
-        ``idle_for`` > 0 keeps only groups with no open round or restart and
-        no activity for at least that many seconds.
-        """
-        now = self._clock()
-        names = sorted({*self._groups, *self.arrivals.names()})
-        start = 0 if after is None else bisect.bisect_right(names, after)
-        page: list[GroupState] = []
-        for index in range(start, len(names)):
-            state = self._groups.get(names[index]) or self.arrivals.layout(names[index])
-            if state is None:
-                continue
-            arriving = names[index] not in self._groups  # ranks wait in it: never idle
-            if idle_for > 0 and (
-                arriving or state.busy() or now - state.last_activity() < idle_for
-            ):
-                continue
-            if len(page) == size:
-                return page, page[-1].name
-            page.append(state)
-        return page, None
+        """A page of groups and the name to continue after (see :meth:`GroupReads.groups_page`)."""
+        return self._reads.groups_page(after, size, idle_for)
 
     def remove(self, name: str) -> None:
-        """Forgets a group entirely (an admin call), freeing one of ``--max-groups``.
+        """Forgets a group entirely (an admin call; see :meth:`AdminCalls.remove`).
 
         Raises:
             AdminDisabled: the sidecar runs without ``--enable-admin``.
@@ -561,43 +431,7 @@ class Coordinator:
             PreconditionFailed: a round or a restart of the group is open.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        self._check_admin("RemoveGroup", name)
-        state = self.group(name)
-        policy.check_removable(state)
-        try:
-            self._store.delete(name)
-        except StoreError as error:
-            raise CoordinatorUnavailable(
-                f"cannot remove group {quote_name(name)}: {error}"
-            ) from error
-        del self._groups[name]
-        self._recovered.discard(name)
-        self._removed.add(name)
-        self._dirty.discard(name)
-        self._timers.set(name, None)
-        self.metrics.groups.set(len(self._groups))
-        self._publish(
-            GroupEvent(name, EventKind.GROUP_REMOVED, self._clock(), message="removed by an admin")
-        )
-        self.metrics.forget(name)
-
-    def _forget_removed(self, name: str) -> None:
-        try:
-            self._store.forget_removed(name)
-        except StoreError as error:
-            raise CoordinatorUnavailable(
-                f"cannot record group {quote_name(name)} again: {error}"
-            ) from error
-        self._removed.discard(name)
-
-    def _check_admin(self, call: str, name: str) -> None:
-        if not self._admin_enabled:
-            raise AdminDisabled(
-                f"{call}(group={quote_name(name)}) is an admin call; start the sidecar with "
-                "--enable-admin (env MOE_SIDECAR_ENABLE_ADMIN=true) to allow it"
-            )
-        if self._phase is _Phase.CLOSED:
-            raise CoordinatorUnavailable("the sidecar has stopped")
+        self._admin.remove(name)
 
     def reset(self, name: str) -> GroupState:
         """Forgets a group's stored plan and history (an admin call).
@@ -608,11 +442,7 @@ class Coordinator:
             GroupNotFound: no such group.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        self._check_admin("ResetGroup", name)
-        state = self.group(name)
-        step = policy.reset(state, self._clock())
-        self._execute(step, state)
-        return step.state
+        return self._admin.reset(name)
 
     def acknowledge_view(
         self, name: str, ep_rank: int, lifetime: str, number: int, rounds: int
@@ -626,12 +456,12 @@ class Coordinator:
         """
         state = self.group(name)
         step = policy.acknowledge_view(state, ep_rank, lifetime, number, rounds, self._clock())
-        self._execute(step, state)
+        self._executor.execute(step, state)
         return step.state
 
     def exclude(self, name: str, ranks: tuple[int, ...], reason: str) -> GroupState:
         """Takes ``ranks`` out of the group's membership view (an admin drain;
-        see :func:`moe_sidecar.core.policy.exclude`).
+        see :meth:`AdminCalls.exclude`).
 
         Raises:
             AdminDisabled: the sidecar runs without ``--enable-admin``.
@@ -639,11 +469,7 @@ class Coordinator:
             InvalidArgument, PreconditionFailed: as the policy says, changing nothing.
             CoordinatorUnavailable: the sidecar has stopped or cannot persist.
         """
-        self._check_admin("ExcludeRanks", name)
-        state = self.group(name)
-        step = policy.exclude(state, ranks, reason, self._clock(), self._round_timeout)
-        self._execute(step, state)
-        return step.state
+        return self._admin.exclude(name, ranks, reason)
 
     # --- the cluster store ----------------------------------------------------------
 
@@ -653,12 +479,11 @@ class Coordinator:
 
     def cluster_plan(self, name: str) -> ClusterPlan | None:
         """The replicated part of group ``name`` (None: no such group)."""
-        state = self._groups.get(name)
-        return cluster_plan_of(state) if state is not None else None
+        return self._reads.cluster_plan(name)
 
     def group_names(self) -> list[str]:
         """Every group's name, sorted."""
-        return sorted(self._groups)
+        return self._reads.group_names()
 
     def merge(self, remote: ClusterPlan) -> bool:
         """Merges a group's plan from the cluster store (another node's decision).
@@ -690,7 +515,7 @@ class Coordinator:
         step = policy.merge(before, remote, self._clock(), node=self.node, ceiling=self._ceiling)
         if before is None and not step.persists:
             return False
-        self._execute(step, before)
+        self._executor.execute(step, before)
         return step.persists
 
     def _check_group_budget(self, proposal: Proposal) -> None:

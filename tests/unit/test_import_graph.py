@@ -136,6 +136,30 @@ def test_the_codec_is_imported_from_its_package_face_only() -> None:
     assert reaching == {}, f"import from {CODEC} itself: {reaching}"
 
 
+STATE_PARTS = (
+    "moe_sidecar.step_executor",
+    "moe_sidecar.group_reads",
+    "moe_sidecar.admin_calls",
+    "moe_sidecar.stored_groups",
+)
+"""Jobs moved out of the state holder: it holds them, never the reverse."""
+
+
+@pytest.mark.parametrize("module", ["moe_sidecar.state", *STATE_PARTS])
+def test_the_state_holder_and_its_parts_reach_neither_grpc_nor_the_wire(module: str) -> None:
+    # Servicers convert at the boundary; the state holder speaks the domain.
+    imported = _imports(MODULES[module])
+    outside = {
+        m
+        for m in imported
+        if m.split(".")[0] == "grpc"
+        or m.startswith(("moe_sidecar.wire", "moe_sidecar.servicer", "moe_workspace"))
+    }
+    assert not outside, f"{module} imports {outside}"
+    if module in STATE_PARTS:
+        assert "moe_sidecar.state" not in imported, f"{module} imports the state holder"
+
+
 RELEASE_ROOM = sorted(name for name in MODULES if name.startswith("moe_sidecar.flashinfer"))
 """Each FlashInfer release's module and their table."""
 
