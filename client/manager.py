@@ -20,8 +20,10 @@ a barrier on ``cpu_group`` (never the world: pipeline stages rebuild a
 different number of times), release the superseded workspace and commit the
 plan now held (:mod:`moe_sidecar.client.held_workspace`). A round whose layer
 the built plan covers does not wait where it needs no answer
-(:mod:`moe_sidecar.client.covered`). Every proposal is made in one place,
-:meth:`AlltoAllManager._proposal`.
+(:mod:`moe_sidecar.client.covered`). What a round executes, and the settling
+of covered rounds, is worked out from the decisions received in
+:mod:`moe_sidecar.client.round_decisions`. Every proposal is made in one
+place, :meth:`AlltoAllManager._proposal`.
 """
 
 from __future__ import annotations
@@ -34,12 +36,10 @@ from typing import Any
 import torch.distributed as dist
 
 from moe_sidecar.client import naming
-from moe_sidecar.client.agreement import LocalOutcome
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.construction import backend_named
 from moe_sidecar.client.counters import ManagerCounters
-from moe_sidecar.client.covered import check_reuse, passes_as_covered, read_answers
 from moe_sidecar.client.engine_rules import NO_ENGINE, EngineRules
 from moe_sidecar.client.errors import BackendError, InvalidArgument
 from moe_sidecar.client.first_round import share_proof_in_view
@@ -47,6 +47,7 @@ from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.held_workspace import HeldWorkspace
 from moe_sidecar.client.layer_need import LayerNeed
 from moe_sidecar.client.peer_loss import PeerLossWatch
+from moe_sidecar.client.round_decisions import RoundDecisions
 from moe_sidecar.client.transport import Transport, transport_for
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
@@ -166,13 +167,27 @@ class AlltoAllManager:
         self._initializes = 0
         self._reuses = 0
         self._covered = 0
-        self._unagreed = 0
-        """Embedded: rounds passed as covered since the last agreement."""
         self._last_layer = ""
         self._held = HeldWorkspace(self.backend, self.ep_size, self.ep_rank)
+        self._decisions = self._round_decisions()
         self.generation = 0
         """The generation of the plan built last (0: none yet)."""
         self._held_changed()
+
+    def _round_decisions(self) -> RoundDecisions:
+        """What this manager's rounds execute, from the decisions received
+        and the plan held; late builds through :meth:`_build`."""
+        return RoundDecisions(
+            self.group,
+            self.ep_rank,
+            self._transport,
+            self._peer_loss,
+            self._on_group,
+            lambda: self._held.plan,
+            agrees_across_ranks=self.agrees_across_ranks,
+            build=self._build,
+            commit=self._commit,
+        )
 
     # --- what is built -----------------------------------------------------
 
@@ -272,84 +287,15 @@ class AlltoAllManager:
     def _propose(self, requirement: Requirement) -> Decision:
         return self._transport.propose(self._proposal(requirement))
 
-    def _passes_as_covered(self, need: LayerNeed) -> bool:
-        # Embedded mode always agrees across ranks, yet passes covered rounds:
-        # its next agreement checks them (see moe_sidecar.client.covered).
-        mode_allows = self.embedded or not self.agrees_across_ranks
-        return passes_as_covered(need.capacities, self._held.plan, mode_allows)
-
     def _settle(self, keep: int = 0) -> None:
-        """Reads the answers still outstanding until at most ``keep`` remain,
-        builds what they ask, and commits the plan held after a build
-        (:meth:`_read_answers`). Embedded: agrees once on what is held after
-        rounds passed as covered.
+        """Settles what the rounds passed as covered left, until at most
+        ``keep`` answers remain (:meth:`RoundDecisions.settle`).
 
         Raises:
-            CoordinatorError: an answer is a refusal (naming the round's
-                layers and ranks), the commit was refused, or the sidecar
-                could not be reached.
-            InternalError: a REUSE of a plan this rank does not hold.
-            BackendError: a build an answer asked for failed.
-            AgreementError: embedded, the ranks passed different rounds as covered.
-            RankLost: (``MOE_SIDECAR_ON_PEER_LOSS=raise``) a peer of this
-                lifetime died since the last call.
+            CoordinatorError, InternalError, BackendError, AgreementError,
+            RankLost: see :meth:`RoundDecisions.settle`.
         """
-        # Every call into the manager comes here: the watcher is armed for this
-        # lifetime, and a peer's death is raised (under MOE_SIDECAR_ON_PEER_LOSS=raise).
-        self._peer_loss.check(self.group, self.ep_rank, self.lifetime)
-        # Every forward step reads moe_alltoall and every covered round comes
-        # here: most of the time there is nothing to settle.
-        if not self._unagreed and self._transport.unanswered <= keep:
-            return
-        if self.embedded:
-            self._agree_on_held()
-            return
-        self._read_answers(keep)
-
-    def _read_answers(self, keep: int) -> None:
-        """Reads the answers still outstanding until at most ``keep`` remain
-        and does what they ask (:func:`~moe_sidecar.client.covered.read_answers`);
-        after a build, commits the plan held against the latest round answered.
-
-        Raises:
-            CoordinatorError: an answer is a refusal (naming the round's layers
-                and ranks), the commit was refused, or the sidecar could not
-                be reached.
-            InternalError: a REUSE of a plan this rank does not hold.
-            BackendError: a build an answer asked for failed.
-        """
-        answered, build_seconds = read_answers(
-            self._transport, keep, self._check_reuse, self._build_answered
-        )
-        if build_seconds is not None and self._held.plan is not None:
-            self._commit(answered, self._held.plan, build_seconds)
-
-    def _build_answered(self, decision: Decision) -> float:
-        """Builds what an answer read late asks for; returns the build's seconds."""
-        _log.info(
-            "group %s round %d (%s): %s asked for after this rank passed the round as "
-            "covered (the sidecar's plan is above what was built)",
-            self.group,
-            decision.round,
-            decision.layer,
-            decision.action.value,
-        )
-        return self._build(decision.plan, decision.action, decision.layer, decision.round)
-
-    def _agree_on_held(self) -> None:
-        """Embedded: one agreement on what is held, after rounds passed as
-        covered (:meth:`GroupCollectives.agree_on_held`).
-
-        Raises:
-            AgreementError: the ranks passed different rounds as covered.
-            RankLost: a peer died in the all-gather.
-            InternalError: the ranks hold different plans.
-        """
-        self._unagreed = 0
-        self._on_group.agree_on_held(self.ep_rank, self._last_layer, self._held.plan, self._round)
-
-    def _check_reuse(self, round_number: int, layer: str, plan: Plan) -> None:
-        check_reuse(self.group, round_number, layer, plan, self._held.plan)
+        self._decisions.settle(self.lifetime, self._last_layer, self._round, keep)
 
     def _propose_covered(self, need: LayerNeed) -> None:
         """A covered round: sends the proposal and goes on (at most
@@ -365,39 +311,6 @@ class AlltoAllManager:
         self._covered += 1
         self._reuses += 1
         self._held.layouts.remember(need.layout)
-
-    def _decide(
-        self,
-        layer: str,
-        decision: Decision | None,
-        failure: BaseException | None,
-        round_number: int,
-    ) -> tuple[Action, Plan]:
-        """The action and plan of this round, from the decision received.
-
-        A group one decider sees whole executes the decision as it came. A
-        group agreed across deciders (nodes, or embedded ranks) executes the
-        agreed one: the join of every rank's plan, with the action that asks
-        most among those the deciders gave.
-        """
-        if self.agrees_across_ranks:
-            self._unagreed = 0
-            action, plan = self._on_group.agree(
-                LocalOutcome(
-                    ep_rank=self.ep_rank,
-                    layer=layer,
-                    plan=decision.plan if decision is not None else None,
-                    failure=failure,
-                    round=round_number,
-                    action=decision.action if decision is not None else Action.REUSE,
-                )
-            )
-        else:
-            assert decision is not None  # a failure is raised unless agreed across ranks
-            action, plan = decision.action, decision.plan
-        if action is Action.REUSE:
-            self._check_reuse(round_number, layer, plan)
-        return action, plan
 
     def initialize_layer(self, need: LayerNeed) -> None:
         """Makes the all-to-all serve this MoE layer; one round of the protocol.
@@ -447,7 +360,7 @@ class AlltoAllManager:
         self._last_layer = layer
         try:
             need = understand()
-            covered = self._passes_as_covered(need)
+            covered = self._decisions.passes_as_covered(need.capacities)
             if covered and not self.embedded:
                 self._propose_covered(need)
                 return
@@ -463,7 +376,7 @@ class AlltoAllManager:
             if covered and decision.action is Action.REUSE:
                 # Embedded: the rank's own core agreed on a covered round; the
                 # next agreement checks that every rank passed the same rounds.
-                self._unagreed += 1
+                self._decisions.unagreed += 1
                 self._passed_as_covered(need)
                 return
         except Exception as error:
@@ -472,8 +385,8 @@ class AlltoAllManager:
             # Still join the agreement, so the other ranks raise too instead
             # of waiting for this one forever.
             failure = error
-        action, plan = self._decide(layer, decision, failure, this_round)
-        assert need is not None  # a failure raised in _decide
+        action, plan = self._decisions.decide(layer, decision, failure, this_round)
+        assert need is not None  # a failure raised in decide()
         self._execute(need, action, plan)
 
     def _execute(self, need: LayerNeed, action: Action, plan: Plan) -> None:
@@ -606,7 +519,7 @@ class AlltoAllManager:
                 (raised after freeing and closing).
         """
         unsettled: Exception | None = None
-        self._unagreed = 0  # embedded: cleanup agrees on nothing
+        self._decisions.unagreed = 0  # embedded: cleanup agrees on nothing
         try:
             self._settle()
         except Exception as error:

@@ -245,6 +245,19 @@ def test_engines_import_the_manager_never_the_reverse() -> None:
         assert "moe_sidecar.client.manager" in reached, f"{room}'s room is not on the manager"
 
 
+def test_the_round_decisions_hold_no_workspace_and_reach_no_manager() -> None:
+    # They read the plan held through a function and build through the
+    # manager's: importing what holds or builds would put them above it.
+    reached = _imports(MODULES["moe_sidecar.client.round_decisions"])
+    holding = {
+        "moe_sidecar.client.manager",
+        "moe_sidecar.client.held_workspace",
+        "moe_sidecar.client.backends",
+        "moe_sidecar.client.first_round",
+    }
+    assert not reached & holding, f"round_decisions imports {reached & holding}"
+
+
 def test_the_face_loads_an_engine_room_only_lazily() -> None:
     # What importing the package face runs names no room's module.
     at_import = _imports(MODULES["moe_sidecar.client"], top_level=True)
