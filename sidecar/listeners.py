@@ -26,6 +26,7 @@ from moe_sidecar.config import (
 )
 from moe_sidecar.health import HealthServicer
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
+from moe_sidecar.rpc_limit import RpcLimit
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_handler
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
@@ -323,11 +324,13 @@ async def start_coordinator_server(
     health_servicer: HealthServicer,
     metrics: SidecarMetrics,
 ) -> tuple[grpc.aio.Server, CoordinatorServicer, tuple[str, ...]]:
-    """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
+    """The gRPC server of every ``--listen`` address: coordinator, health, reflection,
+    at most ``--max-concurrent-rpcs`` calls in flight (:class:`RpcLimit`).
 
     Raises:
         StartupError: an address cannot be bound or the TLS files read.
     """
+    translator = ErrorTranslator(metrics)
     server = grpc.aio.server(
         options=(
             *_SERVER_OPTIONS,
@@ -342,11 +345,13 @@ async def start_coordinator_server(
                 config.max_queued_rpcs,
             ),
         ),
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        # Not gRPC's maximum_concurrent_rpcs: its refusal is INTERNAL and names
+        # nothing; RpcLimit's is RESOURCE_EXHAUSTED naming the flag.
+        interceptors=(RpcLimit(metrics, translator, config.max_concurrent_rpcs),),
     )
     servicer = CoordinatorServicer(
         coordinator,
-        ErrorTranslator(metrics),
+        translator,
         max_page_size=config.max_page_size,
         max_sessions=config.max_sessions,
     )

@@ -202,6 +202,11 @@ class SidecarMetrics:
         self.sessions = self._gauge(
             "moe_sidecar_sessions", "Session streams open now (at most --max-sessions)."
         )
+        self.rpcs_in_flight = self._gauge(
+            "moe_sidecar_rpcs_in_flight",
+            "Calls in flight on the coordinator listeners now (at most --max-concurrent-rpcs; "
+            "Health.Check not counted).",
+        )
         for resource, value in limits.items():
             self.limit.labels(resource=resource).set(value)
 
