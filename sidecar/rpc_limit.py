@@ -1,17 +1,21 @@
-"""How many calls the coordinator's gRPC server serves at once: :class:`RpcLimit`.
+"""How many calls one of the sidecar's gRPC servers serves at once: :class:`RpcLimit`.
 
 gRPC's own ``maximum_concurrent_rpcs`` refused a call beyond it with
 ``INTERNAL`` (gRPC core's refusal), which names nothing. Here a call beyond
-``--max-concurrent-rpcs`` in flight is refused at once with
-RESOURCE_EXHAUSTED naming the flag, counted as
-``moe_sidecar_limit_refusals_total{resource="concurrent_rpcs"}``;
-``moe_sidecar_rpcs_in_flight`` shows how many are in flight. A call is in
-flight from its handler's start until the handler ends: a Session or Watch
-stream for as long as it is open.
+the bound in flight is refused at once with RESOURCE_EXHAUSTED naming the
+bound's flag, counted as ``moe_sidecar_limit_refusals_total{resource=...}``;
+the server's gauge shows how many are in flight. A call is in flight from its
+handler's start until the handler ends: a Session or Watch stream for as long
+as it is open.
 
-``Health.Check`` is not counted: it answers from memory at once, and a rank
-waiting for its sidecar (and a probe on the listener) reads SERVING there
-while every place is taken.
+On the coordinator listeners (``--max-concurrent-rpcs``, resource
+``concurrent_rpcs``, gauge ``moe_sidecar_rpcs_in_flight``) ``Health.Check``
+is not counted (:data:`UNCOUNTED_METHODS`): it answers from memory at once,
+and a rank waiting for its sidecar (and a probe on the listener) reads
+SERVING there while every place is taken. On the health port
+(``--max-health-rpcs``, resource ``health_rpcs``, gauge
+``moe_sidecar_health_rpcs_in_flight``) every call is counted, probes too: its
+long-lived streams hold at most half the places, the rest are the probes'.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
+from prometheus_client import Gauge
 
 from moe_sidecar.core.errors import ResourceExhausted
 from moe_sidecar.metrics import SidecarMetrics
@@ -30,7 +35,8 @@ from moe_sidecar.status import ErrorTranslator
 __all__ = ["UNCOUNTED_METHODS", "RpcLimit"]
 
 UNCOUNTED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
-"""Methods served beyond the bound (answered from memory, never waiting)."""
+"""The coordinator listeners' methods served beyond the bound (answered from
+memory, never waiting)."""
 
 # Strings: grpc's classes are generic to mypy's stubs only, not at run time.
 _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
@@ -41,15 +47,32 @@ ResponseT = TypeVar("ResponseT")
 
 
 class RpcLimit(grpc.aio.ServerInterceptor):
-    """The ``max_rpcs`` places of calls in flight on one server.
+    """The ``max_rpcs`` places of calls in flight on one server, bounded by
+    ``flag``: a call beyond them is counted as a refusal of ``resource``;
+    ``gauge`` (this server's own) shows the calls in flight; ``uncounted``
+    methods are served beyond the bound.
 
     Not thread-safe: use it from the server's event loop.
     """
 
-    def __init__(self, metrics: SidecarMetrics, translator: ErrorTranslator, max_rpcs: int) -> None:
+    def __init__(
+        self,
+        metrics: SidecarMetrics,
+        translator: ErrorTranslator,
+        max_rpcs: int,
+        *,
+        flag: str,
+        resource: str,
+        gauge: Gauge,
+        uncounted: frozenset[str] = frozenset(),
+    ) -> None:
         self._metrics = metrics
         self._translator = translator
         self.max_rpcs = max_rpcs
+        self.flag = flag
+        self.resource = resource
+        self._gauge = gauge
+        self._uncounted = uncounted
         self.in_flight = 0
 
     async def intercept_service(
@@ -63,7 +86,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         """The method's handler, its behaviour run in one of the places."""
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or method in UNCOUNTED_METHODS:
+        if handler is None or method in self._uncounted:
             return handler
         # The same request and response types: only the behaviour is wrapped.
         return cast("grpc.RpcMethodHandler[RequestT, ResponseT]", self._bounded(handler, method))
@@ -122,26 +145,26 @@ class RpcLimit(grpc.aio.ServerInterceptor):
 
         Raises:
             grpc.aio.AbortError: every place is taken; the call is answered
-                RESOURCE_EXHAUSTED naming ``--max-concurrent-rpcs``.
+                RESOURCE_EXHAUSTED naming the bound's flag.
         """
         if self.in_flight >= self.max_rpcs:
-            self._metrics.refused("concurrent_rpcs")
+            self._metrics.refused(self.resource)
             await self._translator.unary(context, method, self._refusal())
         self.in_flight += 1
-        self._metrics.rpcs_in_flight.set(self.in_flight)
+        self._gauge.set(self.in_flight)
         try:
             yield
         finally:
             self.in_flight -= 1
-            self._metrics.rpcs_in_flight.set(self.in_flight)
+            self._gauge.set(self.in_flight)
 
     async def _refusal(self) -> None:
         """Raises the refusal of a call beyond the bound, for the one error mapping.
 
         Raises:
-            ResourceExhausted: always (naming ``--max-concurrent-rpcs``).
+            ResourceExhausted: always (naming the bound's flag).
         """
         raise ResourceExhausted(
-            f"{self.in_flight} calls are in flight; --max-concurrent-rpcs is {self.max_rpcs}: "
-            "retry once one ends, or raise --max-concurrent-rpcs"
+            f"{self.in_flight} calls are in flight; {self.flag} is {self.max_rpcs}: "
+            f"retry once one ends, or raise {self.flag}"
         )

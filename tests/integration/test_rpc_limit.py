@@ -1,8 +1,8 @@
 """The bound of calls in flight on the coordinator listeners
-(``--max-concurrent-rpcs``), against a real sidecar (a server on real
-sockets): a call beyond it is RESOURCE_EXHAUSTED naming the flag, counted,
-while health checks and the metrics endpoint still answer; once the held
-calls end, calls are served again.
+(``--max-concurrent-rpcs``) and on the health port (``--max-health-rpcs``),
+against a real sidecar (servers on real sockets): a call beyond it is
+RESOURCE_EXHAUSTED naming the flag, counted, while the other servers still
+answer; once the held calls end, calls are served again.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ LIMIT = 3
 REFUSAL = f"{LIMIT} calls are in flight; --max-concurrent-rpcs is {LIMIT}"
 
 
-def _in_flight(server: RunningServer) -> float:
-    return server.metrics.registry.get_sample_value("moe_sidecar_rpcs_in_flight") or 0.0
+def _in_flight(server: RunningServer, gauge: str = "moe_sidecar_rpcs_in_flight") -> float:
+    return server.metrics.registry.get_sample_value(gauge) or 0.0
 
 
-def _refused(server: RunningServer) -> float:
+def _refused(server: RunningServer, resource: str = "concurrent_rpcs") -> float:
     value = server.metrics.registry.get_sample_value(
-        "moe_sidecar_limit_refusals_total", {"resource": "concurrent_rpcs"}
+        "moe_sidecar_limit_refusals_total", {"resource": resource}
     )
     return value or 0.0
 
@@ -60,8 +60,15 @@ class _Session:
             yield message
 
 
+def _own_connection(target: str) -> grpc.aio.Channel:
+    """A channel on a connection of its own (not shared with other channels to
+    ``target``), as a probe's: the health port allows ``--max-health-rpcs``
+    streams per connection."""
+    return grpc.aio.insecure_channel(target, options=(("grpc.use_local_subchannel_pool", 1),))
+
+
 async def _health_status(target: str) -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with _own_connection(target) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(), timeout=10
         )
@@ -117,3 +124,34 @@ async def test_a_call_beyond_max_concurrent_rpcs_is_refused_naming_the_flag(
             listed = await stub.ListGroups(pb.ListGroupsRequest(), timeout=10)
             assert [g.name for g in listed.groups] == ["held/ep8"]
             assert _refused(server) == 2
+
+
+async def test_a_call_beyond_max_health_rpcs_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """With ``--max-health-rpcs 1`` one Watch stream of the health port holds
+    its only place (its streams hold at most half the places, and at least
+    one: only with a bound of 1 can streams fill them all); a Check there is
+    refused at once, naming the flag (not gRPC's own ``INTERNAL``), counted;
+    the coordinator listener answers meanwhile; once the Watch ends, a Check
+    is served again."""
+    async with running_server(make_config(tmp_path, max_health_rpcs=1)) as server:
+        assert server.addresses.health_port is not None
+        health_target = f"127.0.0.1:{server.addresses.health_port}"
+        serving = health_pb2.HealthCheckResponse.SERVING
+        async with _own_connection(health_target) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == serving
+            assert _in_flight(server, "moe_sidecar_health_rpcs_in_flight") == 1
+
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _health_status(health_target)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "1 calls are in flight; --max-health-rpcs is 1" in details(refused.value)
+            assert "raise --max-health-rpcs" in details(refused.value)
+            assert _refused(server, "health_rpcs") == 1
+            assert _refused(server) == 0 and _in_flight(server) == 0
+            assert await _health_status(server.addresses.listen[0]) == serving
+
+            watch.cancel()
+            await _until(lambda: _in_flight(server, "moe_sidecar_health_rpcs_in_flight") == 0)
+            assert await _health_status(health_target) == serving
+            assert _refused(server, "health_rpcs") == 1
