@@ -26,6 +26,7 @@ from moe_sidecar.config import (
 )
 from moe_sidecar.health import HealthServicer
 from moe_sidecar.metrics import MetricsEndpoint, SidecarMetrics, start_metrics_endpoint
+from moe_sidecar.rpc_limit import UNCOUNTED_METHODS, RpcLimit
 from moe_sidecar.servicer import SERVICE_NAME, CoordinatorServicer, coordinator_handler
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
@@ -323,11 +324,13 @@ async def start_coordinator_server(
     health_servicer: HealthServicer,
     metrics: SidecarMetrics,
 ) -> tuple[grpc.aio.Server, CoordinatorServicer, tuple[str, ...]]:
-    """The gRPC server of every ``--listen`` address: coordinator, health, reflection.
+    """The gRPC server of every ``--listen`` address: coordinator, health, reflection,
+    at most ``--max-concurrent-rpcs`` calls in flight (:class:`RpcLimit`).
 
     Raises:
         StartupError: an address cannot be bound or the TLS files read.
     """
+    translator = ErrorTranslator(metrics)
     server = grpc.aio.server(
         options=(
             *_SERVER_OPTIONS,
@@ -342,11 +345,23 @@ async def start_coordinator_server(
                 config.max_queued_rpcs,
             ),
         ),
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        # Not gRPC's maximum_concurrent_rpcs: its refusal is INTERNAL and names
+        # nothing; RpcLimit's is RESOURCE_EXHAUSTED naming the flag.
+        interceptors=(
+            RpcLimit(
+                metrics,
+                translator,
+                config.max_concurrent_rpcs,
+                flag="--max-concurrent-rpcs",
+                resource="concurrent_rpcs",
+                gauge=metrics.rpcs_in_flight,
+                uncounted=UNCOUNTED_METHODS,
+            ),
+        ),
     )
     servicer = CoordinatorServicer(
         coordinator,
-        ErrorTranslator(metrics),
+        translator,
         max_page_size=config.max_page_size,
         max_sessions=config.max_sessions,
     )
@@ -456,7 +471,17 @@ async def start_health_server(
     if config.health_port is None:
         return None, None
     host, port, max_rpcs = config.health_host, config.health_port, config.max_health_rpcs
-    server = grpc.aio.server(options=_health_port_options(config), maximum_concurrent_rpcs=max_rpcs)
+    # Not gRPC's maximum_concurrent_rpcs (INTERNAL, naming nothing): RpcLimit
+    # counts every call here, probes too, as gRPC's bound did.
+    rpc_limit = RpcLimit(
+        metrics,
+        ErrorTranslator(metrics),
+        max_rpcs,
+        flag="--max-health-rpcs",
+        resource="health_rpcs",
+        gauge=metrics.health_rpcs_in_flight,
+    )
+    server = grpc.aio.server(options=_health_port_options(config), interceptors=(rpc_limit,))
     slots = _StreamSlots(max(1, max_rpcs // 2), metrics)
     health_pb2_grpc.add_HealthServicer_to_server(_HealthPortHealth(health_servicer, slots), server)
     # grpcurl (and anything else without the .proto) finds Health/Check

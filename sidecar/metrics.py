@@ -202,6 +202,16 @@ class SidecarMetrics:
         self.sessions = self._gauge(
             "moe_sidecar_sessions", "Session streams open now (at most --max-sessions)."
         )
+        self.rpcs_in_flight = self._gauge(
+            "moe_sidecar_rpcs_in_flight",
+            "Calls in flight on the coordinator listeners now (at most --max-concurrent-rpcs; "
+            "Health.Check not counted).",
+        )
+        self.health_rpcs_in_flight = self._gauge(
+            "moe_sidecar_health_rpcs_in_flight",
+            "Calls in flight on the health port now (at most --max-health-rpcs; "
+            "Health.Check counted).",
+        )
         for resource, value in limits.items():
             self.limit.labels(resource=resource).set(value)
 

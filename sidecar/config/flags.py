@@ -216,7 +216,8 @@ _OPTIONS: tuple[_Option, ...] = (
         "--max-concurrent-rpcs",
         "max_concurrent_rpcs",
         _integer,
-        "RPCs in flight at once on the coordinator listeners (default 4096)",
+        "RPCs in flight at once on the coordinator listeners; one more is refused "
+        "RESOURCE_EXHAUSTED naming the flag (default 4096)",
         "N",
     ),
     _Option(

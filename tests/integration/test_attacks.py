@@ -605,8 +605,8 @@ async def test_5_health_port_floods_are_bounded_and_probes_still_answer(tmp_path
                 return error.code(), details(error)
 
         # One after another: opened all at once, the refused ones may still be
-        # in flight when the next arrive, and gRPC's own limit of 8 calls
-        # refuses those before our code sees them (without our message).
+        # in flight when the next arrive, and the port's bound of 8 calls
+        # refuses those first (counted as health_rpcs, not health_streams).
         streams, replies = [], []
         for _ in range(12):
             streams.append(health.Watch(health_pb2.HealthCheckRequest(service="")))
