@@ -7,13 +7,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tests.multiprocess.harness import free_port
 
-__all__ = ["rss_mib", "running_sidecar"]
+__all__ = ["metric_value", "rss_mib", "running_sidecar"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,11 +31,28 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+def metric_value(metrics_port: int, name: str) -> float:
+    """The value of the unlabelled metric ``name`` on the sidecar's metrics
+    port (loopback).
+
+    Raises:
+        LookupError: the page has no such sample.
+    """
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.split()[1])
+    raise LookupError(f"no sample {name!r} on the metrics page")
+
+
 @contextmanager
-def running_sidecar() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """``python -m moe_sidecar`` on a free loopback port with a state dir of
-    its own (health and metrics off), once it accepts connections; yields the
-    process and the port, and stops it on exit.
+def running_sidecar(
+    metrics_port: int = 0, flags: tuple[str, ...] = ()
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``python -m moe_sidecar`` (with ``flags``) on a free loopback port with
+    a state dir of its own (health off; metrics on ``metrics_port`` when it is
+    not 0), once it accepts connections; yields the process and the port, and
+    stops it on exit.
 
     Raises:
         AssertionError: it exited or did not listen within 30 s.
@@ -45,7 +63,7 @@ def running_sidecar() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
             sys.executable, "-m", "moe_sidecar",
             "--listen", f"127.0.0.1:{port}",
             "--state-dir", f"{tmp}/state",
-            "--health-port", "0", "--metrics-port", "0",
+            "--health-port", "0", "--metrics-port", str(metrics_port), *flags,
         ]  # fmt: skip
         with open(f"{tmp}/sidecar.log", "wb") as log:
             process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
