@@ -4,8 +4,13 @@
 # puts FlashInfer's module compiled earlier (.gpu/aot) where FlashInfer finds
 # an ahead-of-time module. Logs go to $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+# Once per call: a script sourced by another that sourced this already
+# (final-call.sh) reuses the install.
+if [ -z "${MOE_GPU_INSTALLED:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+fi
+export MOE_GPU_INSTALLED=1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi NCCL_NVLS_ENABLE=0
 if [ -f .gpu/aot/mnnvl_moe_alltoall.so ]; then
   mkdir -p /tmp/site/flashinfer/data/aot/mnnvl_moe_alltoall
