@@ -296,7 +296,7 @@ class AlltoAllManager:
         """
         # Every call into the manager comes here: the watcher is armed for this
         # lifetime, and a peer's death is raised (under MOE_SIDECAR_ON_PEER_LOSS=raise).
-        self._peer_loss.check(self.group, self.ep_rank, self.lifetime)
+        self._peer_loss.check(self.group, self.ep_rank, self.lifetime, ep_size=self.ep_size)
         # Every forward step reads moe_alltoall and every covered round comes
         # here: most of the time there is nothing to settle.
         if not self._unagreed and self._transport.unanswered <= keep:

@@ -265,14 +265,18 @@ class PeerLossWatch:
         """
         return cls(transport.target if isinstance(transport, GrpcTransport) else None)
 
-    def check(self, group: str, ep_rank: int, lifetime: str) -> None:
+    def check(self, group: str, ep_rank: int, lifetime: str, *, ep_size: int) -> None:
         """Called at every call into the manager: arms the watcher for this
         rank lifetime (once), and under ``raise`` raises a loss it heard of.
+
+        A group of one rank has no peer to lose: nothing is watched (its
+        watcher would wait in vain for the group, which the sidecar learns of
+        only at the rank's first proposal, after this call).
 
         Raises:
             RankLost: (``raise``) a peer of this lifetime died; raised once.
         """
-        if self._target is None or self.policy is PeerLossPolicy.WAIT:
+        if self._target is None or self.policy is PeerLossPolicy.WAIT or ep_size == 1:
             return
         if lifetime != self._lifetime:
             self.stop()
