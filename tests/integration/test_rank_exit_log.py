@@ -28,23 +28,29 @@ from tests.integration.helpers import (
 
 pytestmark = pytest.mark.timeout(60)
 
+_MAIN = "import sys; from moe_sidecar.cli import main; sys.exit(main())"
+"""``moe-sidecar`` (``python -m moe_sidecar`` alone is ``serve``)."""
+
 _RANK = """
 import os, signal, sys
 from moe_sidecar.client.transport import GrpcTransport
-from moe_sidecar.core.group import Proposal, Requirement
+from moe_sidecar.core.group import CommitRecord, Proposal, Requirement
 from moe_sidecar.core.plan import Capacities
 
 target, group, ending = sys.argv[1:]
+lifetime = "life-1-lifetime-token"
 transport = GrpcTransport(target)
-transport.propose(Proposal(group=group, ep_size=1, ep_rank=0, local_ranks=1,
-    lifetime="life-1-lifetime-token", round=1,
+decision = transport.propose(Proposal(group=group, ep_size=1, ep_rank=0, local_ranks=1,
+    lifetime=lifetime, round=1,
     requirement=Requirement(Capacities(16, 64, 128, 2, 8), "model.layers.0.mlp")))
-print("proposed", flush=True)
+transport.commit(group, CommitRecord(0, lifetime, 1, decision.plan, 0.01))
+print("built", flush=True)
 if ending == "killed":
     os.kill(os.getpid(), signal.SIGKILL)
 transport.close()
 """
-"""One rank's lifetime over the client's transport: one round, then its end."""
+"""One rank's lifetime over the client's transport: one round built and
+committed, then its end."""
 
 
 def _rank(target: str, group: str, ending: str) -> subprocess.CompletedProcess[str]:
@@ -90,9 +96,24 @@ def test_a_rank_that_closed_its_manager_and_exited_is_logged_as_leaving_normally
     record = _gone_record(log, "clean-exit/ep1")
     assert (record["level"], record["message"]) == ("INFO", "rank left the group normally")
     assert "closed its session cleanly" in record["detail"], record
-    # Nothing of the group reads like a failure: no warning, no error.
+    # Nothing of the group reads like a failure: no warning, no error, and its
+    # last view (no member left) ended rather than "failed: members none".
     loud = [r for r in log_records(log) if r["level"] not in ("DEBUG", "INFO")]
     assert loud == [], loud
+    ended = (
+        "view 2 ended at generation 1 (rank 0 (last reported round 1, layer "
+        "'model.layers.0.mlp') is gone: it closed its session cleanly (cleanup); no member is left)"
+    )
+    views = [r["detail"] for r in log_records(log) if r["message"] == "view changed"]
+    assert views == [ended], views
+    groups = subprocess.run(
+        [sys.executable, "-c", _MAIN, "groups", "--target", target],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")},
+    )  # fmt: skip
+    assert groups.returncode == 0, groups.stderr
+    assert f"  {ended}\n" in groups.stdout, groups.stdout
+    assert "failed" not in groups.stdout, groups.stdout
 
 
 def test_a_killed_rank_is_logged_as_lost(sidecar: tuple[str, Path]) -> None:
