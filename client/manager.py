@@ -184,6 +184,7 @@ class AlltoAllManager:
             self._peer_loss,
             self._on_group,
             lambda: self._held.plan,
+            ep_size=self.ep_size,
             agrees_across_ranks=self.agrees_across_ranks,
             build=self._build,
             commit=self._commit,

@@ -136,6 +136,8 @@ class PeerLossWatcher:
         self._on_loss = on_loss
         self._stopped = threading.Event()
         self._subscribed = threading.Event()
+        self._settled = threading.Event()
+        """Set once the stream is subscribed, or the target serves no Watch."""
         self._channel: grpc.Channel | None = None
         self._call: grpc.RpcContext | None = None
         self._lock = threading.Lock()
@@ -144,10 +146,13 @@ class PeerLossWatcher:
     def start(self, wait: float = SUBSCRIBE_WAIT_S) -> bool:
         """Starts the thread and waits at most ``wait`` seconds until its Watch
         stream is subscribed (no later death can be missed); False when it is
-        not yet (the thread goes on trying)."""
+        not yet (the thread goes on trying), or when the target serves no
+        Watch (UNIMPLEMENTED: a health port, say; the rank's own call to it
+        says so next, and the thread ends)."""
         self._thread.start()
-        subscribed = self._subscribed.wait(wait)
-        if not subscribed:
+        self._settled.wait(wait)
+        subscribed = self._subscribed.is_set()
+        if not subscribed and not self._settled.is_set():
             _log.warning(
                 "moe-sidecar: the peer-loss watcher of rank %d could not subscribe to group %s "
                 "within %gs; it keeps trying",
@@ -187,6 +192,11 @@ class PeerLossWatcher:
             except grpc.RpcError as error:
                 if self._stopped.is_set():
                     return
+                if isinstance(error, grpc.Call) and error.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    # No coordinator there: nothing to watch, ever.
+                    _log.debug("peer-loss watch: %s serves no Watch; not watching", self._target)
+                    self._settled.set()
+                    return
                 _log.debug("peer-loss watch stream ended: %s; reopening", error)
             else:
                 if loss is not None:
@@ -221,6 +231,7 @@ class PeerLossWatcher:
                 pass
             return None
         self._subscribed.set()
+        self._settled.set()
         for message in call:
             event = event_from_proto(message)
             if event is not None and self.concerns_me(event):
@@ -265,14 +276,18 @@ class PeerLossWatch:
         """
         return cls(transport.target if isinstance(transport, GrpcTransport) else None)
 
-    def check(self, group: str, ep_rank: int, lifetime: str) -> None:
+    def check(self, group: str, ep_rank: int, lifetime: str, *, ep_size: int) -> None:
         """Called at every call into the manager: arms the watcher for this
         rank lifetime (once), and under ``raise`` raises a loss it heard of.
+
+        A group of one rank has no peer to lose: nothing is watched (its
+        watcher would wait in vain for the group, which the sidecar learns of
+        only at the rank's first proposal, after this call).
 
         Raises:
             RankLost: (``raise``) a peer of this lifetime died; raised once.
         """
-        if self._target is None or self.policy is PeerLossPolicy.WAIT:
+        if self._target is None or self.policy is PeerLossPolicy.WAIT or ep_size == 1:
             return
         if lifetime != self._lifetime:
             self.stop()

@@ -57,6 +57,7 @@ class RoundDecisions:
         peer_loss: hears of a peer's death while this rank is blocked.
         on_group: the EP group's collectives (the agreements).
         held_plan: the plan this rank holds (None: nothing built).
+        ep_size: the group's EP size (a group of one rank has no peer to lose).
         agrees_across_ranks: every round adds the cross-rank agreement (more
             ranks than one decider sees, or embedded).
         build: builds what an answer read late asks for.
@@ -72,12 +73,14 @@ class RoundDecisions:
         on_group: GroupCollectives,
         held_plan: Callable[[], Plan | None],
         *,
+        ep_size: int,
         agrees_across_ranks: bool,
         build: Build,
         commit: Commit,
     ) -> None:
         self._group = group
         self._ep_rank = ep_rank
+        self._ep_size = ep_size
         self._transport = transport
         self._peer_loss = peer_loss
         self._on_group = on_group
@@ -154,7 +157,7 @@ class RoundDecisions:
         """
         # Every call into the manager comes here: the watcher is armed for this
         # lifetime, and a peer's death is raised (under MOE_SIDECAR_ON_PEER_LOSS=raise).
-        self._peer_loss.check(self._group, self._ep_rank, lifetime)
+        self._peer_loss.check(self._group, self._ep_rank, lifetime, ep_size=self._ep_size)
         # Every forward step reads moe_alltoall and every covered round comes
         # here: most of the time there is nothing to settle.
         if not self.unagreed and self._transport.unanswered <= keep:

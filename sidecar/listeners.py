@@ -139,11 +139,16 @@ def _prepare_socket_path(address: ListenAddress) -> None:
         probe.connect(str(path))
     except OSError as error:
         if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise StartupError(f"cannot probe socket {str(path)!r}: {error}") from None
+            raise StartupError(
+                f"--listen {address.target}: cannot probe the socket {str(path)!r}: {error}"
+            ) from None
         # Nobody accepts on it: left behind by a sidecar that died.
         path.unlink(missing_ok=True)
     else:
-        raise StartupError(f"another process already serves on {str(path)!r}")
+        raise StartupError(
+            f"--listen {address.target}: address already in use (another process listens on "
+            f"{str(path)!r}); {_BIND_HINTS['--listen']}"
+        )
     finally:
         probe.close()
 
@@ -306,14 +311,17 @@ def lock_socket_path(address: ListenAddress) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, SOCKET_MODE)
     except OSError as error:
-        raise StartupError(f"cannot use socket path {str(path)!r}: {error}") from None
+        raise StartupError(
+            f"--listen {address.target}: cannot use the socket path: {error}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise StartupError(
-            f"another moe-sidecar serves (or is starting) on {str(path)!r} (lock {str(lock)!r} "
-            "held)"
+            f"--listen {address.target}: address already in use (another moe-sidecar serves or "
+            f"is starting on {str(path)!r}: its lock {str(lock)!r} is held); "
+            f"{_BIND_HINTS['--listen']}"
         ) from None
     return fd
 

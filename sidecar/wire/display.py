@@ -225,8 +225,11 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
 
 
 def _view_line(view: View) -> str:
-    """The membership view as one line of ``groups``."""
-    members = ", ".join(str(r) for r in view.members) or "none"
+    """The membership view as one line of ``groups`` (as the log's, a view
+    every member left reads ``ended``: the ranks' normal exit ends it too)."""
+    if not view.members:
+        return f"view {view.number} ended at generation {view.generation} ({view.cause})"
+    members = ", ".join(str(r) for r in view.members)
     due = f", due {format_time(view.deadline)}" if view.deadline is not None else ""
     acked = f", acknowledged by {', '.join(str(a.ep_rank) for a in view.acks)}" if view.acks else ""
     return (

@@ -1,5 +1,6 @@
-"""A client or ``moe-sidecar groups`` pointed at the health port is told so,
-instead of gRPC's bare ``UNIMPLEMENTED: Method not found!``."""
+"""A client or ``moe-sidecar groups`` pointed at the health port is told so
+instead of gRPC's bare ``UNIMPLEMENTED: Method not found!``, and a rank's
+peer-loss watcher does not wait for a Watch stream there first."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from moe_sidecar.client.errors import InternalError
+from moe_sidecar.client.peer_loss import SUBSCRIBE_WAIT_S, PeerLossPolicy, PeerLossWatch
 from moe_sidecar.client.transport import GrpcTransport
 from moe_sidecar.core.group import Proposal, Requirement
 from moe_sidecar.core.plan import Capacities
@@ -67,3 +70,22 @@ async def test_groups_pointed_at_the_health_port_is_told_so(tmp_path: Path) -> N
         "health port (--health-port), which serves only health checks; give --target an address "
         "the sidecar's --listen serves (default 127.0.0.1:50051)\n"
     )
+
+
+async def test_a_peer_loss_watcher_pointed_at_the_health_port_does_not_wait_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The health port answers Watch UNIMPLEMENTED: no stream will ever be
+    # subscribed, so the rank's first call goes on at once to the propose that
+    # says which port this is, with no "could not subscribe" warning before it.
+    async with running_server(make_config(tmp_path)) as server:
+        target = f"127.0.0.1:{server.addresses.health_port}"
+        watch = PeerLossWatch(target, PeerLossPolicy.RAISE)
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(watch.check, "g/ep2", 0, "life-1-lifetime-token", ep_size=2)
+        finally:
+            watch.stop()
+        waited = time.monotonic() - started
+    assert waited < SUBSCRIBE_WAIT_S / 2, waited
+    assert "could not subscribe" not in caplog.text, caplog.text

@@ -195,6 +195,31 @@ async def test_serve_exits_1_when_a_port_is_taken(tmp_path: Path, which: str) ->
     assert "GRPC_VERBOSITY" not in error
 
 
+async def test_a_socket_path_another_sidecar_serves_names_listen(tmp_path: Path) -> None:
+    path = tmp_path / "taken.sock"
+    async with running_server(make_config(tmp_path, listen=(f"unix://{path}",))):
+        code, error = await _serve_exit(tmp_path, "--listen", f"unix://{path}")
+    assert code == 1
+    assert error == (
+        f"--listen unix://{path}: address already in use (another moe-sidecar serves or is "
+        f"starting on {str(path)!r}: its lock {str(path) + '.lock'!r} is held); give another "
+        "--listen address, or stop the process that holds it"
+    )
+
+
+async def test_a_socket_path_another_process_listens_on_names_listen(tmp_path: Path) -> None:
+    path = tmp_path / "taken.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as taken:
+        taken.bind(str(path))
+        taken.listen()
+        code, error = await _serve_exit(tmp_path, "--listen", f"unix://{path}")
+    assert code == 1
+    assert error == (
+        f"--listen unix://{path}: address already in use (another process listens on "
+        f"{str(path)!r}); give another --listen address, or stop the process that holds it"
+    )
+
+
 def test_a_second_sidecar_on_a_terminal_gets_one_plain_line(tmp_path: Path) -> None:
     # The default --log-format auto writes text on a terminal: the start error is
     # the one plain line a flag error is, and gRPC's own bind failure is not printed.

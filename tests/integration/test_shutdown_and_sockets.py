@@ -84,7 +84,10 @@ async def test_socket_mode_and_stale_socket(tmp_path: Path) -> None:
         assert stat.S_ISSOCK(path.stat().st_mode)
         # A live socket is not taken over by a second server.
         other = make_config(tmp_path / "b", listen=(f"unix://{path}",))
-        with pytest.raises(StartupError, match=r"another moe-sidecar serves \(or is starting\)"):
+        with pytest.raises(
+            StartupError,
+            match=r"address already in use \(another moe-sidecar serves or is starting",
+        ):
             async with running_server(other):
                 pass
         async with coordinator_stub(server.addresses.listen[0]) as stub:

@@ -6,7 +6,8 @@ port), runs DeepSeek-V3 on two CPU ranks against it twice and prints
 what it prints, and it must leave no sidecar behind. The user guide's
 walk-through runs the same two ``simulate`` commands against a sidecar on
 TCP: every figure it quotes from them (sizes, generations, RPCs,
-collectives, checks, history) must be what the demo prints too.
+collectives, checks, history) must be what the demo prints too, and its prose on
+the collectives (the proof plus one barrier per build) must add up to them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,33 @@ def _user_guide_simulate_lines() -> list[str]:
     return [line for line in lines if line.strip() and not any(v in line for v in varying)]
 
 
+def _user_guide_collectives_prose() -> list[tuple[int, int]]:
+    """(the proof's, the builds') collectives the walk-through's prose gives,
+    for the first run and the restart: "1 + 2 in the first run, 1 + 1 in the second"."""
+    guide = " ".join((ROOT / "docs" / "user-guide.md").read_text().split())
+    found = re.search(
+        r"The collectives are the group's proof, .*?: (\d+) \+ (\d+) in the first run, "
+        r"(\d+) \+ (\d+) in the second",
+        guide,
+    )
+    assert found, "the user guide no longer explains the collectives counts"
+    figures = [int(n) for n in found.groups()]
+    return [(figures[0], figures[1]), (figures[2], figures[3])]
+
+
+def _printed_runs(stdout: str) -> list[tuple[int, set[int]]]:
+    """Per simulate run of the demo: its builds (builds + rebuilds) and the
+    collectives counts its ranks printed."""
+    runs = re.split(r"^== \d\. ", stdout, flags=re.M)[1:3]
+    printed = []
+    for run in runs:
+        counts = re.search(r"^rounds: \d+ +builds: (\d+) +rebuilds: (\d+)", run, re.M)
+        assert counts, run
+        collectives = {int(n) for n in re.findall(r"RPCs, (\d+) collectives$", run, re.M)}
+        printed.append((int(counts[1]) + int(counts[2]), collectives))
+    return printed
+
+
 def _timing_free(line: str) -> str:
     # Round times and the socket's temporary directory differ per run.
     return re.sub(r"\s+[0-9.]+ ms$", "", re.sub(r"moe-sidecar-demo\.\S+/", "", line))
@@ -69,6 +97,12 @@ def test_the_demo_prints_what_the_readme_shows(tmp_path: Path) -> None:
         assert _timing_free(line) in printed, line
     for line in _user_guide_simulate_lines():
         assert _timing_free(line) in printed, f"docs/user-guide.md shows {line!r}"
+    # The prose's sums are the figures printed: one proof, one barrier per build.
+    for (proof, barriers), (builds, collectives) in zip(
+        _user_guide_collectives_prose(), _printed_runs(done.stdout), strict=True
+    ):
+        assert (proof, barriers) == (1, builds), "docs/user-guide.md explains the collectives"
+        assert collectives == {proof + barriers}, "docs/user-guide.md explains the collectives"
     assert "on node demo-node" in done.stdout  # the growth history names the node given
     assert "WARNING" not in done.stderr  # a normal run's end is no warning
     assert list(tmp_path.iterdir()) == []  # the sidecar's directory is gone with it

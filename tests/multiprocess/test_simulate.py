@@ -212,3 +212,6 @@ def test_simulate_one_rank_counts_in_the_singular(sidecar: Sidecar) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert "generation 1; 49 RPCs, 1 collective\n" in run.stdout, run.stdout
     assert "collectives" not in run.stdout
+    # A group of one rank has no peer to lose: no watcher waits for a group the
+    # sidecar learns of only at the rank's first proposal (5 s and a warning).
+    assert "peer-loss watcher" not in run.stderr, run.stderr

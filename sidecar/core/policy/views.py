@@ -35,8 +35,15 @@ caller names no limit (the sidecar passes its ``--round-timeout``)."""
 
 
 def view_text(view: View) -> str:
-    """One line an operator reads of ``view``."""
-    members = ", ".join(str(r) for r in view.members) or "none"
+    """One line an operator reads of ``view``.
+
+    A view every member left (state FAILED: nothing follows it in the
+    lifetime) reads ``ended``: the ranks' normal exit ends it too, and the
+    cause says how each went.
+    """
+    if not view.members:
+        return f"view {view.number} ended at generation {view.generation} ({view.cause})"
+    members = ", ".join(str(r) for r in view.members)
     return (
         f"view {view.number} {view.state.value}: members {members} at generation "
         f"{view.generation} ({view.cause})"
