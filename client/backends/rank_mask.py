@@ -14,6 +14,8 @@ imports FlashInfer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
@@ -21,10 +23,12 @@ __all__ = [
     "active_ranks",
     "all_ranks_mask",
     "check_rank_mask",
+    "kernel_mask",
     "members",
     "rank_mask_from_tensor",
     "rank_mask_tensor",
     "rank_mask_words",
+    "refuse_other_combine_mask",
 ]
 
 _WORD_BITS = 64
@@ -141,3 +145,47 @@ def rank_mask_from_tensor(active_rank_mask: torch.Tensor | int | None) -> int | 
         )
     words = [int(word) for word in active_rank_mask.tolist()]
     return sum(word << (_WORD_BITS * w) for w, word in enumerate(words))
+
+
+def kernel_mask(
+    active_rank_mask: torch.Tensor | int | None,
+    *,
+    ep_size: int,
+    ep_rank: int,
+    enable_rank_mask: bool,
+    words: int,
+    build: Callable[[tuple[int, ...]], torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """What FlashInfer's kernels take for ``active_rank_mask`` (an ``int``,
+    FlashInfer's words, or None): None on a build without the mask compiled
+    in; else the release's ``words`` words, every rank's for None (its
+    kernels with the mask compiled in need one on every call), made by the
+    release's own ``build(active_ranks)`` when it has one.
+
+    Raises:
+        RankMaskError: as :func:`check_rank_mask` and :func:`rank_mask_words`.
+    """
+    mask = check_rank_mask(
+        rank_mask_from_tensor(active_rank_mask),
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        enable_rank_mask=enable_rank_mask,
+    )
+    if mask is None:
+        return None
+    tensor = rank_mask_tensor(mask, words)  # refuses a mask beyond the release's words
+    return tensor if build is None else build(active_ranks(mask, ep_size))
+
+
+def refuse_other_combine_mask(combine_mask: int | None, dispatch_mask: int | None) -> None:
+    """Refuses a combine whose (checked) mask is not its dispatch's:
+    FlashInfer's combine would wait on, or skip, other ranks than its dispatch.
+
+    Raises:
+        RankMaskError: the two differ.
+    """
+    if combine_mask != dispatch_mask:
+        raise RankMaskError(
+            f"active_rank_mask={combine_mask!r}: combine must take its dispatch's mask "
+            f"({dispatch_mask!r})"
+        )

@@ -45,7 +45,11 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client.backends.base import BuildSpec
-from moe_sidecar.client.backends.rank_mask import RankMaskError, check_rank_mask, members
+from moe_sidecar.client.backends.rank_mask import (
+    check_rank_mask,
+    members,
+    refuse_other_combine_mask,
+)
 from moe_sidecar.client.backends.reference_exchange import exchange_rows
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
@@ -477,12 +481,7 @@ class ReferenceAlltoAll:
             RankMaskError: a mask this build refuses, or not the dispatch's.
             ValueError: a malformed payload or output.
         """
-        if self._checked_mask(active_rank_mask) != state.active_rank_mask:
-            # FlashInfer's combine would wait on (or skip) other ranks than its dispatch.
-            raise RankMaskError(
-                f"active_rank_mask={active_rank_mask!r}: combine must take its dispatch's mask "
-                f"({state.active_rank_mask!r})"
-            )
+        refuse_other_combine_mask(self._checked_mask(active_rank_mask), state.active_rank_mask)
         self._check_runtime_tokens(runtime_max_tokens_per_rank)
         if (
             payload.dim() != 3

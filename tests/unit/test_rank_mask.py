@@ -15,6 +15,7 @@ from moe_sidecar.client.backends.rank_mask import (
     rank_mask_tensor,
     rank_mask_words,
 )
+from moe_sidecar.flashinfer import v0_7_2_post1, v0_7_4
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -86,3 +87,11 @@ def test_flashinfer_form_is_checked() -> None:
         rank_mask_from_tensor(torch.tensor([3], dtype=torch.int64))
     with pytest.raises(RankMaskError, match="active_rank_mask"):
         rank_mask_from_tensor(torch.zeros(1, 1, dtype=torch.uint64))
+
+
+def test_each_release_names_its_words_and_limit() -> None:
+    # MOE_A2A_RANK_MASK_WORDS of 0.7.2.post1; kRankMaskWords of 0.7.4.
+    assert v0_7_2_post1.RELEASE.rank_mask_words == 1
+    assert v0_7_4.RELEASE.rank_mask_words == 4
+    for release in (v0_7_2_post1.RELEASE, v0_7_4.RELEASE):
+        assert release.rank_mask_words * 64 == release.max_ranks
