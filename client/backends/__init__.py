@@ -25,6 +25,7 @@ from moe_sidecar.client.backends.base import (
     BuildSpec,
     CommunicationSpec,
 )
+from moe_sidecar.client.backends.rank_mask import RankMaskError
 from moe_sidecar.flashinfer import DEFAULT_RELEASE, RELEASES, release_serving
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "AlltoAllBackend",
     "BuildSpec",
     "CommunicationSpec",
+    "RankMaskError",
     "backend_for",
     "flashinfer_backend_name",
 ]

@@ -33,6 +33,10 @@ class BuildSpec:
     use_low_precision_combine: bool = False
     """Whether the engine combines in FP8 (the engine room's rule): for a
     backend whose built object is the ``moe_ep`` one."""
+    enable_rank_mask: bool = False
+    """Build kernels that take an active-rank mask on every dispatch and
+    combine (FlashInfer's ``enable_rank_mask``): only such a build can serve
+    a membership view without some of its ranks."""
 
     @property
     def max_num_tokens(self) -> int:
@@ -83,6 +87,8 @@ class AlltoAll(Protocol):
         runtime_max_tokens_per_rank: int,
         invalid_token_expert_id: int | None = None,
         expert_id_payload_index: int | None = None,
+        *,
+        active_rank_mask: int | None = None,
     ) -> list[torch.Tensor]:
         """Sends each token's payloads to the ranks owning its top-k experts.
 
@@ -90,6 +96,15 @@ class AlltoAll(Protocol):
         payload: row ``[src, i]`` is the i-th token rank ``src`` sent here.
         With ``invalid_token_expert_id``, the expert ids (payload
         ``expert_id_payload_index``) of rows that carry no token are set to it.
+        With ``active_rank_mask`` (bit i set = rank i is a member; None: every
+        rank; only on a build with ``enable_rank_mask``), a token's copy for a
+        masked rank is dropped, not re-routed, as FlashInfer's kernels do, and
+        no masked rank takes part.
+
+        Raises:
+            RankMaskError: a mask on a build without ``enable_rank_mask``, one
+                without this rank's bit, or with bits beyond ``ep_size``
+                (:mod:`moe_sidecar.client.backends.rank_mask`).
         """
         ...
 
@@ -99,10 +114,16 @@ class AlltoAll(Protocol):
         runtime_max_tokens_per_rank: int,
         *,
         output: torch.Tensor | None = None,
+        active_rank_mask: int | None = None,
     ) -> torch.Tensor:
         """Sends expert outputs back and sums them per token over its top-k.
 
         Returns ``[local_num_tokens, hidden]`` (``output`` when given).
+        ``active_rank_mask`` must be the one its dispatch was given: a masked
+        rank's share of a token is left out of the sum.
+
+        Raises:
+            RankMaskError: as :meth:`dispatch`.
         """
         ...
 

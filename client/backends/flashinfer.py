@@ -27,6 +27,14 @@ it, with exactly the attributes ``__init__`` and ``MoEEpCommunication.__init__``
 set; its methods read nothing else. Its ``destroy()`` drops the
 ``MoeAlltoAll``; the release below then frees the memory.
 
+Membership masks: the object built is an instance of a subclass of
+FlashInfer's class (:func:`masked_class`), constructed with
+``enable_rank_mask`` when the spec asks for it, whose ``dispatch`` and
+``combine`` also take the mask as an ``int`` (bit i = rank i a member): it
+becomes the release's ``uint64`` words (``moe_a2a_active_rank_mask``), every
+rank's when None on such a build, and a combine must take its dispatch's.
+Without a mask, the calls reach FlashInfer's unchanged.
+
 FlashInfer is imported on first use, never at import time: importing or
 calling it loads its CUDA module, which CPU processes must never do.
 
@@ -39,10 +47,12 @@ and :attr:`FlashInferBackend.first_build_seconds` say how the start went.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import logging
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -52,11 +62,16 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.backends.moe_ep_objects import moe_ep_objects
+from moe_sidecar.client.backends.rank_mask import (
+    kernel_mask,
+    rank_mask_from_tensor,
+    refuse_other_combine_mask,
+)
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.flashinfer import v0_7_2_post1
 
-__all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend"]
+__all__ = ["SUPPORTED_FLASHINFER", "FlashInferBackend", "masked_class"]
 
 RELEASE = v0_7_2_post1.RELEASE
 """The release whose ``MoeAlltoAll`` this backend drives (the next one removed it)."""
@@ -93,6 +108,8 @@ class _FlashInfer:
                 f"{SUPPORTED_FLASHINFER}); install flashinfer-python=={SUPPORTED_FLASHINFER}"
             )
         self.MoeAlltoAll: Any = moe_alltoall
+        # The release's own builder of the mask's words (absent before masks).
+        self.active_rank_mask: Any = getattr(alltoall, "moe_a2a_active_rank_mask", None)
         # FlashInfer's loader of the module behind MoeAlltoAll (cached by it).
         self.get_module: Any = getattr(alltoall, "get_moe_alltoall_module", None)
         self.MnnvlConfig: Any = mnnvl.MnnvlConfig
@@ -120,6 +137,80 @@ class _FlashInfer:
                 ) from error
             self._moe_ep = (moe_ep, quant_format)
         return self._moe_ep
+
+
+@functools.cache
+def masked_class(base: Any, build_mask: Any) -> Any:
+    """FlashInfer's ``MoeAlltoAll`` (``base``) whose ``dispatch`` and ``combine``
+    also take ``active_rank_mask`` as an ``int``; ``build_mask`` is the
+    release's ``moe_a2a_active_rank_mask`` (None: the words are made here).
+    """
+    with warnings.catch_warnings():
+        # FlashInfer marks MoeAlltoAll deprecated, which warns on subclassing
+        # too; building one still warns as it always did.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _masked_subclass(base, build_mask)
+
+
+def _masked_subclass(base: Any, build_mask: Any) -> Any:
+    class MoeAlltoAllWithMask(base):  # type: ignore[misc]
+        """FlashInfer's class; a mask may be an ``int`` and is checked first."""
+
+        _dispatched_mask: tuple[int | None] | None = None
+        """The mask of the dispatch awaiting its combine (None: none awaits)."""
+
+        def _kernel_mask(self, active_rank_mask: torch.Tensor | int | None) -> Any:
+            return kernel_mask(
+                active_rank_mask,
+                ep_size=self.ep_size,
+                ep_rank=self.ep_rank,
+                enable_rank_mask=bool(getattr(self, "enable_rank_mask", False)),
+                words=RELEASE.rank_mask_words,
+                build=None
+                if build_mask is None
+                else functools.partial(_ranks_mask, build_mask, self.ep_size),
+            )
+
+        def dispatch(
+            self, *args: Any, active_rank_mask: torch.Tensor | int | None = None, **kwargs: Any
+        ) -> Any:
+            """FlashInfer's ``dispatch``, the mask in the release's words.
+
+            Raises:
+                RankMaskError: a mask this build or this rank refuses; and
+                    FlashInfer's own errors.
+            """
+            mask = self._kernel_mask(active_rank_mask)
+            if mask is not None:
+                kwargs["active_rank_mask"] = mask
+            received = super().dispatch(*args, **kwargs)
+            self._dispatched_mask = (rank_mask_from_tensor(mask),)
+            return received
+
+        def combine(
+            self, *args: Any, active_rank_mask: torch.Tensor | int | None = None, **kwargs: Any
+        ) -> Any:
+            """FlashInfer's ``combine`` with its dispatch's mask.
+
+            Raises:
+                RankMaskError: a mask this build refuses, or not the
+                    dispatch's; and FlashInfer's own errors.
+            """
+            mask = self._kernel_mask(active_rank_mask)
+            if self._dispatched_mask is not None:  # else FlashInfer's own check speaks
+                refuse_other_combine_mask(rank_mask_from_tensor(mask), self._dispatched_mask[0])
+            if mask is not None:
+                kwargs["active_rank_mask"] = mask
+            combined = super().combine(*args, **kwargs)
+            self._dispatched_mask = None
+            return combined
+
+    return MoeAlltoAllWithMask
+
+
+def _ranks_mask(build_mask: Any, ep_size: int, ranks: tuple[int, ...]) -> torch.Tensor:
+    mask: torch.Tensor = build_mask(list(ranks), ep_size)
+    return mask
 
 
 class FlashInferBackend:
@@ -192,13 +283,21 @@ class FlashInferBackend:
                 f"spec says ep_rank {spec.ep_rank} of {spec.ep_size} but the group has rank "
                 f"{communicator.Get_rank()} of {communicator.Get_size()}"
             )
-        handle: AlltoAll = fi.MoeAlltoAll(
+        if spec.enable_rank_mask and fi.active_rank_mask is None:
+            raise BackendError(
+                "enable_rank_mask=True: this flashinfer-python's MoeAlltoAll takes no "
+                f"active-rank mask; install flashinfer-python=={SUPPORTED_FLASHINFER}"
+            )
+        # Passed only when asked for: the older MoeAlltoAll (vLLM 0.30's pin) has no such argument.
+        mask_argument = {"enable_rank_mask": True} if spec.enable_rank_mask else {}
+        handle: AlltoAll = masked_class(fi.MoeAlltoAll, fi.active_rank_mask)(
             mapping=self.mapping_for(spec),
             max_num_tokens=spec.max_num_tokens,
             top_k=spec.top_k,
             num_experts=spec.num_experts,
             workspace_size_per_rank=spec.workspace_size_per_rank,
             mnnvl_config=fi.MnnvlConfig(comm_backend=communicator),
+            **mask_argument,
         )
         if self.first_build_seconds is None:
             self.first_build_seconds = time.perf_counter() - started
@@ -237,6 +336,7 @@ class FlashInferBackend:
             extra_payload_bytes_per_token=spec.extra_payload_bytes_per_token,
             use_low_precision_combine=spec.use_low_precision_combine,
             comm_backend=GroupCommunicator(self._group),
+            enable_rank_mask=bool(getattr(handle, "enable_rank_mask", False)),
         )
         config, bootstrap, params = objects.config, objects.bootstrap, objects.params
         wrapper: Any = object.__new__(moe_ep.NVLinkOneSidedAlltoAll)

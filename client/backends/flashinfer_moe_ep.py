@@ -32,6 +32,14 @@ of FlashInfer's class (:func:`vllm_compatible_class`) whose ``dispatch``
 takes both names; everything else is FlashInfer's. ``communication()``
 returns that object itself.
 
+Membership masks: with ``BuildSpec.enable_rank_mask`` the config says
+``enable_rank_mask=True``, and the subclass's ``dispatch`` and ``combine``
+also take the mask as an ``int`` (bit i = rank i a member), turned into the
+release's 4 ``uint64`` words by FlashInfer's own
+``NVLinkOneSidedAlltoAll.active_rank_mask`` (every rank's when None on such a
+build; a combine must take its dispatch's). FlashInfer refuses a CUDA-graph
+capture of such an object: the mask is fixed at capture time.
+
 FlashInfer is imported on first use, never at import time.
 """
 
@@ -51,6 +59,11 @@ from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationS
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.backends.moe_ep_objects import moe_ep_objects
+from moe_sidecar.client.backends.rank_mask import (
+    kernel_mask,
+    rank_mask_from_tensor,
+    refuse_other_combine_mask,
+)
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.flashinfer import LayoutError, v0_7_4
@@ -99,8 +112,23 @@ def vllm_compatible_class() -> Any:
         vLLM 0.33's prepare/finalize passes ``max_tokens_per_rank=`` (the
         keyword of the FlashInfer release it pins); this release renamed it
         ``runtime_max_tokens_per_rank``. Both mean the same: the
-        largest ``local_num_tokens`` over the ranks this step.
+        largest ``local_num_tokens`` over the ranks this step. Both
+        ``dispatch`` and ``combine`` take ``active_rank_mask`` as an ``int``
+        too (see the module).
         """
+
+        _dispatched_mask: tuple[int | None] | None = None
+        """The mask of the dispatch awaiting its combine (None: none awaits)."""
+
+        def _kernel_mask(self, active_rank_mask: torch.Tensor | int | None) -> Any:
+            return kernel_mask(
+                active_rank_mask,
+                ep_size=self.ep_size,
+                ep_rank=self.ep_rank,
+                enable_rank_mask=bool(self.config.enable_rank_mask),
+                words=RELEASE.rank_mask_words,
+                build=self.active_rank_mask,
+            )
 
         def dispatch(
             self,
@@ -112,7 +140,7 @@ def vllm_compatible_class() -> Any:
             runtime_max_tokens_per_rank: int | None = None,
             max_tokens_per_rank: int | None = None,
             eplb_local_stats: torch.Tensor | None = None,
-            active_rank_mask: torch.Tensor | None = None,
+            active_rank_mask: torch.Tensor | int | None = None,
         ) -> Any:
             """FlashInfer's ``dispatch``; ``max_tokens_per_rank`` is
             ``runtime_max_tokens_per_rank`` under vLLM 0.33's name.
@@ -120,7 +148,9 @@ def vllm_compatible_class() -> Any:
             Raises:
                 ValueError: both names given, with different values; and
                     FlashInfer's own errors.
+                RankMaskError: a mask this build or this rank refuses.
             """
+            mask = self._kernel_mask(active_rank_mask)
             if max_tokens_per_rank is not None:
                 if runtime_max_tokens_per_rank not in (None, max_tokens_per_rank):
                     raise ValueError(
@@ -129,15 +159,37 @@ def vllm_compatible_class() -> Any:
                         "they name the same value"
                     )
                 runtime_max_tokens_per_rank = max_tokens_per_rank
-            return super().dispatch(
+            result = super().dispatch(
                 hidden_states,
                 topk_ids,
                 topk_weights,
                 hidden_states_scale=hidden_states_scale,
                 runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
                 eplb_local_stats=eplb_local_stats,
-                active_rank_mask=active_rank_mask,
+                active_rank_mask=mask,
             )
+            self._dispatched_mask = (rank_mask_from_tensor(mask),)
+            return result
+
+        def combine(
+            self,
+            expert_output: torch.Tensor,
+            *,
+            output: torch.Tensor | None = None,
+            active_rank_mask: torch.Tensor | int | None = None,
+        ) -> Any:
+            """FlashInfer's ``combine`` with its dispatch's mask.
+
+            Raises:
+                RankMaskError: a mask this build refuses, or not the
+                    dispatch's; and FlashInfer's own errors.
+            """
+            mask = self._kernel_mask(active_rank_mask)
+            if self._dispatched_mask is not None:  # else FlashInfer's own check speaks
+                refuse_other_combine_mask(rank_mask_from_tensor(mask), self._dispatched_mask[0])
+            combined = super().combine(expert_output, output=output, active_rank_mask=mask)
+            self._dispatched_mask = None
+            return combined
 
     return NVLinkOneSidedAlltoAllForVllm
 
@@ -225,6 +277,7 @@ class FlashInferMoeEpBackend:
             extra_payload_bytes_per_token=d.extra_payload_bytes_per_token,
             use_low_precision_combine=spec.use_low_precision_combine,
             comm_backend=communicator,
+            enable_rank_mask=spec.enable_rank_mask,
             # cft and lamport change the layout the pure sizing computes (SM100+ only).
             config_fields={
                 "eplb_stats_num_experts": d.eplb_stats_num_experts,

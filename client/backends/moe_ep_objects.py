@@ -11,6 +11,9 @@ API with the same three objects, as vLLM 0.33 builds them
     config = NVLinkOneSidedConfig(extra_payload_bytes_per_token=...,
         use_low_precision_combine=..., comm_backend=CustomCommunicator(cpu_group))
 
+plus ``enable_rank_mask=True`` for an all-to-all built to take membership
+masks (left out otherwise, as vLLM leaves it).
+
 The ``MoeAlltoAll`` backend wraps its own ``MoeAlltoAll`` with them; the
 ``moe_ep`` backend builds ``NVLinkOneSidedAlltoAll`` from them, with the
 config fields only its release has (``eplb_stats_num_experts``, ``cft``,
@@ -54,12 +57,14 @@ def moe_ep_objects(
     use_low_precision_combine: bool,
     comm_backend: object,
     config_fields: Mapping[str, object] | None = None,
+    enable_rank_mask: bool = False,
 ) -> MoeEpObjects:
     """The three objects for one rank of the EP group ``group``.
 
     ``moe_ep`` is the imported ``flashinfer.moe_ep``, ``quant_format``
     FlashInfer's ``QuantFormat`` (``dispatch_format_name`` None: bf16 rows);
-    ``comm_backend`` the communicator FlashInfer's handle exchange runs on.
+    ``comm_backend`` the communicator FlashInfer's handle exchange runs on;
+    ``enable_rank_mask`` compiles the active-rank mask into the kernels.
 
     Raises:
         KeyError: a ``dispatch_format_name`` FlashInfer's ``QuantFormat`` lacks.
@@ -84,6 +89,7 @@ def moe_ep_objects(
         extra_payload_bytes_per_token=extra_payload_bytes_per_token,
         use_low_precision_combine=use_low_precision_combine,
         comm_backend=comm_backend,
+        **({"enable_rank_mask": True} if enable_rank_mask else {}),
         **(config_fields or {}),
     )
     return MoeEpObjects(params=params, bootstrap=bootstrap, config=config)

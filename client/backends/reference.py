@@ -84,6 +84,7 @@ class ReferenceBackend:
         config = ReferenceOneSidedConfig(
             extra_payload_bytes_per_token=spec.extra_payload_bytes_per_token,
             use_low_precision_combine=spec.use_low_precision_combine,
+            enable_rank_mask=handle.enable_rank_mask,
         )
         return ReferenceCommunication(handle, params, config)
 

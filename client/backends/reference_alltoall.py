@@ -17,12 +17,17 @@ tested, on machines without GPUs. It is faithful where that matters:
   dispatch payloads must fit (``workspace size per rank insufficient, need X
   bytes but has Y``) and ``combinePayloadOffset + combine payload`` must not
   exceed the workspace (``workspace insufficient for combine payload
-  region``), both as ``RuntimeError``.
+  region``), both as ``RuntimeError``;
+* built with ``enable_rank_mask``, it takes an active-rank mask (an ``int``,
+  bit i = rank i a member): a token's copy for a masked rank is not sent
+  (target and send index -1, as for a duplicate), so combine leaves that
+  rank's share out of the sum; masked ranks take no part.
 
 The one-sided NVLink writes become ``all_to_all_single`` on the EP group's
-gloo group. A released workspace's memory is returned at once (its storage is
-shrunk to zero bytes, so a stale view fails loudly rather than reading freed
-memory, as on a GPU); :func:`live_workspace_bytes` counts what is held.
+gloo group (under a mask, sends and receives between its members:
+:mod:`~moe_sidecar.client.backends.reference_exchange`). A released
+workspace's memory is returned at once (its storage is shrunk to zero bytes,
+so a stale view fails loudly rather than reading freed memory, as on a GPU); :func:`live_workspace_bytes` counts what is held.
 ``checkpoint_prepare``/``checkpoint_restore`` give the memory back and take it
 again, as FlashInfer's unmap and remap do.
 
@@ -40,6 +45,12 @@ import torch
 import torch.distributed as dist
 
 from moe_sidecar.client.backends.base import BuildSpec
+from moe_sidecar.client.backends.rank_mask import (
+    check_rank_mask,
+    members,
+    refuse_other_combine_mask,
+)
+from moe_sidecar.client.backends.reference_exchange import exchange_rows
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.sizing import KMAX_TOP_K, AuxOffsets, align, aux_offsets
 
@@ -81,6 +92,8 @@ class _Dispatched:
     local_num_tokens: int
     runtime_max_tokens_per_rank: int
     combine_payload_offset: int
+    active_rank_mask: int | None
+    """The dispatch's checked mask (None: built without ``enable_rank_mask``)."""
 
 
 def _int32_region(buffer: torch.Tensor, offset: int, count: int) -> torch.Tensor:
@@ -135,6 +148,7 @@ class ReferenceAlltoAll:
         self.ep_rank = spec.ep_rank
         self.top_k = spec.top_k
         self.num_experts = spec.num_experts
+        self.enable_rank_mask = spec.enable_rank_mask
         # FlashInfer's allocation gathers every rank's size and refuses a mismatch.
         mine = torch.tensor([spec.workspace_size_per_rank, spec.max_num_tokens], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(spec.ep_size)]
@@ -238,6 +252,16 @@ class ReferenceAlltoAll:
         _account(self.workspace_size_per_rank)
         comm_backend.barrier()
 
+    # --- masks ---------------------------------------------------------
+
+    def _checked_mask(self, active_rank_mask: int | None) -> int | None:
+        return check_rank_mask(
+            active_rank_mask,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            enable_rank_mask=self.enable_rank_mask,
+        )
+
     # --- dispatch ------------------------------------------------------
 
     def _check_runtime_tokens(self, runtime_max_tokens_per_rank: int) -> None:
@@ -247,14 +271,23 @@ class ReferenceAlltoAll:
                 f"max_num_tokens={self.max_num_tokens} (or is not positive)"
             )
 
-    def _route(self, token_selected_experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target rank and send index per (token, k); -1 for collapsed duplicates."""
+    def _route(
+        self, token_selected_experts: torch.Tensor, active_rank_mask: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target rank and send index per (token, k); -1 for collapsed
+        duplicates and, as FlashInfer's dispatch kernel drops them, for ranks
+        ``active_rank_mask`` leaves out."""
         targets = expert_owner(token_selected_experts, self.num_experts, self.ep_size)
         n, k = targets.shape
         same = targets[:, :, None] == targets[:, None, :]
         earlier = torch.ones(k, k, dtype=torch.bool).tril(diagonal=-1)
-        duplicate = (same & earlier).any(dim=2)
-        targets = torch.where(duplicate, torch.full_like(targets, -1), targets)
+        dropped = (same & earlier).any(dim=2)
+        if active_rank_mask is not None:
+            member = torch.tensor(
+                [(active_rank_mask >> rank) & 1 == 1 for rank in range(self.ep_size)]
+            )
+            dropped |= ~member[targets]
+        targets = torch.where(dropped, torch.full_like(targets, -1), targets)
         send_indices = torch.full_like(targets, -1)
         flat_targets = targets.reshape(-1)
         flat_indices = send_indices.reshape(-1)
@@ -314,13 +347,15 @@ class ReferenceAlltoAll:
         tse: torch.Tensor,
         payloads: list[torch.Tensor],
         runtime_max_tokens_per_rank: int,
+        active_rank_mask: int | None,
     ) -> torch.Tensor:
         """Routes every token to its target ranks and returns what this rank
         received: ``[ep_size, runtime_max_tokens_per_rank, payload bytes]``.
-        Writes FlashInfer's counters and routing tables into the workspace."""
+        Writes FlashInfer's counters and routing tables into the workspace.
+        Rows and counts from ranks ``active_rank_mask`` leaves out are zero."""
         buffer, offsets = self.workspace, self.metainfo
         n = tse.size(0)
-        targets, send_indices = self._route(tse)
+        targets, send_indices = self._route(tse, active_rank_mask)
         counts = torch.stack([(targets == r).sum() for r in range(self.ep_size)]).to(torch.int64)
         _int32_region(buffer, offsets.local_token_counter, 1).fill_(n)
         _int32_region(buffer, offsets.send_counters, self.ep_size).copy_(counts)
@@ -340,10 +375,35 @@ class ReferenceAlltoAll:
         outgoing[targets[valid], send_indices[valid]] = token_bytes[token_of[valid]]
         incoming = torch.empty_like(outgoing)
         received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts, group=self._group)
-        dist.all_to_all_single(incoming, outgoing, group=self._group)
+        taking_part = members(active_rank_mask, self.ep_size)
+        exchange_rows(self._group, received_counts, counts, rank=self.ep_rank, members=taking_part)
+        exchange_rows(self._group, incoming, outgoing, rank=self.ep_rank, members=taking_part)
         _int32_region(buffer, offsets.recv_counters, self.ep_size).copy_(received_counts)
         return incoming
+
+    def _land(
+        self,
+        buffer: torch.Tensor,
+        payloads: list[torch.Tensor],
+        sizes: list[int],
+        incoming: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Each payload's region of the workspace receives its columns of
+        ``incoming``; returns the regions as ``[ep_size, tokens, *]`` views."""
+        received: list[torch.Tensor] = []
+        start = self.metainfo.payload_data
+        column = 0
+        tokens = incoming.size(1)
+        for payload, size in zip(payloads, sizes, strict=True):
+            per_token = size // (self.ep_size * tokens)
+            region = buffer[start : start + size]
+            region.view(self.ep_size, tokens, per_token).copy_(
+                incoming[:, :, column : column + per_token]
+            )
+            received.append(region.view(payload.dtype).view(self.ep_size, tokens, -1))
+            start += size
+            column += per_token
+        return received
 
     def dispatch(
         self,
@@ -352,50 +412,44 @@ class ReferenceAlltoAll:
         runtime_max_tokens_per_rank: int,
         invalid_token_expert_id: int | None = None,
         expert_id_payload_index: int | None = None,
+        *,
+        active_rank_mask: int | None = None,
     ) -> list[torch.Tensor]:
-        """FlashInfer's ``MoeAlltoAll.dispatch``; collective over the EP group.
+        """FlashInfer's ``MoeAlltoAll.dispatch``; collective over the EP group
+        (over the members of ``active_rank_mask`` only, when given).
 
         Returns one ``[ep_size, runtime_max_tokens_per_rank, *]`` view of this
         rank's workspace per payload, of the payload's dtype. With
         ``invalid_token_expert_id``, the expert ids (payload
         ``expert_id_payload_index``) of every received row beyond what its
         source rank sent are set to it, as FlashInfer's sanitize kernel does
-        (``moeA2ASanitizeExpertIdsKernel``).
+        (``moeA2ASanitizeExpertIdsKernel``); every row from a masked rank is
+        such a row. ``active_rank_mask``: see
+        :meth:`moe_sidecar.client.backends.base.AlltoAll.dispatch`.
 
         Raises:
             RuntimeError: FlashInfer's checks, among them ``workspace size per
                 rank insufficient, need X bytes but has Y``.
+            RankMaskError: a mask this build or this rank refuses.
             ValueError: malformed inputs (FlashInfer rejects them too).
             BackendError: after release.
         """
         buffer = self.workspace
+        mask = self._checked_mask(active_rank_mask)
         if self._dispatched is not None:
             raise RuntimeError("dispatch called twice without combine")
         self._check_runtime_tokens(runtime_max_tokens_per_rank)
         n = self._check_routing(token_selected_experts, runtime_max_tokens_per_rank)
         sizes = self._payload_regions(input_payloads, n, runtime_max_tokens_per_rank)
         incoming = self._exchange_tokens(
-            token_selected_experts, input_payloads, runtime_max_tokens_per_rank
+            token_selected_experts, input_payloads, runtime_max_tokens_per_rank, mask
         )
-        # Each payload's region of the workspace receives its columns.
-        received: list[torch.Tensor] = []
-        start = self.metainfo.payload_data
-        column = 0
-        for payload, size in zip(input_payloads, sizes, strict=True):
-            per_token = size // (self.ep_size * runtime_max_tokens_per_rank)
-            region = buffer[start : start + size]
-            region.view(self.ep_size, runtime_max_tokens_per_rank, per_token).copy_(
-                incoming[:, :, column : column + per_token]
-            )
-            received.append(
-                region.view(payload.dtype).view(self.ep_size, runtime_max_tokens_per_rank, -1)
-            )
-            start += size
-            column += per_token
+        received = self._land(buffer, input_payloads, sizes, incoming)
         self._dispatched = _Dispatched(
             local_num_tokens=n,
             runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
             combine_payload_offset=align(self.metainfo.payload_data + sum(sizes)),
+            active_rank_mask=mask,
         )
         if invalid_token_expert_id is not None:
             if expert_id_payload_index is None:
@@ -416,6 +470,7 @@ class ReferenceAlltoAll:
         payload: torch.Tensor,
         runtime_max_tokens_per_rank: int,
         output: torch.Tensor | None,
+        active_rank_mask: int | None,
     ) -> _CombineRegion:
         """FlashInfer's checks of a combine after the dispatch ``state``;
         returns where the combine payload goes and its shape.
@@ -423,8 +478,10 @@ class ReferenceAlltoAll:
         Raises:
             RuntimeError: the combine payload does not fit behind the dispatch
                 payloads (FlashInfer's words); other FlashInfer checks.
+            RankMaskError: a mask this build refuses, or not the dispatch's.
             ValueError: a malformed payload or output.
         """
+        refuse_other_combine_mask(self._checked_mask(active_rank_mask), state.active_rank_mask)
         self._check_runtime_tokens(runtime_max_tokens_per_rank)
         if (
             payload.dim() != 3
@@ -462,6 +519,24 @@ class ReferenceAlltoAll:
             )
         return _CombineRegion(offset, payload_bytes, n, hidden)
 
+    def _sum_over_top_k(self, buffer: torch.Tensor, gathered: torch.Tensor, n: int) -> torch.Tensor:
+        """Each of the ``n`` tokens' expert outputs summed in float32 over the
+        (token, k) the dispatch sent: a send index of -1 (a duplicate, or a
+        masked rank) adds nothing."""
+        offsets = self.metainfo
+        shape = (n, self.top_k)
+        targets = _int32_region(buffer, offsets.topk_target_ranks, n * self.top_k).view(shape)
+        indices = _int32_region(buffer, offsets.topk_send_indices, n * self.top_k).view(shape)
+        valid = indices >= 0
+        token_of = torch.arange(n).unsqueeze(1).expand(shape)
+        summed = torch.zeros(n, gathered.size(2), dtype=torch.float32)
+        summed.index_add_(
+            0,
+            token_of[valid],
+            gathered[targets[valid].long(), indices[valid].long()].to(torch.float32),
+        )
+        return summed
+
     def combine(
         self,
         payload: torch.Tensor,
@@ -469,8 +544,11 @@ class ReferenceAlltoAll:
         *,
         output: torch.Tensor | None = None,
         payload_in_workspace: bool = False,
+        active_rank_mask: int | None = None,
     ) -> torch.Tensor:
-        """FlashInfer's ``MoeAlltoAll.combine``; collective over the EP group.
+        """FlashInfer's ``MoeAlltoAll.combine``; collective over the EP group
+        (over the members of ``active_rank_mask``, its dispatch's, when given:
+        a masked rank's share of a token is left out of its sum).
 
         ``payload_in_workspace`` is FlashInfer's keyword (SGLang passes it):
         False, as here, means ``payload`` is the expert output itself.
@@ -480,6 +558,7 @@ class ReferenceAlltoAll:
                 region`` when the combine payload does not fit behind the
                 dispatch payloads, as FlashInfer raises it; other FlashInfer
                 checks.
+            RankMaskError: a mask this build refuses, or not the dispatch's.
             ValueError: a malformed payload or output.
             BackendError: after release.
         """
@@ -493,33 +572,23 @@ class ReferenceAlltoAll:
         if state is None:
             raise RuntimeError("combine called before successful dispatch")
         offset, payload_bytes, n, hidden = self._check_combine(
-            state, payload, runtime_max_tokens_per_rank, output
+            state, payload, runtime_max_tokens_per_rank, output, active_rank_mask
         )
 
         # Expert outputs go back to the source rank's combine region, row
         # [expert rank, send index], as FlashInfer's combine writes them.
         region = buffer[offset : offset + payload_bytes]
-        dist.all_to_all_single(
-            region, payload.contiguous().view(torch.uint8).reshape(-1), group=self._group
+        exchange_rows(
+            self._group,
+            region,
+            payload.contiguous().view(torch.uint8).reshape(-1),
+            rank=self.ep_rank,
+            members=members(state.active_rank_mask, self.ep_size),
         )
         gathered = region.view(payload.dtype).view(
             self.ep_size, runtime_max_tokens_per_rank, hidden
         )
-        offsets = self.metainfo
-        targets = _int32_region(buffer, offsets.topk_target_ranks, n * self.top_k).view(
-            n, self.top_k
-        )
-        indices = _int32_region(buffer, offsets.topk_send_indices, n * self.top_k).view(
-            n, self.top_k
-        )
-        valid = indices >= 0
-        token_of = torch.arange(n).unsqueeze(1).expand(n, self.top_k)
-        summed = torch.zeros(n, hidden, dtype=torch.float32)
-        summed.index_add_(
-            0,
-            token_of[valid],
-            gathered[targets[valid].long(), indices[valid].long()].to(torch.float32),
-        )
+        summed = self._sum_over_top_k(buffer, gathered, n)
         self._dispatched = None
         if output is None:
             return summed.to(payload.dtype)

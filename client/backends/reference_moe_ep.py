@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from moe_sidecar.client.backends.rank_mask import rank_mask_from_tensor
 from moe_sidecar.client.backends.reference_alltoall import ReferenceAlltoAll
 from moe_sidecar.client.engines.vllm.sizing import dispatch_format_name
 from moe_sidecar.client.errors import BackendError
@@ -126,22 +127,26 @@ class ReferenceCommunication:
         hidden_states_scale: torch.Tensor | None = None,
         max_tokens_per_rank: int | None = None,
         eplb_local_stats: torch.Tensor | None = None,
-        active_rank_mask: torch.Tensor | None = None,
+        active_rank_mask: torch.Tensor | int | None = None,
     ) -> ReferenceDispatchResult:
         """Sends each token to the ranks owning its experts; collective.
 
         ``hidden_states`` ``[local_T, *]``, ``topk_ids`` ``[local_T, top_k]``
         (global expert ids, cast to int32), ``topk_weights`` ``[local_T,
         top_k]`` float32, ``hidden_states_scale`` ``[local_T, *]``. Every
-        received tensor is ``[ep_size * tokens_per_rank, *]``.
+        received tensor is ``[ep_size * tokens_per_rank, *]``. ``active_rank_mask``
+        (FlashInfer's CPU ``uint64`` words, or an ``int``; only with
+        ``config.enable_rank_mask``): tokens routed to a masked rank are dropped.
 
         Raises:
             RuntimeError: a dispatch without its combine, or after destroy.
+            RankMaskError: a mask the all-to-all refuses.
             ValueError: ``max_tokens_per_rank`` outside ``(0, params.max_tokens_per_rank]``.
-            BackendError: EPLB statistics or a rank mask (not in the reference).
+            BackendError: EPLB statistics (not in the reference).
         """
-        if eplb_local_stats is not None or active_rank_mask is not None:
-            raise BackendError("the reference backend supports neither EPLB stats nor rank masks")
+        if eplb_local_stats is not None:
+            raise BackendError("the reference backend does not gather EPLB stats")
+        mask = rank_mask_from_tensor(active_rank_mask)
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
             raise RuntimeError("dispatch called twice without an intervening combine")
@@ -168,6 +173,7 @@ class ReferenceCommunication:
             tokens_per_rank,
             invalid_token_expert_id=self.params.invalid_expert_id,
             expert_id_payload_index=expert_id_index,
+            active_rank_mask=mask,
         )
         self._tokens_per_rank = tokens_per_rank
         recv = [t.flatten(0, 1) for t in recv]
@@ -190,22 +196,23 @@ class ReferenceCommunication:
         expert_output: torch.Tensor,
         *,
         output: torch.Tensor | None = None,
-        active_rank_mask: torch.Tensor | None = None,
+        active_rank_mask: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         """Sums each token's expert outputs back on its source rank; collective.
 
         ``expert_output`` ``[ep_size * tokens_per_rank, hidden]`` (or 3-D);
-        returns ``[local_T, hidden]`` (``output`` when given).
+        returns ``[local_T, hidden]`` (``output`` when given). ``active_rank_mask``
+        must be the dispatch's.
 
         Raises:
             RuntimeError: before dispatch, or after destroy.
+            RankMaskError: a mask the all-to-all refuses, or not the dispatch's.
             ValueError: ``expert_output`` neither 2-D nor 3-D.
-            BackendError: low-precision combine or a rank mask (not in the reference).
+            BackendError: low-precision combine (not in the reference).
         """
-        if active_rank_mask is not None or self.config.use_low_precision_combine:
-            raise BackendError(
-                "the reference backend supports neither low-precision combine nor rank masks"
-            )
+        if self.config.use_low_precision_combine:
+            raise BackendError("the reference backend has no low-precision combine")
+        mask = rank_mask_from_tensor(active_rank_mask)
         alltoall = self.alltoall
         tokens_per_rank = self._tokens_per_rank
         if tokens_per_rank is None:
@@ -218,7 +225,7 @@ class ReferenceCommunication:
             raise ValueError(
                 f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}"
             )
-        combined = alltoall.combine(payload, tokens_per_rank, output=output)
+        combined = alltoall.combine(payload, tokens_per_rank, output=output, active_rank_mask=mask)
         self._tokens_per_rank = None
         return combined
 

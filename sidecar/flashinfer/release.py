@@ -69,6 +69,9 @@ class Release:
     """The FlashInfer class that backend builds, for messages."""
     max_ranks: int
     """Its ``kMaxRanks``: the largest EP group its layout takes."""
+    rank_mask_words: int
+    """The 64-bit words of its ``active_rank_mask`` (a CPU ``uint64`` tensor,
+    lowest ranks first): enough for :attr:`max_ranks` ranks."""
     max_top_k: int
     """Its ``kMaxTopK``: the largest ``top_k`` its layout takes."""
     supported_top_k: tuple[int, ...]

@@ -38,6 +38,7 @@ __all__ = [
     "DISPATCH_FORMAT_BYTES",
     "KMAX_TOP_K",
     "MAX_RANKS",
+    "RANK_MASK_WORDS",
     "RELEASE",
     "AuxOffsets",
     "align",
@@ -169,6 +170,9 @@ def workspace_size_per_rank(
 
 MAX_RANKS: Final = 64
 """``kMaxRanks``: the largest EP group ``MoeAlltoAll`` takes."""
+RANK_MASK_WORDS: Final = 1
+"""``MOE_A2A_RANK_MASK_WORDS`` (``flashinfer/comm/trtllm_moe_alltoall.py``, the
+``kRankMaskWords`` of its kernels): one word covers the 64 ranks."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -233,6 +237,7 @@ RELEASE: Final = Release(
     backend="flashinfer-moe-alltoall",
     api="MoeAlltoAll",
     max_ranks=MAX_RANKS,
+    rank_mask_words=RANK_MASK_WORDS,
     max_top_k=KMAX_TOP_K,
     supported_top_k=tuple(range(1, KMAX_TOP_K + 1)),
     dispatch_format_bytes=DISPATCH_FORMAT_BYTES,

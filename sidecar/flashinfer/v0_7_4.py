@@ -60,6 +60,7 @@ __all__ = [
     "MAX_PAYLOADS",
     "MAX_RANKS",
     "MAX_TOP_K",
+    "RANK_MASK_WORDS",
     "RELEASE",
     "SUPPORTED_TOP_K",
     "WORKSPACE_ALIGNMENT",
@@ -86,6 +87,10 @@ MAX_PAYLOADS: Final = 4
 """``kMaxPayloads``: the dispatch region reserves one alignment of padding per payload."""
 MAX_RANKS: Final = 256
 """``kMaxRanks``: the layout refuses a larger EP group."""
+RANK_MASK_WORDS: Final = 4
+"""``kRankMaskWords`` (``moeAlltoAllKernels.h``): the words of ``active_rank_mask``
+for :data:`MAX_RANKS` ranks (``NVLinkOneSidedAlltoAll.active_rank_mask`` builds
+``(MAX_RANKS + 63) // 64`` of them)."""
 MAX_TOP_K: Final = 22
 """``kMaxTopK``: the layout refuses a larger top_k."""
 SUPPORTED_TOP_K: Final = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 22)
@@ -416,6 +421,7 @@ RELEASE: Final = Release(
     backend="flashinfer-moe-ep",
     api="flashinfer.moe_ep.NVLinkOneSidedAlltoAll",
     max_ranks=MAX_RANKS,
+    rank_mask_words=RANK_MASK_WORDS,
     max_top_k=MAX_TOP_K,
     supported_top_k=SUPPORTED_TOP_K,
     dispatch_format_bytes=DISPATCH_FORMAT_BYTES,
