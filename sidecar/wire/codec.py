@@ -33,7 +33,7 @@ from moe_sidecar.core.group import (
     RankSummary,
     Requirement,
 )
-from moe_sidecar.core.identity import lifetime_id, proof_id
+from moe_sidecar.core.identity import lifetime_id, owner_id, proof_id
 from moe_sidecar.core.membership import Acknowledgement, View, ViewState
 from moe_sidecar.core.plan import Action, Capacities, Plan
 from moe_sidecar.core.policy.arrivals import Arrival
@@ -247,6 +247,7 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
         ),
         group_proof=p.proof,
         flashinfer_release=p.release,
+        owner_digest=p.owner,
     )
 
 
@@ -257,7 +258,9 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
 
     Raises:
         InvalidArgument: the requirement or its capacities are missing, the
-            lifetime or proof token is not a usable secret, or
+            lifetime or proof token is not a usable secret, ``owner_digest``
+            is not a SHA-256's hex digits (the owner digest becomes its id,
+            :func:`~moe_sidecar.core.identity.owner_id`), or
             ``flashinfer_release`` names no release of the table (empty is
             the default release: a client older than the field).
     """
@@ -278,6 +281,7 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
         requirement=Requirement(capacities=capacities_from_proto(r.capacities), layer=r.layer),
         proof=proof_id(request.group_proof),
         release=flashinfer.check_release_name("flashinfer_release", request.flashinfer_release),
+        owner=owner_id(request.owner_digest),
     )
 
 
