@@ -29,6 +29,8 @@ The group's proof (:func:`share_group_secret`) is agreed here too: once per
 lifetime, before the first proposal, rank 0 of the EP group draws a random
 secret and broadcasts it over the same CPU group, so every rank of the
 lifetime sends the same proof and no process outside the group holds it.
+The same broadcast carries the group's owner key, which rank 0 keeps on disk
+(:mod:`moe_sidecar.client.owner_key`; zeros: rank 0 has none).
 The broadcast runs in flight (:class:`SecretShare`) so that a rank can wait
 for it and for its sidecar at once (:mod:`moe_sidecar.client.first_round`).
 
@@ -59,6 +61,7 @@ from moe_sidecar.core.plan import Action, Capacities, Plan, ShapeMismatch, join
 
 __all__ = [
     "GROUP_SECRET_BYTES",
+    "GroupSecrets",
     "LocalOutcome",
     "SecretShare",
     "agree_round",
@@ -68,6 +71,20 @@ __all__ = [
 
 GROUP_SECRET_BYTES = 16
 """Random bytes of a group's proof: 128 bits, guessed by nobody."""
+_OWNER_KEY_BYTES = 32
+"""Bytes of the owner key after the proof in the broadcast
+(:data:`moe_sidecar.client.owner_key.OWNER_KEY_BYTES`)."""
+
+
+@dataclass(frozen=True)
+class GroupSecrets:
+    """What rank 0 shares with its group at a lifetime's first initialize()."""
+
+    proof: str
+    """The lifetime's group proof, as hex digits."""
+    owner_key: bytes | None
+    """The group's owner key (None: rank 0 has none)."""
+
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
 _FAILED, _ROUND, _SETTLING, _ACTION, _EPOCH, _GENERATION = range(6)
@@ -261,18 +278,24 @@ def agree_round(
 class SecretShare:
     """The group's proof on its way: rank 0 of ``group`` draws
     :data:`GROUP_SECRET_BYTES` random bytes and broadcasts them over
-    ``group`` (one collective, started here without waiting; every rank must
-    start it at the same point).
+    ``group``, followed by ``owner_key`` (rank 0's; zeros for None), in one
+    collective, started here without waiting; every rank must start it at
+    the same point.
 
     Raises:
         RuntimeError: the broadcast could not be started.
+        InvalidArgument: ``owner_key`` is not 32 bytes.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, owner_key: bytes | None = None) -> None:
+        if owner_key is not None and len(owner_key) != _OWNER_KEY_BYTES:
+            raise InvalidArgument(f"an owner key is {_OWNER_KEY_BYTES} bytes, not {len(owner_key)}")
         if dist.get_rank(group) == 0:
-            drawn = torch.tensor(list(secrets.token_bytes(GROUP_SECRET_BYTES)), dtype=torch.uint8)
+            key = owner_key or bytes(_OWNER_KEY_BYTES)
+            data = list(secrets.token_bytes(GROUP_SECRET_BYTES) + key)
+            drawn = torch.tensor(data, dtype=torch.uint8)
         else:
-            drawn = torch.zeros(GROUP_SECRET_BYTES, dtype=torch.uint8)
+            drawn = torch.zeros(GROUP_SECRET_BYTES + _OWNER_KEY_BYTES, dtype=torch.uint8)
         self._drawn = drawn
         work = dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group, async_op=True)
         assert work is not None, "an async_op broadcast returns its work"
@@ -289,28 +312,34 @@ class SecretShare:
         as the future :meth:`on_done` waits on says."""
         return bool(self._ended.done())
 
-    def result(self) -> str:
-        """Waits for the broadcast; the secret as hex digits, the same on every rank.
+    def result(self) -> GroupSecrets:
+        """Waits for the broadcast; the proof as hex digits and the owner
+        key, the same on every rank.
 
         Raises:
             RuntimeError: the broadcast failed (a rank of the group is gone).
         """
         self._work.wait()
-        return bytes(self._drawn.tolist()).hex()
+        shared = bytes(self._drawn.tolist())
+        key = shared[GROUP_SECRET_BYTES:]
+        return GroupSecrets(shared[:GROUP_SECRET_BYTES].hex(), key if any(key) else None)
 
 
 def share_group_secret(
-    group: dist.ProcessGroup, wait_for: Callable[[SecretShare], None] | None = None
-) -> str:
-    """The group's proof for this lifetime (:class:`SecretShare`), the same on
-    every rank of ``group``; ``wait_for`` is called with the broadcast in
-    flight, to wait for it where more than gloo can end the wait.
+    group: dist.ProcessGroup,
+    wait_for: Callable[[SecretShare], None] | None = None,
+    owner_key: bytes | None = None,
+) -> GroupSecrets:
+    """The group's proof for this lifetime and rank 0's ``owner_key``
+    (:class:`SecretShare`), the same on every rank of ``group``;
+    ``wait_for`` is called with the broadcast in flight, to wait for it
+    where more than gloo can end the wait.
 
     Raises:
         RuntimeError: the broadcast failed (a rank of the group is gone).
         CoordinatorError: raised by ``wait_for`` (the sidecar ended the wait).
     """
-    share = SecretShare(group)
+    share = SecretShare(group, owner_key)
     if wait_for is not None:
         wait_for(share)
     return share.result()

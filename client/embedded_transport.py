@@ -24,7 +24,7 @@ from moe_sidecar.core.group import (
     RankSummary,
     Refusal,
 )
-from moe_sidecar.core.identity import lifetime_id, proof_id
+from moe_sidecar.core.identity import lifetime_id, owner_id, proof_id
 from moe_sidecar.core.policy.arrivals import Arrival
 
 __all__ = ["EmbeddedTransport"]
@@ -160,7 +160,10 @@ class EmbeddedTransport:
 
 def _past_boundary(proposal: Proposal) -> Proposal:
     """The in-process boundary: the core sees the lifetime's and the group
-    proof's ids, never their tokens."""
+    proof's ids, never their tokens (and the owner digest's id)."""
     return replace(
-        proposal, lifetime=lifetime_id(proposal.lifetime), proof=proof_id(proposal.proof)
+        proposal,
+        lifetime=lifetime_id(proposal.lifetime),
+        proof=proof_id(proposal.proof),
+        owner=owner_id(proposal.owner),
     )

@@ -23,11 +23,16 @@ nothing but what it shows and its own caller's wait
 (:mod:`moe_sidecar.core.policy.arrivals`), so the proof is as strong as it
 was. Embedded, no proof is shared (nothing to wait for); a group of one
 rank draws its proof alone.
+
+The same broadcast carries rank 0's owner key
+(:mod:`moe_sidecar.client.owner_key`), so every rank sends the group's
+owner digest: no collective more.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import grpc
@@ -35,6 +40,7 @@ import grpc
 from moe_sidecar.client.agreement import SecretShare
 from moe_sidecar.client.errors import RoundTimedOut, error_from_rpc
 from moe_sidecar.client.group_collectives import GroupCollectives
+from moe_sidecar.client.owner_key import owner_digest, owner_key_or_none
 from moe_sidecar.client.session import LOCAL_DEADLINE_DETAILS
 from moe_sidecar.client.transport import Transport
 from moe_sidecar.core.policy.arrivals import Arrival
@@ -70,8 +76,9 @@ def _refusal(call: grpc.Future[ArriveResponse], target: str) -> RoundTimedOut | 
 
 def share_proof_in_view(
     collectives: GroupCollectives, transport: Transport, arrival: Arrival, target: str = ""
-) -> str:
-    """The group's proof for this lifetime, shared while ``arrival`` (its
+) -> tuple[str, str]:
+    """The group's proof for this lifetime and its owner digest (of rank
+    0's owner key; empty without one), shared while ``arrival`` (its
     lifetime the rank's token) waits at the sidecar.
 
     Raises:
@@ -80,9 +87,11 @@ def share_proof_in_view(
         RankLost: a peer died in the broadcast (the arrival is cancelled, so
             the sidecar shows this rank gone to the peers still waiting).
     """
+    key = owner_key_or_none(arrival.group, os.environ) if arrival.ep_rank == 0 else None
     call = transport.arrive(arrival)
     if call is None:
-        return collectives.share_secret()
+        shared = collectives.share_secret(owner_key=key)
+        return shared.proof, owner_digest(shared.owner_key, arrival.group)
 
     def wait(share: SecretShare) -> None:
         _wait_for_either(share, call)
@@ -93,7 +102,8 @@ def share_proof_in_view(
             raise refused from call.exception()
 
     try:
-        return collectives.share_secret(wait)
+        shared = collectives.share_secret(wait, key)
     except BaseException:
         call.cancel()
         raise
+    return shared.proof, owner_digest(shared.owner_key, arrival.group)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from moe_sidecar.client.agreement import (
+    GroupSecrets,
     LocalOutcome,
     SecretShare,
     agree_round,
@@ -59,9 +60,13 @@ class GroupCollectives:
         self.count += exchanges
         return local
 
-    def share_secret(self, wait_for: Callable[[SecretShare], None] | None = None) -> str:
-        """The group's proof for a lifetime, drawn by rank 0 and shared
-        (:func:`~moe_sidecar.client.agreement.share_group_secret`).
+    def share_secret(
+        self,
+        wait_for: Callable[[SecretShare], None] | None = None,
+        owner_key: bytes | None = None,
+    ) -> GroupSecrets:
+        """The group's proof for a lifetime, drawn by rank 0 and shared with
+        rank 0's ``owner_key`` (:func:`~moe_sidecar.client.agreement.share_group_secret`).
 
         Raises:
             RankLost: a peer died in the exchange.
@@ -69,7 +74,7 @@ class GroupCollectives:
         """
         self.count += 1
         try:
-            return share_group_secret(self._cpu_group, wait_for)
+            return share_group_secret(self._cpu_group, wait_for, owner_key)
         except RuntimeError as error:
             raise self._lost("sharing the group's proof", error) from error
 

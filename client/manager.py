@@ -29,6 +29,7 @@ place, :meth:`AlltoAllManager._proposal`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -46,6 +47,7 @@ from moe_sidecar.client.first_round import share_proof_in_view
 from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.held_workspace import HeldWorkspace
 from moe_sidecar.client.layer_need import LayerNeed
+from moe_sidecar.client.owner_key import owner_digest_of
 from moe_sidecar.client.peer_loss import PeerLossWatch
 from moe_sidecar.client.round_decisions import RoundDecisions
 from moe_sidecar.client.transport import Transport, transport_for
@@ -162,6 +164,8 @@ class AlltoAllManager:
         """This process lifetime's secret token; the sidecar keeps only its digest."""
         self._group_proof: str | None = None
         """The group's proof for this lifetime (shared at its first initialize())."""
+        self._owner_digest = ""
+        """The group's owner digest (shared with the proof; "": none, or embedded)."""
         self._round = 0
         """Round of the current lifetime (the n-th initialize() since it began)."""
         self._initializes = 0
@@ -258,7 +262,8 @@ class AlltoAllManager:
         none in embedded mode, where the core is this process's own, nor for a
         group of one rank, which draws it alone). Meanwhile the rank's
         arrival waits at the sidecar, which shows it and ends the wait at its
-        round timeout (:mod:`moe_sidecar.client.first_round`)."""
+        round timeout (:mod:`moe_sidecar.client.first_round`). Rank 0's owner
+        key rides the same broadcast (:mod:`moe_sidecar.client.owner_key`)."""
         if self._group_proof is not None:
             return
         if self.embedded:
@@ -266,11 +271,14 @@ class AlltoAllManager:
             return
         if self.ep_size == 1:
             self._group_proof = new_group_secret()
+            self._owner_digest = owner_digest_of(self.group, os.environ)
             return
         # Shared while the sidecar sees this rank arrived (bounded by its round timeout).
         arrival = Arrival(self.group, self.ep_size, self.ep_rank, self.local_ranks, self.lifetime)
         target = getattr(self._transport, "target", "")
-        self._group_proof = share_proof_in_view(self._on_group, self._transport, arrival, target)
+        self._group_proof, self._owner_digest = share_proof_in_view(
+            self._on_group, self._transport, arrival, target
+        )
 
     def _proposal(self, requirement: Requirement) -> Proposal:
         return Proposal(
@@ -283,6 +291,7 @@ class AlltoAllManager:
             requirement=requirement,
             proof=self._group_proof or "",
             release=self.backend.flashinfer_release.name,
+            owner=self._owner_digest,
         )
 
     def _propose(self, requirement: Requirement) -> Decision:

@@ -15,6 +15,7 @@ __all__ = [
     "EMBEDDED",
     "ENV_BACKEND",
     "ENV_GROUP",
+    "ENV_KEY_DIR",
     "ENV_LOCAL_RANKS",
     "ENV_ON_PEER_LOSS",
     "ENV_PREFIX",
@@ -43,13 +44,25 @@ ENV_ON_PEER_LOSS: Final = "MOE_SIDECAR_ON_PEER_LOSS"
 ``exit`` (the default) ends the process within 2 s, ``raise`` raises at its
 next call into the manager, ``wait`` does nothing (see
 :mod:`moe_sidecar.client.peer_loss`)."""
+ENV_KEY_DIR: Final = "MOE_SIDECAR_KEY_DIR"
+"""The directory where rank 0 of each EP group keeps the group's owner key
+(default ``$XDG_STATE_HOME/moe-sidecar/keys``, else
+``~/.local/state/moe-sidecar/keys``; see :mod:`moe_sidecar.client.owner_key`)."""
 EMBEDDED: Final = "embedded"
 """A target that forces embedded mode whatever the environment says."""
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 """Where ``moe-sidecar serve`` listens by default, and where ``groups`` looks."""
 
 CLIENT_ENV_KEYS: Final = frozenset(
-    {ENV_TARGET, ENV_LOCAL_RANKS, ENV_PROPOSE_TIMEOUT, ENV_GROUP, ENV_BACKEND, ENV_ON_PEER_LOSS}
+    {
+        ENV_TARGET,
+        ENV_LOCAL_RANKS,
+        ENV_PROPOSE_TIMEOUT,
+        ENV_GROUP,
+        ENV_BACKEND,
+        ENV_ON_PEER_LOSS,
+        ENV_KEY_DIR,
+    }
 )
 """Keys with the project's prefix that the client library's manager reads;
 the sidecar ignores them (and the engine rooms' own switches), so one

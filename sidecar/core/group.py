@@ -64,6 +64,12 @@ class Proposal:
     ``moe_sidecar.flashinfer.RELEASES``; empty: a client older than the
     field, which drove the default release). Every rank of a lifetime must
     state the same; the group's workspace bytes are that release's."""
+    owner: str = ""
+    """The id (:func:`moe_sidecar.core.identity.owner_id`) of the group's
+    owner digest, SHA-256 of the owner key rank 0 keeps on disk and the
+    group name; empty: none (a client older than owner keys, or embedded).
+    A restart inherits the stored plan only with the stored owner
+    (:mod:`moe_sidecar.core.policy.owner`)."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,10 @@ class GroupState:
     (None: none since; see :meth:`current_view`)."""
     view_lifetime: int = 0
     """The lifetime ``view`` belongs to (a view of an earlier one is not current)."""
+    owner: str = ""
+    """The owner id (:attr:`Proposal.owner`) of the lifetime that stored the
+    plan: fixed by each lifetime's first decided round (empty: none, or a
+    row stored before owners were recorded)."""
 
     def current_view(self) -> View | None:
         """The current lifetime's membership view: the one decided last, else

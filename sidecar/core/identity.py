@@ -14,6 +14,11 @@ rank of one lifetime of an EP group, drawn by rank 0 and shared over the
 group's CPU group before the first proposal, so only the group's real ranks
 hold it. It crosses the boundary the same way (:func:`proof_id`); an empty
 proof (a client older than proofs) stays empty.
+
+A group's owner digest is a third: SHA-256 of the owner key that rank 0
+keeps on disk (it outlives lifetimes) and the group name, which every rank
+of a lifetime sends. It crosses the boundary hashed again (:func:`owner_id`),
+so what is stored, and replicated to other nodes, is not what a rank sends.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from moe_sidecar.core.limits import MAX_NAME_LENGTH
 
 __all__ = [
     "MIN_SECRET_LENGTH",
+    "OWNER_DIGEST_LENGTH",
     "SHORT_ID_LENGTH",
     "lifetime_id",
     "new_group_secret",
     "new_lifetime_secret",
+    "owner_id",
     "proof_id",
     "short_id",
 ]
@@ -89,3 +96,31 @@ def proof_id(secret: str, field: str = "group_proof") -> str:
     if isinstance(secret, str) and not secret:
         return ""
     return lifetime_id(secret, field)
+
+
+OWNER_DIGEST_LENGTH: Final = 64
+"""Hex digits of an owner digest (a SHA-256)."""
+
+
+def owner_id(digest: str, field: str = "owner_digest") -> str:
+    """The id (hex SHA-256) of an owner digest; empty stays empty (no owner).
+
+    Raises:
+        InvalidArgument: a non-empty digest that is not 64 lowercase hex
+            digits (naming ``field``, never the digest).
+    """
+    if isinstance(digest, str) and not digest:
+        return ""
+    if (
+        not isinstance(digest, str)
+        or len(digest) != OWNER_DIGEST_LENGTH
+        or digest.strip("0123456789abcdef")
+    ):
+        length = len(digest) if isinstance(digest, str) else None
+        raise InvalidArgument(
+            f"{field}: {length} characters that are not an owner digest; it must be empty or "
+            f"the {OWNER_DIGEST_LENGTH} lowercase hex digits of a SHA-256",
+            field=field,
+            value=length,
+        )
+    return hashlib.sha256(b"owner:" + digest.encode()).hexdigest()

@@ -20,11 +20,13 @@ half-loads, and never loads a value the sidecar would refuse as input.
 Rows of earlier versions load too: a row written by one release loads in the
 next. Fields added to version 3 since it was first written (the group
 proof's id of the lifetime, of each waiting proposal and of the rank that
-opened a round, the count of proposals refused for their proof, and the
-FlashInfer release of the group and of each waiting proposal) read as their
-defaults when absent (a waiting proposal's release: the default release of
+opened a round, the count of proposals refused for their proof, the
+FlashInfer release of the group and of each waiting proposal, and the
+owner's id of the group and of each waiting proposal) read as their defaults
+when absent (a waiting proposal's release: the default release of
 ``moe_sidecar.flashinfer``, the one clients older than the field drove; the
-group's: none fixed yet). Version 2 is version 3 without the node of each growth (loaded as
+group's: none fixed yet; an owner: none, so the group's next restart
+begins a new epoch). Version 2 is version 3 without the node of each growth (loaded as
 ``""``). Version 1 (moe-sidecar 0.1.0, plans as byte counts) is migrated on
 load: each stored plan becomes the least capacities whose FlashInfer
 workspace (in the default release's arithmetic, the one 0.1.0 used) is at
@@ -138,6 +140,7 @@ def _proposal(p: Proposal) -> dict[str, Any]:
         **({"proof": p.proof} if p.proof else {}),
         # The default release is what a row without the field means.
         **({"release": p.release} if p.release != flashinfer.DEFAULT_RELEASE.name else {}),
+        **({"owner": p.owner} if p.owner else {}),
     }
 
 
@@ -190,6 +193,7 @@ def encode_group(state: GroupState) -> str:
         **({"refused_proposals": state.refused_proposals} if state.refused_proposals else {}),
         **({"release": state.release} if state.release else {}),
         **({"view": encode_view(state.view, state.view_lifetime)} if state.view else {}),
+        **({"owner": state.owner} if state.owner else {}),
     }
     return json.dumps(document, separators=(",", ":"))
 
@@ -262,6 +266,7 @@ def _decode_proposal(d: Any, ep_size: int) -> Proposal:
         # A proposal stored before releases were recorded came from a client
         # older than the field: the default release.
         release=release_field(d, "release", flashinfer.DEFAULT_RELEASE.name),
+        owner=proof_field(d, "owner"),
     )
 
 
@@ -329,6 +334,8 @@ def _decode_v2(d: Any, *, with_node: bool = False) -> GroupState:
         # Rows written before releases were recorded: none fixed yet (sized
         # as the default release; the lifetime's next decided round fixes it).
         release=release_field(d, "release", ""),
+        # Rows written before owners: none, so the next restart begins a new epoch.
+        owner=proof_field(d, "owner"),
     )
 
 

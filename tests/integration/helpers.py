@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -76,6 +77,11 @@ def make_config(tmp_path: Path, **overrides: Any) -> SidecarConfig:
     return SidecarConfig(**values)
 
 
+def owner_digest(group: str) -> str:
+    """The owner digest the test's ranks of ``group`` send (of a fixed key)."""
+    return hashlib.sha256(b"the test ranks' owner key" + group.encode()).hexdigest()
+
+
 def propose_request(
     rank: int,
     rnd: int = 1,
@@ -93,6 +99,9 @@ def propose_request(
         local_ranks=local_ranks,
         lifetime=token(lifetime if lifetime is not None else f"life-{rank}"),
         round=rnd,
+        # As the group's real ranks do: every lifetime carries the group's
+        # owner digest, so a restart inherits the stored plan.
+        owner_digest=owner_digest(group),
     )
     if requirement is not None:
         request.requirement.CopyFrom(requirement)

@@ -39,6 +39,7 @@ from tests.integration.helpers import (
     coordinator_stub,
     details,
     make_config,
+    owner_digest,
     propose_request,
     rpc_error,
     token,
@@ -77,6 +78,8 @@ def _proposal(
     )
     request.lifetime = token(lifetime)
     request.group_proof = proof
+    # The real ranks' lifetimes carry their owner digest; a stranger has none.
+    request.owner_digest = owner_digest(GROUP) if proof in (REAL, RESTARTED) else ""
     return request
 
 

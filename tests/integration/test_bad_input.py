@@ -99,6 +99,12 @@ BAD_PROPOSALS = [
     ("empty lifetime", _proposal(lifetime=""), INVALID, "a lifetime token of 0 characters"),
     ("short lifetime", _proposal(lifetime="guessable"), INVALID, "a lifetime token of 9"),
     (
+        "an owner digest that is no SHA-256",
+        _proposal(owner_digest="ABC"),
+        INVALID,
+        "owner_digest: 3 characters that are not an owner digest",
+    ),
+    (
         "other ep_size than the group",
         _proposal(ep_size=4),
         grpc.StatusCode.FAILED_PRECONDITION,

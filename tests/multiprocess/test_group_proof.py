@@ -3,16 +3,20 @@ share a secret at each lifetime's first initialize() and send it with every
 proposal and commit; a stranger in the test process, who watches GetGroup and
 proposes for the rank that has not proposed yet with a lifetime of its own,
 is refused PERMISSION_DENIED in the group's first lifetime and in its
-restart, and the real ranks build their own plan."""
+restart, and the real ranks build their own plan. A stranger that proposed
+for every slot of a group first (a whole-group squat) stores its plan, and
+the real ranks, whose rank 0's owner key it lacks, still build their own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
 from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
+from moe_sidecar.wire.codec import capacities_to_proto
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.multiprocess import workers
@@ -99,3 +103,53 @@ def test_real_ranks_share_a_proof_and_a_stranger_is_refused(
     assert group.lifetimes == 2 and group.refused_proposals == 2
     assert group.plan.workspace_bytes == own
     assert [r.committed_generation for r in group.ranks] == [1] * RANKS
+
+
+def test_a_whole_group_squat_is_not_built_and_a_warm_restart_still_inherits(
+    sidecar: Sidecar, tmp_path: Path
+) -> None:
+    group = "squat-test:fp4/tp1-ep2/pp0"
+    planted = workers.layer_capacities(2, workers.bf16_layer("x"))
+    planted = replace(planted, max_tokens=planted.max_tokens * 64)
+    requests = [
+        pb.ProposeRequest(
+            group=group,
+            ep_size=2,
+            ep_rank=rank,
+            local_ranks=2,
+            lifetime=f"stranger-{rank}-with-its-own-lifetime",
+            round=1,
+            requirement=pb.Requirement(capacities=capacities_to_proto(planted)),
+            group_proof="a-stranger-s-own-group-proof",
+        )
+        for rank in range(2)
+    ]
+    with grpc.insecure_channel(sidecar.target) as channel:
+        stub = pb_grpc.WorkspaceCoordinatorStub(channel)
+        calls = [stub.Propose.future(request, timeout=20) for request in requests]
+        squat = [call.result() for call in calls]
+    planted_bytes = capacities_workspace_bytes(planted, 2)
+    assert {(a.action, a.plan.workspace_bytes) for a in squat} == {(pb.ACTION_BUILD, planted_bytes)}
+    cold, warm = (
+        run_ranks(
+            workers.warm_restart_worker,
+            2,
+            timeout=60,
+            tmp_path=tmp_path / f"start{start}",
+            args=(sidecar.target, group),
+        )
+        for start in range(2)
+    )
+    own = capacities_workspace_bytes(workers.layer_capacities(2, workers.nvfp4_layer("x")), 2)
+    union = cold[0]["records"][-1]["workspace_size"]
+    assert union < planted_bytes
+    for result in cold:
+        # The real ranks' first lifetime builds from their own first layer.
+        assert result["records"][0]["workspace_size"] == own, "built the stranger's plan"
+        assert result["counters"]["builds"] == 1 and result["counters"]["rebuilds"] == 1
+    for result in warm:
+        # Their restart carries their owner digest: it inherits their union.
+        assert result["records"][0]["workspace_size"] == union
+        assert result["counters"]["builds"] == 1 and result["counters"]["rebuilds"] == 0
+    stored = sidecar.get_group(group)
+    assert stored.lifetimes == 3 and stored.plan.workspace_bytes == union

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 from moe_sidecar.core import policy
@@ -13,11 +14,15 @@ from tests.ceiling import CEILING
 SMALL = Requirement(Capacities(256, 100, 200, 2, 16), "l0")
 BIG = Requirement(Capacities(512, 400, 200, 2, 16, eplb_experts=16), "mtp")
 RICH_RELEASE = v0_7_4.RELEASE.name
+OWNER = hashlib.sha256(b"the group's owner key and name").hexdigest()
 
 
 def _proposal(rank: int, rnd: int, req: Requirement, lifetime: str = "a") -> Proposal:
     # A release other than the default, so the rows carry it.
-    return Proposal("g/ep4", 4, rank, 3, f"{lifetime}{rank}", rnd, req, release=RICH_RELEASE)
+    # And an owner, so the rows carry one.
+    return Proposal(
+        "g/ep4", 4, rank, 3, f"{lifetime}{rank}", rnd, req, release=RICH_RELEASE, owner=OWNER
+    )
 
 
 def rich_state() -> GroupState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -49,6 +50,10 @@ BF16 = Requirement(caps(dispatch=400), "mtp")
 MORE_TOKENS = Requirement(caps(tokens=512), "l1")
 
 
+OWNER = hashlib.sha256(b"the group's owner key and name").hexdigest()
+"""The owner id every rank of the group's real lifetimes carries: restarts inherit the plan."""
+
+
 def prop(
     rank: int,
     rnd: int,
@@ -67,6 +72,7 @@ def prop(
         lifetime=lifetime if lifetime is not None else f"life-{rank}",
         round=rnd,
         requirement=req,
+        owner=OWNER,
     )
 
 

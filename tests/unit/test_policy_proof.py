@@ -3,6 +3,7 @@ the pure decision core (:mod:`moe_sidecar.core.policy.proof`): no I/O, no clock.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import pytest
@@ -33,6 +34,10 @@ BIG = Requirement(Capacities(1 << 20, 4096, 200, 2, 16), "")
 OTHER_SHAPE = Requirement(Capacities(256, 100, 200, 4, 16), "x")
 
 
+OWNER = hashlib.sha256(b"the group's owner key and name").hexdigest()
+"""The owner id every rank of the group's real lifetimes carries: restarts inherit the plan."""
+
+
 def prop(
     rank: int,
     proof: str,
@@ -42,6 +47,7 @@ def prop(
     local_ranks: int = 4,
     lifetime: str | None = None,
     ep_size: int = 4,
+    owner: str = OWNER,
 ) -> Proposal:
     return Proposal(
         group=GROUP,
@@ -52,6 +58,7 @@ def prop(
         round=rnd,
         requirement=req,
         proof=proof,
+        owner=owner,
     )
 
 

@@ -5,6 +5,7 @@ proposals, the group's plan and what the running lifetime built have one
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import pytest
@@ -39,8 +40,13 @@ MERGED = Plan(Capacities(256, 100, 200, 4, 16), epoch=1, generation=3)
 OF_THE_PLAN = Requirement(MERGED.capacities, "l0")
 
 
+OWNER = hashlib.sha256(b"the group's owner key and name").hexdigest()
+"""The owner id every rank of the group's real lifetimes carries: restarts inherit the plan."""
+
+
 def prop(rank: int, rnd: int, req: Requirement, local_ranks: int, lifetime: str = "") -> Proposal:
-    return Proposal(GROUP, EP_SIZE, rank, local_ranks, lifetime or f"life-{rank}", rnd, req)
+    lifetime = lifetime or f"life-{rank}"
+    return Proposal(GROUP, EP_SIZE, rank, local_ranks, lifetime, rnd, req, owner=OWNER)
 
 
 def remote() -> ClusterPlan:

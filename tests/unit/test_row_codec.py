@@ -202,3 +202,18 @@ def test_a_row_naming_an_unknown_release_fails_to_load_naming_the_field() -> Non
     document["release"] = "9.9.9"
     with pytest.raises(RowError, match=r"field 'release'.*'9\.9\.9'"):
         decode_group(json.dumps(document))
+
+
+def test_a_row_keeps_the_owner_and_one_written_before_owners_has_none() -> None:
+    state = rich_state()
+    document = json.loads(encode_group(state))
+    assert state.owner and document["owner"] == state.owner
+    assert state.open_round is not None
+    assert {p["owner"] for p in document["open_round"]["proposals"]} == {state.owner}
+    # Rows of sidecars older than owners: no owner, so the next restart begins a new epoch.
+    old = decode_group((DATA / "group-row-v3.json").read_text())
+    assert old.owner == "" and old.open_round is not None
+    assert {p.owner for p in old.open_round.proposals} == {""}
+    document["owner"] = "not-a-digest"
+    with pytest.raises(RowError, match=r"field 'owner' holds 'not-a-digest'"):
+        decode_group(json.dumps(document))

@@ -239,6 +239,7 @@ class ProposeRequest(_message.Message):
     REQUIREMENT_FIELD_NUMBER: _builtins.int
     GROUP_PROOF_FIELD_NUMBER: _builtins.int
     FLASHINFER_RELEASE_FIELD_NUMBER: _builtins.int
+    OWNER_DIGEST_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """EP group name: model identity + parallel layout + pipeline stage,
     e.g. "deepseek-v3:fp4/tp1-ep8/pp0".
@@ -266,6 +267,16 @@ class ProposeRequest(_message.Message):
     workspace bytes and ceiling are that release's. Empty: a client older
     than the field, which drove the oldest release of the table.
     """
+    owner_digest: _builtins.str
+    """SHA-256 (hex) of the group's owner key and the group name: a 32-byte
+    secret that the group's rank 0 keeps on disk (it outlives lifetimes) and
+    shares over the EP group's CPU group with the group proof. A lifetime's
+    first decided round stores it with the group's plan; a restart inherits
+    the stored plan only when its ranks carry the stored digest, else it
+    begins a new epoch from its own proposals. The sidecar keeps only a
+    digest of it. Empty: none (a client older than the field), which never
+    inherits; anything else but 64 lowercase hex digits is INVALID_ARGUMENT.
+    """
     @_builtins.property
     def requirement(self) -> Global___Requirement: ...
     def __init__(
@@ -280,10 +291,11 @@ class ProposeRequest(_message.Message):
         requirement: Global___Requirement | None = ...,
         group_proof: _builtins.str = ...,
         flashinfer_release: _builtins.str = ...,
+        owner_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requirement", b"requirement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "flashinfer_release", b"flashinfer_release", "group", b"group", "group_proof", b"group_proof", "lifetime", b"lifetime", "local_ranks", b"local_ranks", "requirement", b"requirement", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "flashinfer_release", b"flashinfer_release", "group", b"group", "group_proof", b"group_proof", "lifetime", b"lifetime", "local_ranks", b"local_ranks", "owner_digest", b"owner_digest", "requirement", b"requirement", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,7 +39,8 @@ What no proof can settle: a party that proposes for every local slot of a
 group before any real rank does (a group squatted first) is, to the
 sidecar, the group's ranks. :mod:`moe_sidecar.core.policy.propose` lets the
 real ranks take such a group back with a layout of more local ranks, and
-what the squatter's lifetime grew is not inherited by theirs.
+the group's owner (:mod:`moe_sidecar.core.policy.owner`) keeps what the
+squatter's lifetime grew from being inherited by theirs, whatever its layout.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ next start (:func:`never_ran`).
 
 A restart with more local ranks than the running lifetime (its layout is
 the first proposal's) takes the group over (see :mod:`.propose`) and does not
-inherit the stored plan: a new epoch begins with none.
+inherit the stored plan: a new epoch begins with none. Nor does a restart
+whose proposals do not carry the group's stored owner (:mod:`.owner`: a
+stranger that squatted every slot stored that plan, or the ranks lost their
+owner key).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFail
 from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import group_event, lifetime_started, requirement_text
+from moe_sidecar.core.policy.owner import inherits_stored_plan, restart_owner
 from moe_sidecar.core.policy.proof import (
     Verdict,
     closing_proof,
@@ -120,8 +124,8 @@ def join_restart(
     if earlier is not None:
         _check_retry(earlier, p)
         return Step(state, reply=Wait(index, 1, pending.deadline))
-    takeover = layout != state.local_ranks
-    conflict = why_cannot_join(state, pending, p, inherits=not takeover, restart=True)
+    inherits = layout == state.local_ranks and inherits_stored_plan(state, (p,))
+    conflict = why_cannot_join(state, pending, p, inherits=inherits, restart=True)
     if conflict is not None:
         if not single_proof(with_proposal(pending, p)):
             # Beside another proof's proposals, a conflict refuses only its maker.
@@ -170,10 +174,13 @@ def _restart(
     displaced: tuple[Effect, ...],
 ) -> Step:
     """Every local rank began a new lifetime: the running one ends, round 1 of
-    the new one is decided. A new layout begins a new epoch without the
-    stored plan (it is not inherited; see :mod:`.propose`)."""
+    the new one is decided. A new layout (see :mod:`.propose`), or a stored
+    plan the new lifetime does not own (:mod:`.owner`), begins a new epoch
+    without the stored plan."""
     layout = pending.proposals[0].local_ranks
-    if layout != state.local_ranks:
+    takeover = layout != state.local_ranks
+    disowned = state.plan is not None and not inherits_stored_plan(state, pending.proposals)
+    if takeover or disowned:
         try:
             limits.check_count("epoch", state.epoch + 1, 0, limits.MAX_GENERATION)
         except InvalidArgument as error:
@@ -201,6 +208,7 @@ def _restart(
         open_round=None,
         pending=None,
         proof=pending.proposals[0].proof,
+        owner=restart_owner(pending.proposals),
     )
     for q in pending.proposals:
         ended = state.rank(q.ep_rank)

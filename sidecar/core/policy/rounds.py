@@ -66,6 +66,7 @@ from moe_sidecar.core.policy.events import (
     shape_text,
     who,
 )
+from moe_sidecar.core.policy.owner import restart_owner
 from moe_sidecar.core.policy.proof import proof_text
 
 __all__ = [
@@ -433,6 +434,8 @@ def _decided_state(
         closed=(*state.closed, decision)[-RETAINED_ROUNDS:],
         # The lifetime's first decided round fixes its proof (one for every slot).
         proof=rnd.proposals[0].proof if state.proof is None else state.proof,
+        # So does its owner, which a restart must carry to inherit the plan (.owner).
+        owner=restart_owner(rnd.proposals) if state.proof is None else state.owner,
         # Every proposal of a lifetime states one release (why_cannot_join).
         release=rnd.proposals[0].release,
         plan=plan,

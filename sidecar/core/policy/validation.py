@@ -57,6 +57,7 @@ def validate_known_proposal(
     limits.check_name("requirement.layer", p.requirement.layer, allow_empty=True)
     if not proof_known:
         limits.check_name("group_proof", p.proof, allow_empty=True)
+        limits.check_name("owner_digest", p.owner, allow_empty=True)
     limits.check_name("release", p.release, allow_empty=True)
     limits.check_workspace_ceiling(
         "requirement.capacities", p.requirement.capacities, p.ep_size, ceiling, p.release

@@ -17,7 +17,7 @@ from moe_sidecar import flashinfer
 from moe_sidecar.core import limits
 from moe_sidecar.core.errors import InvalidArgument, UndecodableRequest
 from moe_sidecar.core.group import CommitRecord, Proposal, Requirement
-from moe_sidecar.core.identity import lifetime_id, proof_id
+from moe_sidecar.core.identity import lifetime_id, owner_id, proof_id
 from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.wire.codec.plans import (
     capacities_from_proto,
@@ -116,6 +116,7 @@ def proposal_to_proto(p: Proposal) -> pb.ProposeRequest:
         ),
         group_proof=p.proof,
         flashinfer_release=p.release,
+        owner_digest=p.owner,
     )
 
 
@@ -126,7 +127,9 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
 
     Raises:
         InvalidArgument: the requirement or its capacities are missing, the
-            lifetime or proof token is not a usable secret, or
+            lifetime or proof token is not a usable secret, ``owner_digest``
+            is not a SHA-256's hex digits (the owner digest becomes its id,
+            :func:`~moe_sidecar.core.identity.owner_id`), or
             ``flashinfer_release`` names no release of the table (empty is
             the default release: a client older than the field).
     """
@@ -147,6 +150,7 @@ def proposal_from_proto(request: pb.ProposeRequest) -> Proposal:
         requirement=Requirement(capacities=capacities_from_proto(r.capacities), layer=r.layer),
         proof=proof_id(request.group_proof),
         release=flashinfer.check_release_name("flashinfer_release", request.flashinfer_release),
+        owner=owner_id(request.owner_digest),
     )
 
 
