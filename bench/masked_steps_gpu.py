@@ -208,14 +208,21 @@ def rank_main(argv: list[str]) -> None:
 
 
 def _reader(
-    stdout: IO[str], events: dict[str, dict[str, Any]], changed: threading.Condition
+    stdout: IO[str], log: Path, events: dict[str, dict[str, Any]], changed: threading.Condition
 ) -> None:
-    for line in stdout:
-        if line.startswith(EVENT):
+    """Collects a rank's events, keeps its other output in ``log``, and
+    wakes the driver at each event and when the rank's output ends (it exited)."""
+    with open(log, "w") as other:
+        for line in stdout:
+            if not line.startswith(EVENT):
+                other.write(line)
+                continue
             event = json.loads(line[len(EVENT) :])
             with changed:
                 events[event.pop("event")] = event
                 changed.notify_all()
+    with changed:
+        changed.notify_all()
 
 
 def _spawn(
@@ -240,7 +247,9 @@ def _spawn(
             )
         assert process.stdout is not None
         threading.Thread(
-            target=_reader, args=(process.stdout, events[rank], changed), daemon=True
+            target=_reader,
+            args=(process.stdout, out / f"rank{rank}.stdout", events[rank], changed),
+            daemon=True,
         ).start()
         ranks.append(process)
     return ranks, events, changed
@@ -270,11 +279,12 @@ def run(args: argparse.Namespace, backend: str) -> dict[int, dict[str, Any]]:
             lambda: "unmasked" in events[leaver] or ranks[leaver].poll() is not None,
             timeout=args.watchdog + 30,
         )
-    killed = False
-    if reported and ranks[leaver].poll() is None:
+    # Killed after it reported its unmasked steps, or (it hung) killed anyway
+    # and the run fails: either way gone before the survivors step without it.
+    killed = bool(reported and "unmasked" in events[leaver] and ranks[leaver].poll() is None)
+    if ranks[leaver].poll() is None:
         os.kill(ranks[leaver].pid, signal.SIGKILL)
-        killed = True
-    ranks[leaver].wait(timeout=30)  # gone before the survivors take a step without it
+    ranks[leaver].wait(timeout=30)
     for process in ranks[:leaver]:
         _tell(process, "go")
     outcomes: dict[int, dict[str, Any]] = {}
