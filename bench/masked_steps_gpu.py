@@ -1,0 +1,396 @@
+"""Masked steps on FlashInfer's all-to-all: a rank ends between steps and the
+others go on without it, every combine checked exactly.
+
+``--ranks`` rank processes (4: every rank on the one GPU, rank r on
+``cuda:r % count``; a gloo group for the CPU side) build the all-to-all of
+the installed FlashInfer release (the backend the client picks:
+``MoeAlltoAll`` for 0.7.2.post1, ``moe_ep``'s ``NVLinkOneSidedAlltoAll`` for
+0.7.4, stepped through its own object) with ``enable_rank_mask=True``, at
+DeepSeek-V3's shape (hidden 7168, bf16, top_k 8, 256 experts). They run 2
+unmasked steps with every rank; the driver SIGKILLs the last rank once it
+reported its second step, waits for it to be gone, then lets the others run
+``--steps`` steps under the mask without it. The seeded routing
+(``bench/masked_routing.py``, the arithmetic of the CPU test of masked
+steps) sends tokens to every rank, the dead one included: each survivor's
+combined output must equal, exactly (every value is exact in bf16), the sum
+over its tokens' experts with the dead rank's experts' share dropped.
+
+0.7.4's ``moe_ep`` classes refuse a single GPU in their platform vote
+(``nvlink_platform_supported``: no NVLink peers); with one GPU visible (every
+rank on it) this script stands in for that vote, under both names 0.7.4
+reads it, and says so in each rank's line (``vote_stood_in_for``).
+Functional only: no bandwidth or latency figure comes from ranks sharing a GPU.
+
+    python3 bench/masked_steps_gpu.py --ranks 4 --steps 20 --out DIR
+    python3 bench/masked_steps_gpu.py --backend reference --hidden 64 --tokens 16   # on CPU
+
+Prints one JSON line per rank and ``masked steps: N of N exact on ranks [0, 1, 2]``;
+writes every step's figures to ``DIR/masked-steps.json``; exits 1 on any
+mismatch, a rank that failed or hung (each has a ``--watchdog``), or a
+leaver not ended by the kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+if __package__ in (None, ""):  # run as a script: the repository's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.masked_routing import DEEPSEEK_V3, INVALID_EXPERT, Shape
+
+REPO = Path(__file__).resolve().parents[1]
+EVENT = "MASKED-STEPS "
+"""The prefix of a rank's stdout lines the driver reads (FlashInfer prints too)."""
+UNMASKED_STEPS = 2
+BACKENDS = ("auto", "flashinfer-moe-alltoall", "flashinfer-moe-ep", "reference", "reference-moe-ep")
+"""``auto``: the client's choice from the installed FlashInfer; ``reference-moe-ep``:
+the CPU reference stepped through its ``moe_ep`` object, as 0.7.4's is."""
+_VOTE_MODULES = (
+    "flashinfer.moe_ep.backends.split.comm.nvlink_common",
+    "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided.communication",
+)
+
+
+def _say(event: str, **fields: Any) -> None:
+    print(EVENT + json.dumps({"event": event, **fields}), flush=True)
+
+
+def _device(rank: int, backend: str) -> tuple[Any, bool]:
+    """This rank's device; whether 0.7.4's platform vote was stood in for
+    (only when every rank shares the one visible GPU)."""
+    import importlib
+
+    import torch
+
+    if backend.startswith("reference"):
+        return torch.device("cpu"), False
+    count = torch.cuda.device_count()
+    torch.cuda.set_device(rank % count)
+    stood_in = backend == "flashinfer-moe-ep" and count == 1
+    if stood_in:
+        for name in _VOTE_MODULES:
+            setattr(importlib.import_module(name), "nvlink_platform_supported", lambda: True)  # noqa: B010
+    torch.ones(1, device="cuda").sum().item()
+    return torch.device("cuda", torch.cuda.current_device()), stood_in
+
+
+def _build(rank: int, world: int, backend_name: str, shape: Shape) -> tuple[Any, Any, Any]:
+    """(backend, all-to-all, the object stepped: the all-to-all or its moe_ep object)."""
+    import torch.distributed as dist
+
+    from moe_sidecar.client.backends import BuildSpec, CommunicationSpec, backend_for
+    from moe_sidecar.client.sizing import layer_capacities
+
+    group = dist.group.WORLD
+    assert group is not None
+    backend = backend_for(
+        "reference" if backend_name == "reference-moe-ep" else backend_name, group
+    )
+    hidden, top_k, experts, tokens = shape.hidden, shape.top_k, shape.num_experts, shape.tokens
+    capacities = layer_capacities(world, tokens, top_k, experts, hidden, 2 * hidden, 0)
+    size = backend.workspace_bytes(capacities, world)
+    a2a = backend.build(BuildSpec(world, rank, capacities, size, enable_rank_mask=True))
+    if not backend_name.endswith("moe-ep"):
+        return backend, a2a, a2a
+    spec = CommunicationSpec(world, rank, experts, top_k, tokens, hidden, None, None, 0, False)
+    return backend, a2a, backend.communication(a2a, spec)
+
+
+@dataclass(frozen=True)
+class Stepper:
+    """What one rank steps: the all-to-all (or its ``moe_ep`` object), where."""
+
+    stepped: Any
+    moe_ep: bool
+    device: Any
+    shape: Shape
+    rank: int
+    world: int
+
+
+def _step(stepper: Stepper, seed: int, masked: set[int]) -> dict[str, Any]:
+    """One dispatch + experts + combine under the mask without the ``masked``
+    ranks (none: every rank, no mask given); the combine's differences from
+    the expected values."""
+    import torch
+
+    from bench import masked_routing as routing
+
+    stepped, moe_ep, device = stepper.stepped, stepper.moe_ep, stepper.device
+    shape, rank, world = stepper.shape, stepper.rank, stepper.world
+    inputs = {k: v.to(device) for k, v in routing.step_inputs(shape, rank, seed).items()}
+    mask = None if not masked else ((1 << world) - 1) & ~sum(1 << r for r in masked)
+    values = inputs["values"].to(torch.bfloat16)
+    if moe_ep:
+        result = stepped.dispatch(
+            values,
+            inputs["ids"],
+            inputs["weights"],
+            max_tokens_per_rank=shape.tokens,
+            active_rank_mask=mask,
+        )
+        rows, ids, weights = result.hidden_states, result.topk_ids, result.topk_weights
+    else:
+        payloads = [values, inputs["ids"], inputs["weights"]]
+        rows, ids, weights = stepped.dispatch(
+            inputs["ids"], payloads, shape.tokens, INVALID_EXPERT, 1, active_rank_mask=mask
+        )
+    received = int((ids != INVALID_EXPERT).any(dim=-1).sum())
+    expert_out = routing.expert_output(shape, rank, world, rows, ids, weights).contiguous()
+    if moe_ep:
+        combined = stepped.combine(expert_out, active_rank_mask=mask)
+    else:
+        combined = stepped.combine(expert_out, shape.tokens, active_rank_mask=mask)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    want = routing.expected_combine(shape, rank, seed, world, masked)
+    got = combined.to("cpu", torch.float32)
+    live = [s for s in range(world) if s not in masked]
+    return {
+        "seed": seed,
+        "mask": mask,
+        "combine_error": float((got - want).abs().max()),
+        "mismatched_values": int((got != want).sum()),
+        "dropped_share": routing.dropped_share(shape, rank, seed, world, masked),
+        "rows_received": received,
+        "rows_from_members": sum(
+            routing.expected_rows(shape, s, rank, seed, world).size(0) for s in live
+        ),
+    }
+
+
+def rank_main(argv: list[str]) -> None:
+    """One rank: ``rank world init backend watchdog steps hidden top_k experts tokens``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world, init, backend_name = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    watchdog, steps = float(argv[4]), int(argv[5])
+    shape = Shape(*(int(a) for a in argv[6:10]))
+    # The watchdog: a hung rank prints where it hangs (its stderr file) and exits.
+    faulthandler.dump_traceback_later(watchdog, exit=True)
+    device, stood_in = _device(rank, backend_name)
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=watchdog)
+    )
+    leaver = world - 1
+    survivors = dist.new_group(list(range(leaver)), backend="gloo")  # collective: before the kill
+    backend, a2a, stepped = _build(rank, world, backend_name, shape)
+    stepper = Stepper(stepped, backend_name.endswith("moe-ep"), device, shape, rank, world)
+    result: dict[str, Any] = {"rank": rank, "backend": backend.name, "vote_stood_in_for": stood_in}
+    result["unmasked"] = [_step(stepper, seed, set()) for seed in range(1, 1 + UNMASKED_STEPS)]
+    _say("unmasked", **result)
+    if rank == leaver:
+        sys.stdin.readline()  # the driver kills it here; its watchdog ends it otherwise
+        os._exit(3)
+    sys.stdin.readline()  # "go": the leaver is gone
+    first = 1 + UNMASKED_STEPS
+    result["masked"] = [_step(stepper, seed, {leaver}) for seed in range(first, first + steps)]
+    dist.barrier(group=survivors)  # no survivor frees its workspace while a peer may read it
+    backend.release(a2a)
+    _say("masked", **result)
+    # No destroy_process_group: the world group has a dead member.
+    os._exit(0)
+
+
+def _reader(
+    stdout: IO[str], log: Path, events: dict[str, dict[str, Any]], changed: threading.Condition
+) -> None:
+    """Collects a rank's events, keeps its other output in ``log``, and
+    wakes the driver at each event and when the rank's output ends (it exited)."""
+    with open(log, "w") as other:
+        for line in stdout:
+            if not line.startswith(EVENT):
+                other.write(line)
+                continue
+            event = json.loads(line[len(EVENT) :])
+            with changed:
+                events[event.pop("event")] = event
+                changed.notify_all()
+    with changed:
+        changed.notify_all()
+
+
+def _spawn(
+    args: argparse.Namespace, backend: str, out: Path
+) -> tuple[list[subprocess.Popen[str]], list[dict[str, dict[str, Any]]], threading.Condition]:
+    init = f"file://{Path(tempfile.mkdtemp(prefix='masked-steps-')) / 'rendezvous'}"
+    shape = [args.hidden, args.top_k, args.experts, args.tokens]
+    events: list[dict[str, dict[str, Any]]] = [{} for _ in range(args.ranks)]
+    changed = threading.Condition()
+    ranks = []
+    for rank in range(args.ranks):
+        command = [sys.executable, __file__, "rank", str(rank), str(args.ranks), init, backend]
+        command += [str(args.watchdog), str(args.steps), *map(str, shape)]
+        with open(out / f"rank{rank}.stderr", "w") as stderr:
+            process = subprocess.Popen(
+                command,
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        assert process.stdout is not None
+        threading.Thread(
+            target=_reader,
+            args=(process.stdout, out / f"rank{rank}.stdout", events[rank], changed),
+            daemon=True,
+        ).start()
+        ranks.append(process)
+    return ranks, events, changed
+
+
+def _tell(process: subprocess.Popen[str], line: str) -> None:
+    assert process.stdin is not None
+    try:
+        process.stdin.write(line + "\n")
+        process.stdin.flush()
+    except BrokenPipeError:
+        pass  # it ended already: its status says how
+
+
+def run(args: argparse.Namespace, backend: str) -> dict[int, dict[str, Any]]:
+    """Spawns the ranks, kills the leaver after its unmasked steps, lets the
+    survivors step under the mask; every rank's outcome.
+
+    Raises:
+        SystemExit: no rank process started.
+    """
+    ranks, events, changed = _spawn(args, backend, args.out)
+    leaver = args.ranks - 1
+    deadline = time.monotonic() + args.watchdog + 30
+    with changed:
+        reported = changed.wait_for(
+            lambda: "unmasked" in events[leaver] or ranks[leaver].poll() is not None,
+            timeout=args.watchdog + 30,
+        )
+    # Killed after it reported its unmasked steps, or (it hung) killed anyway
+    # and the run fails: either way gone before the survivors step without it.
+    killed = bool(reported and "unmasked" in events[leaver] and ranks[leaver].poll() is None)
+    if ranks[leaver].poll() is None:
+        os.kill(ranks[leaver].pid, signal.SIGKILL)
+    ranks[leaver].wait(timeout=30)
+    for process in ranks[:leaver]:
+        _tell(process, "go")
+    outcomes: dict[int, dict[str, Any]] = {}
+    for rank, process in enumerate(ranks):
+        try:
+            status = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            status = process.wait(timeout=30)
+        lines = (args.out / f"rank{rank}.stderr").read_text().strip().splitlines()
+        with changed:
+            reports = dict(events[rank])
+        outcomes[rank] = {
+            "status": status,
+            "killed": killed if rank == leaver else False,
+            "last_line": lines[-1] if lines else "",
+            **reports.get("masked", reports.get("unmasked", {})),
+        }
+    return outcomes
+
+
+def _exact(step: dict[str, Any]) -> bool:
+    return bool(step["combine_error"] == 0.0)
+
+
+def summarize(args: argparse.Namespace, outcomes: dict[int, dict[str, Any]]) -> bool:
+    """Prints one JSON line per rank and the summary lines; whether every step was exact."""
+    leaver = args.ranks - 1
+    survivors = list(range(leaver))
+    for rank, outcome in outcomes.items():
+        line = {"rank": rank} | {
+            k: v for k, v in outcome.items() if k not in ("unmasked", "masked")
+        }
+        for kind in ("unmasked", "masked"):
+            steps = outcome.get(kind, [])
+            line[f"{kind}_exact"] = sum(map(_exact, steps))
+            line[f"{kind}_steps"] = len(steps)
+            line[f"{kind}_max_error"] = max((s["combine_error"] for s in steps), default=None)
+        print(json.dumps(line))
+    unmasked = [
+        all(_exact(o["unmasked"][i]) for o in outcomes.values() if len(o.get("unmasked", [])) > i)
+        and all(len(o.get("unmasked", [])) > i for o in outcomes.values())
+        for i in range(UNMASKED_STEPS)
+    ]
+    masked = [
+        all(
+            len(outcomes[r].get("masked", [])) > i and _exact(outcomes[r]["masked"][i])
+            for r in survivors
+        )
+        for i in range(args.steps)
+    ]
+    reached = all(s["dropped_share"] > 0 for r in survivors for s in outcomes[r].get("masked", []))
+    print(f"unmasked steps: {sum(unmasked)} of {UNMASKED_STEPS} exact on ranks {list(outcomes)}")
+    print(f"masked steps: {sum(masked)} of {args.steps} exact on ranks {survivors}")
+    ended = outcomes[leaver]["killed"] and outcomes[leaver]["status"] == -signal.SIGKILL
+    clean = all(outcomes[r]["status"] == 0 for r in survivors)
+    print(
+        f"rank {leaver} ended by SIGKILL: {ended}; survivors exited 0: {clean}; every masked step dropped a share: {reached}"
+    )
+    return all(unmasked) and all(masked) and reached and ended and clean
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "rank":
+        rank_main(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--ranks", type=int, default=4, help="EP ranks; the last one leaves (default 4)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="masked steps after it left (default 20)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where logs and masked-steps.json go"
+    )
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument(
+        "--watchdog", type=float, default=240.0, help="seconds a rank may take in all"
+    )
+    parser.add_argument("--hidden", type=int, default=DEEPSEEK_V3.hidden)
+    parser.add_argument("--top-k", type=int, default=DEEPSEEK_V3.top_k)
+    parser.add_argument("--experts", type=int, default=DEEPSEEK_V3.num_experts)
+    parser.add_argument(
+        "--tokens", type=int, default=DEEPSEEK_V3.tokens, help="tokens per rank per step"
+    )
+    args = parser.parse_args(argv)
+    if args.ranks < 2 or args.experts % args.ranks:
+        parser.error(
+            f"--ranks={args.ranks}: needs at least 2 and to divide --experts={args.experts}"
+        )
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps}: must be at least 1")
+    args.out = args.out or Path(tempfile.mkdtemp(prefix="masked-steps-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    backend = args.backend
+    if backend == "auto":
+        from moe_sidecar.client.backends import flashinfer_backend_name
+
+        backend = flashinfer_backend_name()
+    outcomes = run(args, backend)
+    shape = Shape(args.hidden, args.top_k, args.experts, args.tokens)
+    record = {"backend": backend, "shape": asdict(shape), "ranks": args.ranks, "outcomes": outcomes}
+    (args.out / "masked-steps.json").write_text(json.dumps(record, indent=2))
+    return 0 if summarize(args, outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
