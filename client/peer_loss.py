@@ -17,7 +17,11 @@ it acts while that one is blocked in a CUDA wait, a kernel or a collective.
 * ``raise``: the rank's next call into the manager raises
   :class:`~moe_sidecar.client.errors.RankLost` naming the dead rank (once);
 * ``wait``: no watcher; the rank learns of the death as before (a failed
-  round or collective, or FlashInfer's trap).
+  round or collective, or FlashInfer's trap);
+* ``mask``: the watcher records the loss (no exit, no raise): the manager
+  builds its all-to-all with ``enable_rank_mask``, ``peer_fault()`` says a
+  peer is gone, and the survivors go on without it once ``adopt_view()``
+  has committed the sidecar's next view (:mod:`moe_sidecar.client.membership_view`).
 
 A clean close of a peer's session (its ``cleanup()``) is not a death: the
 event is not ``lost``, and nothing happens. Embedded mode has no sidecar to
@@ -74,6 +78,7 @@ class PeerLossPolicy(enum.Enum):
     EXIT = "exit"
     RAISE = "raise"
     WAIT = "wait"
+    MASK = "mask"
 
 
 def policy_from_environment(environ: Mapping[str, str]) -> PeerLossPolicy:
@@ -294,6 +299,8 @@ class PeerLossWatch:
             self._lifetime, self._ep_rank, self._loss = lifetime, ep_rank, None
             self._watcher = PeerLossWatcher(self._target, group, ep_rank, lifetime, self._lost)
             self._watcher.start()
+        if self.policy is PeerLossPolicy.MASK:
+            return  # the loss stays recorded until a view is adopted (see fault)
         loss, self._loss = self._loss, None
         if loss is not None:
             raise RankLost(
@@ -301,6 +308,16 @@ class PeerLossWatch:
                 f"rank {ep_rank} stops using the all-to-all: restart every rank",
                 (loss.ep_rank,),
             )
+
+    @property
+    def fault(self) -> PeerLoss | None:
+        """(``mask``) the first loss heard of since the last :meth:`clear_fault`
+        (None: none). Reads one attribute: no RPC, no device work."""
+        return self._loss if self.policy is PeerLossPolicy.MASK else None
+
+    def clear_fault(self) -> None:
+        """A view without the lost peer was adopted: the loss is dealt with."""
+        self._loss = None
 
     def stop(self) -> None:
         """Ends the watcher of the current lifetime, if any. Idempotent."""
@@ -314,6 +331,9 @@ class PeerLossWatch:
             _exit_now(loss.line(self._ep_rank, f"exits with status {PEER_LOSS_EXIT_STATUS}"))
             self._end_process(PEER_LOSS_EXIT_STATUS)
         self._loss = loss
+        if self.policy is PeerLossPolicy.MASK:
+            _log.warning(loss.line(self._ep_rank, "goes on under a mask once it adopts a view"))
+            return
         _log.warning(loss.line(self._ep_rank, "raises RankLost at its next call"))
 
 
