@@ -11,6 +11,8 @@ with members 0, 1, 2 (GetGroup and ``moe-sidecar groups`` show it). Then
 the survivors run 20 more steps through the manager's all-to-all (the caller
 passes no mask: the manager does), and every combined row equals the one
 computed here from the routing with rank 3's experts' contributions dropped.
+A second death (rank 2) under the committed view is heard too: ranks 0 and
+1 adopt view 3 and step exactly without ranks 2 and 3.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ BEFORE = 3
 """Steps every rank runs before the kill."""
 AFTER = 20
 """Steps the survivors run under the committed view."""
+SECOND = 2
+"""Killed next, under the committed view."""
+LAST = 5
+"""Steps the last two run under view 3."""
 _COMMITTED = 2  # pb.VIEW_STATE_COMMITTED
 
 
@@ -116,8 +122,22 @@ def test_survivors_adopt_the_view_and_step_exactly_without_the_dead_rank(
         dropped = _check_steps(after, BEFORE, AFTER, {KILLED}, survivors_mask)
         assert dropped > 0  # the routing does send tokens to rank 3's experts
 
-        ranks.send(SURVIVORS, "cleanup")
-        ranks.expect(SURVIVORS, "cleaned", 30)
-        exits = ranks.exits(SURVIVORS, 30)
-        assert {r: code for r, (code, _) in exits.items()} == dict.fromkeys(SURVIVORS, 0)
+        # A second death under the committed view: heard too, and the last
+        # two go on under view 3.
+        ranks.kill(SECOND)
+        last = tuple(r for r in SURVIVORS if r != SECOND)
+        ranks.send(last, "fault")
+        assert all(f["fault"] for f in ranks.expect(last, "fault", 60).values())
+        ranks.send(last, "adopt")
+        for rank, view in ranks.expect(last, "adopted", 90).items():
+            assert (view["number"], view["members"]) == (3, list(last)), (rank, view)
+        first = BEFORE + AFTER
+        ranks.send(last, f"steps {first} {LAST}")
+        stepped = ranks.expect(last, "stepped", 120)
+        _check_steps(stepped, first, LAST, {KILLED, SECOND}, 0b0011)
+
+        ranks.send(last, "cleanup")
+        ranks.expect(last, "cleaned", 30)
+        exits = ranks.exits(last, 30)
+        assert {r: code for r, (code, _) in exits.items()} == dict.fromkeys(last, 0)
     print(json.dumps({"dropped_share": dropped}))
