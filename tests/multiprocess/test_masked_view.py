@@ -44,6 +44,7 @@ SECOND = 2
 LAST = 5
 """Steps the last two run under view 3."""
 _COMMITTED = 2  # pb.VIEW_STATE_COMMITTED
+_FAILED = 3  # pb.VIEW_STATE_FAILED
 
 
 class MaskedRanks(Ranks):
@@ -141,3 +142,26 @@ def test_survivors_adopt_the_view_and_step_exactly_without_the_dead_rank(
         exits = ranks.exits(last, 30)
         assert {r: code for r, (code, _) in exits.items()} == dict.fromkeys(last, 0)
     print(json.dumps({"dropped_share": dropped}))
+
+
+def test_a_survivor_that_never_acknowledges_fails_the_view_for_everyone(
+    sidecar: Sidecar, tmp_path: Path
+) -> None:
+    group = "masked-view-failed:fp4/tp1-ep4/pp0"
+    with MaskedRanks(tmp_path / "ranks", sidecar.target, group, policy="mask") as ranks:
+        ranks.expect(range(WORLD), "ready", STARTUP_S)
+        ranks.send(range(WORLD), "steps 0 1")
+        ranks.expect(range(WORLD), "stepped", 60)
+        ranks.kill(KILLED)
+        adopting = (0, 1)  # rank 2 never acknowledges: the view's deadline passes
+        ranks.send(adopting, "adopt")
+        raised = ranks.expect(adopting, "raised", sidecar.round_timeout + 60)
+        for rank, failure in raised.items():
+            assert failure["type"] == "ViewFailed", (rank, failure)
+            assert "PreconditionFailed" in failure["mro"], (rank, failure)
+            assert "membership view 2 failed" in failure["message"], (rank, failure)
+            assert "ranks 2 did not acknowledge it in time" in failure["message"], (rank, failure)
+        shown = sidecar.get_group(group).view
+        assert (shown.number, shown.state) == (2, _FAILED), shown
+        ranks.send(SURVIVORS, "cleanup")
+        ranks.expect(SURVIVORS, "cleaned", 30)
