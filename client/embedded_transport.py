@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from moe_sidecar import flashinfer
-from moe_sidecar.client.errors import InternalError
+from moe_sidecar.client.errors import InternalError, PreconditionFailed
 from moe_sidecar.core import limits, policy
+from moe_sidecar.core.defaults import ENV_TARGET
 from moe_sidecar.core.effects import Wait
 from moe_sidecar.core.group import (
     CommitRecord,
@@ -25,6 +26,7 @@ from moe_sidecar.core.group import (
     Refusal,
 )
 from moe_sidecar.core.identity import lifetime_id, owner_id, proof_id
+from moe_sidecar.core.membership import View
 from moe_sidecar.core.policy.arrivals import Arrival
 
 __all__ = ["EmbeddedTransport"]
@@ -153,9 +155,42 @@ class EmbeddedTransport:
         """Always empty: in-process, no rank's departure is seen."""
         return []
 
+    def latest_view(self, group: str) -> View | None:
+        """Refused: see :meth:`acknowledge_view`.
+
+        Raises:
+            PreconditionFailed: always.
+        """
+        raise _masks_need_a_sidecar(group)
+
+    def acknowledge_view(self, group: str, view: int, rounds: int) -> View:
+        """Refused: embedded mode has no sidecar to decide membership views
+        (no rank sees another's death), so no view is adopted and no rank is
+        masked here.
+
+        Raises:
+            PreconditionFailed: always, saying that masks need sidecar mode.
+        """
+        raise _masks_need_a_sidecar(group)
+
+    def await_view(self, group: str, view: int, timeout: float) -> View:
+        """Refused: see :meth:`acknowledge_view`.
+
+        Raises:
+            PreconditionFailed: always.
+        """
+        raise _masks_need_a_sidecar(group)
+
     def close(self) -> None:
         """Nothing to release: the core's group states are kept, as a sidecar
         keeps them across a rank's sessions."""
+
+
+def _masks_need_a_sidecar(group: str) -> PreconditionFailed:
+    return PreconditionFailed(
+        f"EP group {group!r}: membership views and rank masks need sidecar mode "
+        f"({ENV_TARGET} set): embedded mode has no sidecar to decide a view"
+    )
 
 
 def _past_boundary(proposal: Proposal) -> Proposal:

@@ -1,8 +1,9 @@
 """The errors a rank sees, and the one place gRPC status codes become them.
 
 A caller catches the same classes in sidecar mode and in embedded mode: the
-typed errors of :mod:`moe_sidecar.core.errors`, re-exported here, plus two that only
-the client raises (:class:`AgreementError`, :class:`BackendError`).
+typed errors of :mod:`moe_sidecar.core.errors`, re-exported here, plus those only
+the client raises (:class:`AgreementError`, :class:`BackendError`,
+:class:`ViewFailed`).
 
 :func:`error_from_rpc` is the only code that turns a ``grpc.RpcError`` into a
 typed error; the gRPC error stays reachable as ``__cause__`` (the transport
@@ -12,6 +13,7 @@ and details back.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -52,6 +54,7 @@ __all__ = [
     "RoundTimedOut",
     "RpcStatus",
     "SessionStatus",
+    "ViewFailed",
     "error_from_rpc",
     "not_a_coordinator",
     "rpc_status",
@@ -95,6 +98,35 @@ class RankLost(RoundAborted):
     def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+class ViewFailed(PreconditionFailed):
+    """The membership view a rank was adopting FAILED: its members quiesced at
+    different all-to-all round counts, or not all acknowledged it before its
+    deadline. FAILED is final for the group's lifetime: every rank restarts.
+
+    ``view`` is the view's number, ``cause`` the sidecar's words of why.
+    """
+
+    def __init__(self, message: str, view: int, cause: str) -> None:
+        super().__init__(message)
+        self.view = view
+        self.cause = cause
+
+    @classmethod
+    def of(cls, group: str, view: int, cause: str) -> ViewFailed:
+        """The error of view ``view`` of ``group`` failed for ``cause``."""
+        return cls(
+            f"EP group {group!r}: membership view {view} failed ({cause}): the group must "
+            "restart (every rank)",
+            view,
+            cause,
+        )
+
+
+_VIEW_FAILED = re.compile(r"^view (\d+) failed \((.*)\): the group must restart$", re.DOTALL)
+"""The core's refusal of an acknowledgement of a view that failed
+(:func:`moe_sidecar.core.membership.acknowledge`)."""
 
 
 class BackendError(RuntimeError):
@@ -202,6 +234,9 @@ def error_from_rpc(
         message = f"{where} failed with unexpected status {status.code.name}: {status.details}"
     else:
         message = status.details
+        failed = _VIEW_FAILED.match(message) if code is ErrorCode.FAILED_PRECONDITION else None
+        if failed is not None:
+            return ViewFailed(message, int(failed.group(1)), failed.group(2))
     return error_for_code(code, message)
 
 

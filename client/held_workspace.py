@@ -25,12 +25,22 @@ class HeldWorkspace:
         backend: builds, sizes and releases the all-to-all.
         ep_size: ranks of the EP group.
         ep_rank: this rank in it.
+        enable_rank_mask: build kernels that take an active-rank mask (the
+            ``mask`` peer-loss policy: survivors go on without a dead rank).
     """
 
-    def __init__(self, backend: AlltoAllBackend, ep_size: int, ep_rank: int) -> None:
+    def __init__(
+        self,
+        backend: AlltoAllBackend,
+        ep_size: int,
+        ep_rank: int,
+        *,
+        enable_rank_mask: bool = False,
+    ) -> None:
         self.backend = backend
         self.ep_size = ep_size
         self.ep_rank = ep_rank
+        self.enable_rank_mask = enable_rank_mask
         self.handle: AlltoAll | None = None
         """The all-to-all built (None: nothing)."""
         self.plan: Plan | None = None
@@ -62,6 +72,7 @@ class HeldWorkspace:
             capacities=plan.capacities,
             workspace_size_per_rank=workspace,
             use_low_precision_combine=low_precision_combine,
+            enable_rank_mask=self.enable_rank_mask,
         )
         started = time.perf_counter()
         handle = self.backend.build(spec)

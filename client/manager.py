@@ -47,10 +47,11 @@ from moe_sidecar.client.first_round import share_proof_in_view
 from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.held_workspace import HeldWorkspace
 from moe_sidecar.client.layer_need import LayerNeed
+from moe_sidecar.client.membership_view import AdoptedView, ViewFollower
 from moe_sidecar.client.owner_key import owner_digest_of
-from moe_sidecar.client.peer_loss import PeerLossWatch
+from moe_sidecar.client.peer_loss import PeerLossPolicy, PeerLossWatch
 from moe_sidecar.client.round_decisions import RoundDecisions
-from moe_sidecar.client.transport import Transport, transport_for
+from moe_sidecar.client.transport import DEFAULT_PROPOSE_TIMEOUT_S, Transport, transport_for
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
@@ -172,7 +173,17 @@ class AlltoAllManager:
         self._reuses = 0
         self._covered = 0
         self._last_layer = ""
-        self._held = HeldWorkspace(self.backend, self.ep_size, self.ep_rank)
+        masks = self._peer_loss.policy is PeerLossPolicy.MASK
+        self._held = HeldWorkspace(self.backend, self.ep_size, self.ep_rank, enable_rank_mask=masks)
+        self._views = ViewFollower(
+            self._transport,
+            self._peer_loss,
+            self.group,
+            self.ep_size,
+            self.ep_rank,
+            default_wait_s=getattr(self._transport, "propose_timeout", DEFAULT_PROPOSE_TIMEOUT_S),
+        )
+        """The membership views this rank follows (``MOE_SIDECAR_ON_PEER_LOSS=mask``)."""
         self._decisions = self._round_decisions()
         self.generation = 0
         """The generation of the plan built last (0: none yet)."""
@@ -239,7 +250,7 @@ class AlltoAllManager:
             BackendError: a build an answer asked for failed.
         """
         self._settle()
-        return self._held.handle
+        return self._views.wrap(self._held.handle)  # type: ignore[no-any-return]
 
     @property
     def workspace_bytes(self) -> int:
@@ -487,7 +498,38 @@ class AlltoAllManager:
         communication = self._held.communication(self.engine.low_precision_combine())
         if communication is None:
             raise BackendError("get_communication() before initialize(): nothing is built")
-        return communication
+        return self._views.wrap(communication)
+
+    # --- membership views (MOE_SIDECAR_ON_PEER_LOSS=mask) ----------------------
+
+    def peer_fault(self) -> bool:
+        """A peer of this lifetime died and no view was adopted since (under
+        ``mask``; always False otherwise). Cheap: no RPC, no device work."""
+        return self._views.peer_fault()
+
+    def active_mask(self) -> int:
+        """The mask every step passes: bit i set = rank i a member of the
+        adopted view (every rank's while none is adopted)."""
+        return self._views.active_mask()
+
+    def adopt_view(self, timeout_s: float | None = None) -> AdoptedView:
+        """At a quiesced point (this rank's last combine done): acknowledges the
+        group's latest proposed view with this rank's all-to-all round count,
+        waits (at most ``timeout_s`` s; default the propose timeout) until it
+        commits, and from then on every dispatch and combine of what
+        :attr:`moe_alltoall` and :meth:`get_communication` return passes its
+        mask (:mod:`moe_sidecar.client.membership_view`).
+
+        Raises:
+            PreconditionFailed: the policy is not ``mask``, embedded mode,
+                nothing built, or this rank is no member of the view.
+            ViewFailed: the view failed: every rank of the group restarts.
+            RoundTimedOut: the view was not decided in time.
+            CoordinatorError: a covered round was refused, or the sidecar
+                could not be asked.
+        """
+        self._settle()  # the session carries nothing unanswered before the acknowledgement
+        return self._views.adopt(timeout_s)
 
     def checkpoint_prepare(self) -> None:
         """Unmaps the workspace for a checkpoint (vLLM's sleep mode); collective
@@ -540,6 +582,7 @@ class AlltoAllManager:
         self.lifetime = new_lifetime_secret()
         self._group_proof = None
         self._round = 0
+        self._views.forget()
         if unsettled is not None:
             raise unsettled
 

@@ -17,7 +17,11 @@ it acts while that one is blocked in a CUDA wait, a kernel or a collective.
 * ``raise``: the rank's next call into the manager raises
   :class:`~moe_sidecar.client.errors.RankLost` naming the dead rank (once);
 * ``wait``: no watcher; the rank learns of the death as before (a failed
-  round or collective, or FlashInfer's trap).
+  round or collective, or FlashInfer's trap);
+* ``mask``: the watcher records the loss (no exit, no raise): the manager
+  builds its all-to-all with ``enable_rank_mask``, ``peer_fault()`` says a
+  peer is gone, and the survivors go on without it once ``adopt_view()``
+  has committed the sidecar's next view (:mod:`moe_sidecar.client.membership_view`).
 
 A clean close of a peer's session (its ``cleanup()``) is not a death: the
 event is not ``lost``, and nothing happens. Embedded mode has no sidecar to
@@ -74,6 +78,7 @@ class PeerLossPolicy(enum.Enum):
     EXIT = "exit"
     RAISE = "raise"
     WAIT = "wait"
+    MASK = "mask"
 
 
 def policy_from_environment(environ: Mapping[str, str]) -> PeerLossPolicy:
@@ -118,7 +123,10 @@ class PeerLossWatcher:
         group: the EP group.
         ep_rank: this rank.
         lifetime: this rank lifetime's secret token (only its short id is compared).
-        on_loss: called once, in the watcher's thread, with the first loss.
+        on_loss: called in the watcher's thread with the first loss (then the
+            thread ends), or with every loss when ``every_loss``.
+        every_loss: keep watching after a loss (``mask``: the survivors go on,
+            and a later death must be heard too).
     """
 
     def __init__(
@@ -128,7 +136,10 @@ class PeerLossWatcher:
         ep_rank: int,
         lifetime: str,
         on_loss: Callable[[PeerLoss], None],
+        *,
+        every_loss: bool = False,
     ) -> None:
+        self._every_loss = every_loss
         self._target = target
         self._group = group
         self._ep_rank = ep_rank
@@ -208,7 +219,8 @@ class PeerLossWatcher:
             pause = min(pause * 2, _RECONNECT_S[1])
 
     def _watch_once(self) -> PeerLoss | None:
-        """Reads one Watch stream until a loss that concerns this rank (returned)
+        """Reads one Watch stream until a loss that concerns this rank (returned;
+        with ``every_loss`` each goes to ``on_loss`` and the reading goes on)
         or its end (None).
 
         Raises:
@@ -235,7 +247,10 @@ class PeerLossWatcher:
         for message in call:
             event = event_from_proto(message)
             if event is not None and self.concerns_me(event):
-                return PeerLoss(self._group, event.ep_rank, event.message)
+                loss = PeerLoss(self._group, event.ep_rank, event.message)
+                if not self._every_loss:
+                    return loss
+                self._on_loss(loss)
         return None
 
 
@@ -292,8 +307,17 @@ class PeerLossWatch:
         if lifetime != self._lifetime:
             self.stop()
             self._lifetime, self._ep_rank, self._loss = lifetime, ep_rank, None
-            self._watcher = PeerLossWatcher(self._target, group, ep_rank, lifetime, self._lost)
+            self._watcher = PeerLossWatcher(
+                self._target,
+                group,
+                ep_rank,
+                lifetime,
+                self._lost,
+                every_loss=self.policy is PeerLossPolicy.MASK,
+            )
             self._watcher.start()
+        if self.policy is PeerLossPolicy.MASK:
+            return  # the loss stays recorded until a view is adopted (see fault)
         loss, self._loss = self._loss, None
         if loss is not None:
             raise RankLost(
@@ -301,6 +325,16 @@ class PeerLossWatch:
                 f"rank {ep_rank} stops using the all-to-all: restart every rank",
                 (loss.ep_rank,),
             )
+
+    @property
+    def fault(self) -> PeerLoss | None:
+        """(``mask``) the first loss heard of since the last :meth:`clear_fault`
+        (None: none). Reads one attribute: no RPC, no device work."""
+        return self._loss if self.policy is PeerLossPolicy.MASK else None
+
+    def clear_fault(self) -> None:
+        """A view without the lost peer was adopted: the loss is dealt with."""
+        self._loss = None
 
     def stop(self) -> None:
         """Ends the watcher of the current lifetime, if any. Idempotent."""
@@ -313,6 +347,11 @@ class PeerLossWatch:
         if self.policy is PeerLossPolicy.EXIT:
             _exit_now(loss.line(self._ep_rank, f"exits with status {PEER_LOSS_EXIT_STATUS}"))
             self._end_process(PEER_LOSS_EXIT_STATUS)
+        if self.policy is PeerLossPolicy.MASK:
+            # The first loss since the last adopted view stays the one reported.
+            self._loss = self._loss or loss
+            _log.warning(loss.line(self._ep_rank, "goes on under a mask once it adopts a view"))
+            return
         self._loss = loss
         _log.warning(loss.line(self._ep_rank, "raises RankLost at its next call"))
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moe_sidecar.client import view_rpcs
 from moe_sidecar.client.embedded_transport import EmbeddedTransport
 from moe_sidecar.client.errors import (
     CoordinatorError,
@@ -49,9 +50,11 @@ from moe_sidecar.core.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
 from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
+    GroupSummary,
     Proposal,
     RankSummary,
 )
+from moe_sidecar.core.membership import View
 from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.wire.address import AddressError, parse_listen_address
 from moe_sidecar.wire.codec import (
@@ -59,6 +62,7 @@ from moe_sidecar.wire.codec import (
     commit_to_proto,
     decision_from_proto,
     proposal_to_proto,
+    session_acknowledge_to_proto,
     session_commit_to_proto,
     session_propose_to_proto,
     summary_from_proto,
@@ -88,8 +92,8 @@ DEFAULT_UNAVAILABLE_RETRY_S = 30.0
 that starts a little after the ranks, or restarts."""
 
 
-class Transport(Protocol):
-    """What the manager needs from the decision core."""
+class Transport(view_rpcs.ViewCalls, Protocol):
+    """What the manager needs from the decision core (and the views' calls: ViewCalls)."""
 
     @property
     def rpc_count(self) -> int:
@@ -505,18 +509,40 @@ class GrpcTransport:
         )
         return call
 
+    def _summary(self, group: str) -> GroupSummary:
+        stub = self._stub_here()
+        request = pb.GetGroupRequest(group=group)
+        reply = self._call(
+            "GetGroup", self.call_timeout, lambda timeout: stub.GetGroup(request, timeout=timeout)
+        )
+        return summary_from_proto(reply)
+
     def gone_ranks(self, group: str) -> list[RankSummary]:
         """The ranks of ``group``'s current lifetime the sidecar knows are gone.
 
         Raises:
             CoordinatorError: the sidecar could not be asked.
         """
-        stub = self._stub_here()
-        request = pb.GetGroupRequest(group=group)
-        reply = self._call(
-            "GetGroup", self.call_timeout, lambda timeout: stub.GetGroup(request, timeout=timeout)
-        )
-        return [r for r in summary_from_proto(reply).ranks if r.current and r.left]
+        return [r for r in self._summary(group).ranks if r.current and r.left]
+
+    def latest_view(self, group: str) -> View | None:
+        """See :meth:`Transport.latest_view` (GetGroup's view)."""
+        return self._summary(group).view
+
+    def acknowledge_view(self, group: str, view: int, rounds: int) -> View:
+        """See :meth:`Transport.acknowledge_view` (on the Session stream only)."""
+
+        def send(timeout: float) -> pb.View:
+            view_rpcs.check_session(self.session, self.target, group, view)
+            request = session_acknowledge_to_proto(self._next_id(), view, rounds)
+            return self._session_call(request, timeout).acknowledged
+
+        return view_rpcs.decoded(self._call("AcknowledgeView", self.call_timeout, send), group)
+
+    def await_view(self, group: str, view: int, timeout: float) -> View:
+        """See :meth:`Transport.await_view` (a Watch stream of the group)."""
+        self._rpc_count += 1
+        return view_rpcs.await_view(self._stub_here(), self.target, group, view, timeout)
 
     def close(self) -> None:
         """Ends the session (the sidecar sees this rank leave) and closes the channel."""

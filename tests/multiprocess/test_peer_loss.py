@@ -58,6 +58,9 @@ class Ranks:
     stderr in a file per rank. A context manager; every rank still alive at
     the end is killed."""
 
+    command: tuple[str, ...] = _RANK_COMMAND
+    """The rank program (a subclass runs another with the same arguments)."""
+
     def __init__(self, tmp_path: Path, target: str, group: str, policy: str | None) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         init_method = f"file://{tmp_path / 'rendezvous'}"
@@ -74,7 +77,7 @@ class Ranks:
         for rank in range(WORLD):
             with open(self.stderr_paths[rank], "w") as stderr:
                 process = subprocess.Popen(
-                    [*_RANK_COMMAND, str(rank), str(WORLD), init_method, group],
+                    [*self.command, str(rank), str(WORLD), init_method, group],
                     cwd=REPO,
                     env=env,
                     stdin=subprocess.PIPE,

@@ -37,6 +37,7 @@ IDS = tuple(lifetime_id(t) for t in TOKENS)
         ("exit", PeerLossPolicy.EXIT),
         (" Raise ", PeerLossPolicy.RAISE),
         ("WAIT", PeerLossPolicy.WAIT),
+        ("mask", PeerLossPolicy.MASK),
     ],
 )
 def test_the_policy_variable(value: str, expected: PeerLossPolicy) -> None:
