@@ -6,9 +6,11 @@
 # H200 host) into FLASHINFER_WORKSPACE_BASE, which later processes of the same
 # warm machine reuse. Logs go to $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu074/*.whl \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi NCCL_NVLS_ENABLE=0
+# Its own target and JIT cache: a warm machine may hold 0.7.2.post1 in
+# /tmp/site and /tmp/fi from common.sh.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-fi074 .gpu074/*.whl \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site-fi074 . || exit 1
+export PYTHONPATH=/tmp/site-fi074:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi-074 NCCL_NVLS_ENABLE=0
 {
   date -u +%Y-%m-%dT%H:%MZ
   nvidia-smi -L
