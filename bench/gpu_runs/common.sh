@@ -4,8 +4,8 @@
 # puts FlashInfer's module compiled earlier (.gpu/aot) where FlashInfer finds
 # an ahead-of-time module. Logs go to $OUT.
 set -uo pipefail
-# Once per call: a script sourced by another that sourced this already
-# (final-call.sh) reuses the install.
+# Once per call: a script run from one that sourced this already (and set
+# MOE_GPU_INSTALLED) reuses the install.
 if [ -z "${MOE_GPU_INSTALLED:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
     && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
