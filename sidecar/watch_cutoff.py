@@ -115,6 +115,11 @@ class StreamGuard:
         self.cut_reason: str | None = None
         """Why the stream was cut off; None while it was not."""
 
+    @property
+    def write_pending(self) -> bool:
+        """Whether an event handed out is being written (its timer runs)."""
+        return self._timer is not None
+
     def handed_out(self) -> None:
         self._writing = True
         if self.cut_reason is None:
