@@ -122,6 +122,7 @@ class StreamGuard:
 
     def handed_out(self) -> None:
         self._writing = True
+        self._stop_timer()
         if self.cut_reason is None:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(self._cutoffs.write_timeout, self._cut, WRITE_TIMEOUT)

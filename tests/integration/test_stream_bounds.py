@@ -162,6 +162,10 @@ async def test_a_watch_write_pending_past_the_timeout_is_cut_off(tmp_path: Path)
             await _until(watcher.closed.is_set, within=5.0)
             assert _cutoffs(server, "write_timeout") == 1
             assert server.coordinator.watcher_count() == 1
+            limit = server.metrics.registry.get_sample_value(
+                "moe_sidecar_limit", {"resource": "stream_write_seconds"}
+            )
+            assert limit == 0.5
             await run_round(stub, 1, NVFP4, group="after/ep1", local_ranks=1)
             seen: list[str] = []
             while "after/ep1" not in seen:
