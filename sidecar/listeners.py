@@ -372,6 +372,7 @@ async def start_coordinator_server(
         translator,
         max_page_size=config.max_page_size,
         max_sessions=config.max_sessions,
+        stream_write_timeout=config.stream_write_timeout,
     )
     server.add_generic_rpc_handlers((coordinator_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -212,6 +212,14 @@ class SidecarMetrics:
             "Calls in flight on the health port now (at most --max-health-rpcs; "
             "Health.Check counted).",
         )
+        self.stream_cutoffs = self._counter(
+            "moe_sidecar_stream_cutoffs",
+            "Streams the sidecar cut off because their peer did not read: by method, reason "
+            "(overflow: its queue overflowed while a write waited; write_timeout: a write "
+            "waited --stream-write-timeout) and connection (shut: its TCP connection was shut "
+            "down; not_found: it could not be, e.g. a Unix-socket peer).",
+            ("method", "reason", "connection"),
+        )
         for resource, value in limits.items():
             self.limit.labels(resource=resource).set(value)
 

@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from moe_sidecar.config.values import DEFAULT_MAX_SESSIONS
+from moe_sidecar.config.values import DEFAULT_MAX_SESSIONS, DEFAULT_STREAM_WRITE_TIMEOUT
 from moe_sidecar.core.errors import InvalidArgument, ResourceExhausted, quote_name
 from moe_sidecar.core.group import Decision, GroupState, summarize
 from moe_sidecar.core.identity import lifetime_id
@@ -30,6 +30,7 @@ from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.session_places import SessionPlaces
 from moe_sidecar.state import Coordinator
 from moe_sidecar.status import ErrorTranslator
+from moe_sidecar.watch_cutoff import WatchCutoffs
 from moe_sidecar.wire.codec import (
     arrival_from_proto,
     commit_from_proto,
@@ -185,6 +186,8 @@ class CoordinatorServicer:
         errors: the error -> status mapping.
         max_page_size: most groups one ListGroups page holds.
         max_sessions: Session streams open at once (``--max-sessions``).
+        stream_write_timeout: seconds a Watch stream's write may be pending
+            before the stream is cut off (``--stream-write-timeout``).
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class CoordinatorServicer:
         max_page_size: int = 500,
         max_pending_response_bytes: int = MAX_PENDING_RESPONSE_BYTES,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
     ) -> None:
         self._coordinator = coordinator
         self._errors = errors
@@ -203,6 +207,7 @@ class CoordinatorServicer:
         self._encoded: tuple[Decision, int, str, bytes] | None = None
         self._sessions = _OpenSessions()
         self._places = SessionPlaces(coordinator.metrics, max_sessions)
+        self._cutoffs = WatchCutoffs(coordinator.metrics, stream_write_timeout)
 
     def _decision_bytes(self, decision: Decision, ep_size: int, release: str) -> bytes:
         """The serialized wire form of ``decision``, encoded once per round:
@@ -385,6 +390,9 @@ class CoordinatorServicer:
     async def _watch(self, data: bytes, context: _Context) -> AsyncGenerator[pb.GroupEvent, None]:
         request = decode_request(pb.WatchRequest, data)
         subscription = self._coordinator.watch(request.group)
+        # A peer that never reads leaves this handler stuck in a write that
+        # gRPC cannot end: the guard cuts its connection (moe_sidecar.watch_cutoff).
+        guard = self._cutoffs.guard(subscription, context.peer(), self._coordinator.unwatch)
         try:
             # The stream's headers say the subscription exists: a rank's
             # peer-loss watcher waits for them, so no event after it can be missed.
@@ -392,6 +400,7 @@ class CoordinatorServicer:
             async for event in subscription:
                 yield event_to_proto(event, self._coordinator.sizing_of(event.group))
         finally:
+            guard.close()
             self._coordinator.unwatch(subscription)
 
     async def ListGroups(self, data: bytes, context: _Context) -> pb.ListGroupsResponse:

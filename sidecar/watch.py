@@ -3,21 +3,39 @@ sidecar's set of them (:class:`Watchers`).
 
 A subscriber that falls behind by more than its limit is cut off (told to
 reconnect and resynchronise), so a slow watcher can neither block rounds nor
-grow the sidecar's memory.
+grow the sidecar's memory. A stream whose peer does not read at all leaves
+its handler stuck in a write that gRPC cannot end; a
+:class:`DeliveryObserver` (:mod:`moe_sidecar.watch_cutoff`) hears when an
+event is handed out to be written, when the next is asked for (the write
+is done), and when the queue overflowed, and cuts such a stream off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Protocol
 
 from moe_sidecar.core.effects import GroupEvent
 from moe_sidecar.core.errors import CoordinatorError, CoordinatorUnavailable, ResourceExhausted
 
-__all__ = ["WATCH_QUEUE_LIMIT", "Subscription", "Watchers"]
+__all__ = ["WATCH_QUEUE_LIMIT", "DeliveryObserver", "Subscription", "Watchers"]
 
 WATCH_QUEUE_LIMIT = 1024
 """Undelivered events a Watch stream may hold before it is cut off."""
+
+
+class DeliveryObserver(Protocol):
+    """What a stream's guard hears of its subscription's deliveries."""
+
+    def handed_out(self) -> None:
+        """An event was handed to the stream, to be written to its peer."""
+
+    def asked_again(self) -> None:
+        """The stream asks for its next event: the last one's write is done."""
+
+    def overflowed(self) -> None:
+        """The subscriber fell behind by more than its limit and was cut off."""
 
 
 class Subscription:
@@ -37,6 +55,11 @@ class Subscription:
         self._wake = asyncio.Event()
         self._ended: CoordinatorError | None = None
         self._finished = False
+        self._observer: DeliveryObserver | None = None
+
+    def observe(self, observer: DeliveryObserver) -> None:
+        """Tells ``observer`` of this stream's deliveries from now on."""
+        self._observer = observer
 
     def wants(self, event: GroupEvent) -> bool:
         """Whether ``event`` is of the watched group."""
@@ -54,10 +77,18 @@ class Subscription:
                     "off; reconnect and resynchronise with ListGroups/GetGroup"
                 )
             )
+            if self._observer is not None:
+                self._observer.overflowed()
             return False
         self._queue.append(event)
         self._wake.set()
         return True
+
+    def drop(self, error: CoordinatorError) -> None:
+        """Ends the stream with ``error`` at once, its queued events dropped
+        (their memory freed: the stream was cut off)."""
+        self._queue.clear()
+        self.end(error)
 
     def end(self, error: CoordinatorError | None = None) -> None:
         """Ends the stream once queued events are read: with ``error``, or cleanly."""
@@ -77,10 +108,14 @@ class Subscription:
             CoordinatorUnavailable: the subscriber was cut off or the sidecar stops.
             StopAsyncIteration: the stream ended cleanly.
         """
+        if self._observer is not None:
+            self._observer.asked_again()
         while True:
             if self._ended is not None:
                 raise self._ended
             if self._queue:
+                if self._observer is not None:
+                    self._observer.handed_out()
                 return self._queue.popleft()
             if self._finished:
                 raise StopAsyncIteration
@@ -124,7 +159,7 @@ class Watchers:
         """Offers ``event`` to every stream that wants it; one that overflows is dropped."""
         for subscription in list(self._subscriptions):
             if subscription.wants(event) and not subscription.offer(event):
-                self._subscriptions.remove(subscription)
+                self.unsubscribe(subscription)
 
     def end_all(self, error: CoordinatorError) -> None:
         """Ends every stream with ``error`` and forgets them."""

@@ -31,6 +31,7 @@ from moe_sidecar.config.values import (
     DEFAULT_STORE_MAX_GENERATION_LEAD,
     DEFAULT_STORE_PAGE_BYTES,
     DEFAULT_STREAM_RECEIVE_BYTES,
+    DEFAULT_STREAM_WRITE_TIMEOUT,
     LOG_FORMATS,
     MAX_LIMIT,
     MAX_STORE_PAGE_BYTES,
@@ -399,6 +400,15 @@ _STREAM_OPTIONS = (
         f"{MAX_STREAM_RECEIVE_BYTES})",
         "BYTES",
     ),
+    _Option(
+        "--stream-write-timeout",
+        "stream_write_timeout",
+        _seconds,
+        "seconds a Watch stream's message may wait for its peer to read it; then, or at once "
+        "when the stream overflowed its queue meanwhile, its connection is shut down (default "
+        f"{DEFAULT_STREAM_WRITE_TIMEOUT:g})",
+        "SECONDS",
+    ),
 )
 _OPTIONS += _STREAM_OPTIONS
 _ENV_KEYS = frozenset(o.env_key for o in _OPTIONS)
@@ -422,6 +432,7 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--idle-connection-timeout",
             "--metrics-request-timeout",
             "--stream-receive-bytes",
+            "--stream-write-timeout",
         ),
     ),
 )

@@ -17,6 +17,7 @@ from moe_sidecar.config.values import (
     DEFAULT_STORE_MAX_GENERATION_LEAD,
     DEFAULT_STORE_PAGE_BYTES,
     DEFAULT_STREAM_RECEIVE_BYTES,
+    DEFAULT_STREAM_WRITE_TIMEOUT,
     LIMIT_FIELDS,
     LISTENER_TIMEOUT_FIELDS,
     LOG_FORMATS,
@@ -143,11 +144,15 @@ class SidecarConfig:
     max_merged_groups: int = DEFAULT_MAX_MERGED_GROUPS
     """Groups created here from the cluster store (no local rank yet); they do
     not count against ``max_groups``."""
-    # --- the streams' bounds (flags: --max-sessions, --stream-receive-bytes) ---
+    # --- the streams' bounds (flags: --max-sessions, --stream-receive-bytes,
+    # --stream-write-timeout) ---
     stream_receive_bytes: int = DEFAULT_STREAM_RECEIVE_BYTES
     """Bytes a coordinator stream's peer may send before the sidecar reads them."""
     max_sessions: int = DEFAULT_MAX_SESSIONS
     """Session streams open at once; one more is RESOURCE_EXHAUSTED."""
+    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT
+    """Seconds a Watch stream's message may wait for its peer to read it; then
+    (or at once when its queue overflowed meanwhile) the stream is cut off."""
     listen_addresses: tuple[ListenAddress, ...] = field(init=False, repr=False, compare=False)
     store_target: StoreTarget = field(init=False, repr=False, compare=False)
     """``store`` parsed; with etcd, the node's SQLite in ``state_dir`` stays

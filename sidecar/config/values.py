@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_STORE_MAX_GENERATION_LEAD",
     "DEFAULT_STORE_PAGE_BYTES",
     "DEFAULT_STREAM_RECEIVE_BYTES",
+    "DEFAULT_STREAM_WRITE_TIMEOUT",
     "LIMIT_FIELDS",
     "LISTENER_TIMEOUT_FIELDS",
     "LOG_FORMATS",
@@ -73,7 +74,11 @@ LIMIT_FIELDS = (
     *("max_listener_connections", "max_health_connections", "max_queued_rpcs"),
 )
 """Every bounded resource's limit (all flags; the metrics export them too)."""
-LISTENER_TIMEOUT_FIELDS = ("idle_connection_timeout", "metrics_request_timeout")
+LISTENER_TIMEOUT_FIELDS = (
+    "idle_connection_timeout",
+    "metrics_request_timeout",
+    "stream_write_timeout",
+)
 """The listeners' timeouts in seconds (flags; the metrics export them too)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_SECONDS = 86400.0
@@ -100,6 +105,10 @@ the HTTP/2 window each stream is given, kept there (gRPC's BDP probing, which
 grew it to about 4 MiB for a peer that writes and never reads, is off)."""
 MIN_STREAM_RECEIVE_BYTES = 1 << 12
 MAX_STREAM_RECEIVE_BYTES = 16 << 20
+DEFAULT_STREAM_WRITE_TIMEOUT = 10.0
+"""Seconds a Watch stream's message may wait for its peer to take it before
+the stream is cut off (its connection shut down): a peer that never reads
+would otherwise hold the call, and its place, for as long as it stays."""
 DEFAULT_MAX_SESSIONS = 2048
 """Session streams open at once: 32 groups of 64 ranks, below
 ``max_concurrent_rpcs`` (4096) so a flood meets this bound, named, first."""

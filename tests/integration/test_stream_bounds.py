@@ -1,9 +1,10 @@
 """The bounds of the long streams, against a real sidecar (a server on real
 sockets): how many Session streams may be open (``--max-sessions``), how
 much a stream that writes and never reads may send (``--stream-receive-bytes``),
-that the ranks beside it are answered, and what becomes of a Watch stream
-whose peer never reads (a real HTTP/2 peer announcing a zero flow-control
-window, :mod:`tests.integration.raw_http2`).
+that the ranks beside it are answered, and that a Watch stream whose peer
+never reads (a real HTTP/2 peer announcing a zero flow-control window,
+:mod:`tests.integration.raw_http2`) is cut off (``--stream-write-timeout``,
+its queue's bound) while the watchers beside it go on.
 """
 
 from __future__ import annotations
@@ -92,40 +93,110 @@ async def test_sessions_beyond_the_bound_are_refused_naming_the_flag(tmp_path: P
         await _until(lambda: _sessions(server) == 0)
 
 
-async def _ended(call: RawCall, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while not call.ended.is_set():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)  # the poll interval of a wait with a deadline
-    return True
+def _cutoffs(server: RunningServer, reason: str, connection: str = "shut") -> float:
+    value = server.metrics.registry.get_sample_value(
+        "moe_sidecar_stream_cutoffs_total",
+        {"method": "Watch", "reason": reason, "connection": connection},
+    )
+    return value or 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="still open: a Watch stream whose peer never reads stays open (grpc cannot end "
-    "a call whose write is pending; see docs/security.md)",
-)
+def _zero_window_watch(address: str | tuple[str, int]) -> RawCall:
+    """A Watch of every group from a peer that never reads (a zero window)."""
+    watcher = open_call(
+        address,
+        "/moe_workspace.v1.WorkspaceCoordinator/Watch",
+        pb.WatchRequest(group="").SerializeToString(),
+        window=0,
+    )
+    watcher.keep_acknowledging()
+    return watcher
+
+
+def _tcp(server: RunningServer) -> tuple[str, int]:
+    host, port = server.addresses.listen[1].rsplit(":", 1)
+    return host, int(port)
+
+
 async def test_a_watch_stream_that_never_reads_is_cut_off(tmp_path: Path) -> None:
     """A zero-window Watch of every group falls more than its queue's limit
-    behind while rounds go on: it should be ended with UNAVAILABLE."""
+    behind while rounds go on, its handler stuck in its first write: the
+    sidecar shuts its connection down (gRPC cannot end the call otherwise),
+    counts it as an overflow and frees its queue. The peer sees its
+    connection end (no trailers: the call had no way to send them)."""
+    config = make_config(tmp_path, max_groups=1024, stream_write_timeout=600.0)
     async with (
-        running_server(make_config(tmp_path)) as server,
+        running_server(config) as server,
         coordinator_stub(server.addresses.listen[0]) as stub,
     ):
-        host, port = server.addresses.listen[1].rsplit(":", 1)
-        watcher = open_call(
-            (host, int(port)),
-            "/moe_workspace.v1.WorkspaceCoordinator/Watch",
-            pb.WatchRequest(group="").SerializeToString(),
-            window=0,
-        )
-        watcher.keep_acknowledging()
+        watcher = _zero_window_watch(_tcp(server))
         try:
-            for n in range(400):  # 3 events a round: past the 1,024 a queue holds
+            await _until(lambda: server.coordinator.watcher_count() == 1)
+            for n in range(1000):  # 2 or 3 events a round: past the 1,024 a queue holds
+                if watcher.closed.is_set():
+                    break
                 await run_round(stub, 1, NVFP4, group=f"g{n}/ep1", local_ranks=1)
-            assert await _ended(watcher, within=5.0), "the stream was never cut off"
-            assert watcher.trailers.get("grpc-status") == "14", watcher.trailers
+            await _until(watcher.closed.is_set, within=5.0)
+            assert _cutoffs(server, "overflow") == 1
+            assert server.coordinator.watcher_count() == 0
+            assert not watcher.trailers and watcher.data_received == 0
+        finally:
+            watcher.close()
+
+
+async def test_a_watch_write_pending_past_the_timeout_is_cut_off(tmp_path: Path) -> None:
+    """With ``--stream-write-timeout 0.5``, a zero-window watcher's first
+    event waits for it half a second: its connection is shut down, counted
+    as a write timeout, while a watcher that reads, beside it, gets every
+    event of the round and of the rounds after."""
+    async with (
+        running_server(make_config(tmp_path, stream_write_timeout=0.5)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        reader = stub.Watch(pb.WatchRequest(group=""))
+        await reader.initial_metadata()
+        watcher = _zero_window_watch(_tcp(server))
+        try:
+            await _until(lambda: server.coordinator.watcher_count() == 2)
+            await run_round(stub, 1, NVFP4, group="slow/ep1", local_ranks=1)
+            await _until(watcher.closed.is_set, within=5.0)
+            assert _cutoffs(server, "write_timeout") == 1
+            assert server.coordinator.watcher_count() == 1
+            limit = server.metrics.registry.get_sample_value(
+                "moe_sidecar_limit", {"resource": "stream_write_seconds"}
+            )
+            assert limit == 0.5
+            await run_round(stub, 1, NVFP4, group="after/ep1", local_ranks=1)
+            seen: list[str] = []
+            while "after/ep1" not in seen:
+                event = await asyncio.wait_for(reader.read(), timeout=5)
+                seen.append(event.group)
+            assert "slow/ep1" in seen
+        finally:
+            watcher.close()
+            reader.cancel()
+
+
+async def test_a_unix_socket_watcher_that_never_reads_is_dropped_not_cut(
+    tmp_path: Path,
+) -> None:
+    """A zero-window watcher on the Unix socket cannot be told apart from
+    the other connections of its listener (moe_sidecar.peer_socket): its
+    write timing out drops its subscription (its queue freed, its
+    --max-watchers place given back), counted as ``connection="not_found"``;
+    its call stays open until the peer goes."""
+    async with (
+        running_server(make_config(tmp_path, stream_write_timeout=0.5)) as server,
+        coordinator_stub(server.addresses.listen[0]) as stub,
+    ):
+        path = server.addresses.listen[0].removeprefix("unix://")
+        watcher = _zero_window_watch(path)
+        try:
+            await _until(lambda: server.coordinator.watcher_count() == 1)
+            await run_round(stub, 1, NVFP4, group="unix/ep1", local_ranks=1)
+            await _until(lambda: _cutoffs(server, "write_timeout", "not_found") == 1)
+            assert server.coordinator.watcher_count() == 0
+            assert not watcher.closed.is_set()
         finally:
             watcher.close()
 

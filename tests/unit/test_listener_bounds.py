@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
-from moe_sidecar.config import ConfigError, SidecarConfig
+from moe_sidecar.config import (
+    ConfigError,
+    SidecarConfig,
+    add_serve_arguments,
+    config_from_flags,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -16,6 +22,7 @@ def test_listener_bounds_have_defaults() -> None:
     assert (config.max_listener_connections, config.max_health_connections) == (256, 64)
     assert config.max_queued_rpcs == 16384
     assert (config.idle_connection_timeout, config.metrics_request_timeout) == (60.0, 5.0)
+    assert config.stream_write_timeout == 10.0
 
 
 @pytest.mark.parametrize(
@@ -29,8 +36,27 @@ def test_listener_bounds_have_defaults() -> None:
         ("idle_connection_timeout", math.nan),
         ("metrics_request_timeout", -1.0),
         ("metrics_request_timeout", 1e9),
+        ("stream_write_timeout", 0.0),
+        ("stream_write_timeout", math.inf),
     ],
 )
 def test_a_bad_listener_bound_is_refused_naming_it(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=rf"^{field}={value!r}: must be"):
         SidecarConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def _from_flags(argv: list[str], environ: dict[str, str]) -> SidecarConfig:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return config_from_flags(parser.parse_args(argv), environ)
+
+
+def test_the_stream_write_timeout_is_read_from_its_flag_and_variable() -> None:
+    assert _from_flags(["--stream-write-timeout", "2.5"], {}).stream_write_timeout == 2.5
+    environ = {"MOE_SIDECAR_STREAM_WRITE_TIMEOUT": "0.25"}
+    assert _from_flags([], environ).stream_write_timeout == 0.25
+
+
+def test_a_bad_stream_write_timeout_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"--stream-write-timeout"):
+        _from_flags(["--stream-write-timeout", "0"], {})

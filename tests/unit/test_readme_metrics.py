@@ -38,6 +38,7 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
     metrics.round_latency.observe(0.001)
     metrics.groups.set(1)
     metrics.views.labels(state="proposed").inc()
+    metrics.stream_cutoffs.labels(method="Watch", reason="overflow", connection="shut").inc()
     store = StoreMetrics(metrics.registry)  # registered with --store etcd:// only
     store.writes.labels("written").inc()
     exported = {}
