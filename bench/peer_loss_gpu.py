@@ -27,8 +27,9 @@ how each survivor ended and when (CLOCK_MONOTONIC from the kill):
   the watcher): FlashInfer's own outcome, watched for ``--hang-cap``
   seconds, then killed. On 0.7.2.post1 a trap minutes later or a hang; on
   0.7.4 the waits time out after ``NVLinkOneSidedConfig.timeout_sec``
-  (default 300 s), so under a shorter cap the survivors are still hung at
-  the cap, and the summary says so (capped, not a trap).
+  (default 300 s; a wait past it traps the kernel), so under a shorter cap
+  the survivors are still hung at the cap, and the summary says so
+  (capped, not a trap).
 
     python3 bench/peer_loss_gpu.py --out DIR [--ranks 4] [--hang-cap 360]
     python3 bench/peer_loss_gpu.py --backend flashinfer-moe-ep --hang-cap 60 --out DIR   # 0.7.4
@@ -263,14 +264,17 @@ def summarize(
         without += f" (the first after {ended[0]:.1f} s, the last after {ended[-1]:.1f} s)"
     if hung:
         timeouts = sorted({o["wait_timeout_s"] for o in unwatched} - {None})
-        waits = f"; its waits time out after {timeouts[0]:g} s" if timeouts else ""
+        waits = f"; a wait traps after timeout_sec={timeouts[0]:g} s" if timeouts else ""
         without += f", {hung} still hung at the {cap:g} s cap (capped, not a trap{waits})"
-    first = ended[0] if len(ended) == len(unwatched) else cap
-    ratio = f"{first / slowest:.0f}x" if not hung else f"at least {first / slowest:.0f}x"
+    # The first survivor without the watcher against the last with it; a lower
+    # bound when none ended before the cap.
+    first = ended[0] if ended else cap
+    ratio = f"{'' if ended else 'at least '}{first / slowest:.0f}x" if all_ended else "no ratio"
+    within = f", the last within {slowest:.3f} s" if all_ended else ""
     line = (
         f"summary ({backend}): with the watcher {exited} of {len(watched)} survivors exited "
-        f"with status {EXIT_STATUS} (naming the dead rank: {named}), the last within "
-        f"{slowest:.3f} s; without it {without}: {ratio}"
+        f"with status {EXIT_STATUS} (naming the dead rank: {named}){within}; without it "
+        f"{without}: {ratio}"
     )
     return line, all_ended and named and slowest < WATCHER_WITHIN_S
 
