@@ -105,15 +105,10 @@ def rank_main(rank: int, world: int, init_method: str, group: str, backend: str)
     experts = experts.to(torch.int32).to(device)
     weights = torch.full((TOKENS, TOP_K), 0.5, dtype=torch.float32, device=device)
     hidden = torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)
+    about = {"backend": backend, "stepped": type(stepped).__name__, "vote_stood_in_for": stood_in}
     # 0.7.4's waits give up after this (NVLinkOneSidedConfig); None: no such setting.
-    wait_timeout = getattr(getattr(stepped, "config", None), "timeout_sec", None)
-    _say(
-        "ready",
-        backend=backend,
-        stepped=type(stepped).__name__,
-        vote_stood_in_for=stood_in,
-        wait_timeout_s=wait_timeout,
-    )
+    about["wait_timeout_s"] = getattr(getattr(stepped, "config", None), "timeout_sec", None)
+    _say("ready", **about)
     rows, _, _ = stepping.dispatch(stepped, moe_ep, hidden, experts, weights, TOKENS, None)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -221,17 +216,26 @@ def scenario(name: str, args: argparse.Namespace, out: Path) -> dict[int, dict[s
         if rank not in outcomes:
             outcomes[rank] = {"status": None, "seconds": None}  # still hung at the cap
             ranks[rank].kill()
-        lines = (out / f"{name}-rank{rank}.stderr").read_text().strip().splitlines()
-        outcomes[rank]["last_line"] = lines[-1] if lines else ""
-        outcomes[rank]["events"] = [e["event"] for e in events[rank]]
-        ready = next((e for e in events[rank] if e["event"] == "ready"), {})
-        for key in ("backend", "stepped", "vote_stood_in_for", "wait_timeout_s"):
-            outcomes[rank][key] = ready.get(key)
-        raised = next((e for e in events[rank] if e["event"] == "raised"), None)
-        outcomes[rank]["raised"] = raised and {k: raised[k] for k in ("error", "seconds")}
+        stderr_file = out / f"{name}-rank{rank}.stderr"
+        outcomes[rank].update(_reported(stderr_file, events[rank]))
     sidecar.send_signal(signal.SIGTERM)
     sidecar.wait(timeout=30)
     return outcomes
+
+
+def _reported(stderr: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a survivor said: its last stderr line (the watcher's), its events,
+    what its ``ready`` event named (backend, object stepped, the vote, 0.7.4's
+    wait timeout) and its combine's error, if it raised."""
+    lines = stderr.read_text().strip().splitlines()
+    ready = next((e for e in events if e["event"] == "ready"), {})
+    raised = next((e for e in events if e["event"] == "raised"), None)
+    return {
+        "last_line": lines[-1] if lines else "",
+        "events": [e["event"] for e in events],
+        **{k: ready.get(k) for k in ("backend", "stepped", "vote_stood_in_for", "wait_timeout_s")},
+        "raised": raised and {k: raised[k] for k in ("error", "seconds")},
+    }
 
 
 def _describe(name: str, rank: int, outcome: dict[str, Any], cap: float) -> str:
