@@ -17,7 +17,8 @@ over its tokens' experts with the dead rank's experts' share dropped.
 
 0.7.4's ``moe_ep`` classes refuse a single GPU in their platform vote
 (``nvlink_platform_supported``: no NVLink peers); with one GPU visible (every
-rank on it) this script stands in for that vote, under both names 0.7.4
+rank on it) this script stands in for that vote (``bench/alltoall_steps.py``,
+shared with ``bench/peer_loss_gpu.py``), under both names 0.7.4
 reads it, and says so in each rank's line (``vote_stood_in_for``).
 Functional only: no bandwidth or latency figure comes from ranks sharing a GPU.
 
@@ -49,42 +50,17 @@ from typing import IO, Any
 if __package__ in (None, ""):  # run as a script: the repository's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.masked_routing import DEEPSEEK_V3, INVALID_EXPERT, Shape
+from bench import alltoall_steps as stepping
+from bench.masked_routing import DEEPSEEK_V3, Shape
 
 REPO = Path(__file__).resolve().parents[1]
 EVENT = "MASKED-STEPS "
 """The prefix of a rank's stdout lines the driver reads (FlashInfer prints too)."""
 UNMASKED_STEPS = 2
-BACKENDS = ("auto", "flashinfer-moe-alltoall", "flashinfer-moe-ep", "reference", "reference-moe-ep")
-"""``auto``: the client's choice from the installed FlashInfer; ``reference-moe-ep``:
-the CPU reference stepped through its ``moe_ep`` object, as 0.7.4's is."""
-_VOTE_MODULES = (
-    "flashinfer.moe_ep.backends.split.comm.nvlink_common",
-    "flashinfer.moe_ep.backends.split.comm.nvlink_one_sided.communication",
-)
 
 
 def _say(event: str, **fields: Any) -> None:
     print(EVENT + json.dumps({"event": event, **fields}), flush=True)
-
-
-def _device(rank: int, backend: str) -> tuple[Any, bool]:
-    """This rank's device; whether 0.7.4's platform vote was stood in for
-    (only when every rank shares the one visible GPU)."""
-    import importlib
-
-    import torch
-
-    if backend.startswith("reference"):
-        return torch.device("cpu"), False
-    count = torch.cuda.device_count()
-    torch.cuda.set_device(rank % count)
-    stood_in = backend == "flashinfer-moe-ep" and count == 1
-    if stood_in:
-        for name in _VOTE_MODULES:
-            setattr(importlib.import_module(name), "nvlink_platform_supported", lambda: True)  # noqa: B010
-    torch.ones(1, device="cuda").sum().item()
-    return torch.device("cuda", torch.cuda.current_device()), stood_in
 
 
 def _build(rank: int, world: int, backend_name: str, shape: Shape) -> tuple[Any, Any, Any]:
@@ -96,14 +72,12 @@ def _build(rank: int, world: int, backend_name: str, shape: Shape) -> tuple[Any,
 
     group = dist.group.WORLD
     assert group is not None
-    backend = backend_for(
-        "reference" if backend_name == "reference-moe-ep" else backend_name, group
-    )
+    backend = backend_for(stepping.client_backend(backend_name), group)
     hidden, top_k, experts, tokens = shape.hidden, shape.top_k, shape.num_experts, shape.tokens
     capacities = layer_capacities(world, tokens, top_k, experts, hidden, 2 * hidden, 0)
     size = backend.workspace_bytes(capacities, world)
     a2a = backend.build(BuildSpec(world, rank, capacities, size, enable_rank_mask=True))
-    if not backend_name.endswith("moe-ep"):
+    if not stepping.is_moe_ep(backend_name):
         return backend, a2a, a2a
     spec = CommunicationSpec(world, rank, experts, top_k, tokens, hidden, None, None, 0, False)
     return backend, a2a, backend.communication(a2a, spec)
@@ -134,26 +108,12 @@ def _step(stepper: Stepper, seed: int, masked: set[int]) -> dict[str, Any]:
     inputs = {k: v.to(device) for k, v in routing.step_inputs(shape, rank, seed).items()}
     mask = None if not masked else ((1 << world) - 1) & ~sum(1 << r for r in masked)
     values = inputs["values"].to(torch.bfloat16)
-    if moe_ep:
-        result = stepped.dispatch(
-            values,
-            inputs["ids"],
-            inputs["weights"],
-            max_tokens_per_rank=shape.tokens,
-            active_rank_mask=mask,
-        )
-        rows, ids, weights = result.hidden_states, result.topk_ids, result.topk_weights
-    else:
-        payloads = [values, inputs["ids"], inputs["weights"]]
-        rows, ids, weights = stepped.dispatch(
-            inputs["ids"], payloads, shape.tokens, INVALID_EXPERT, 1, active_rank_mask=mask
-        )
-    received = int((ids != INVALID_EXPERT).any(dim=-1).sum())
+    rows, ids, weights = stepping.dispatch(
+        stepped, moe_ep, values, inputs["ids"], inputs["weights"], shape.tokens, mask
+    )
+    received = int((ids != routing.INVALID_EXPERT).any(dim=-1).sum())
     expert_out = routing.expert_output(shape, rank, world, rows, ids, weights).contiguous()
-    if moe_ep:
-        combined = stepped.combine(expert_out, active_rank_mask=mask)
-    else:
-        combined = stepped.combine(expert_out, shape.tokens, active_rank_mask=mask)
+    combined = stepping.combine(stepped, moe_ep, expert_out, shape.tokens, mask)
     if device.type == "cuda":
         torch.cuda.synchronize()
     want = routing.expected_combine(shape, rank, seed, world, masked)
@@ -183,14 +143,14 @@ def rank_main(argv: list[str]) -> None:
     shape = Shape(*(int(a) for a in argv[6:10]))
     # The watchdog: a hung rank prints where it hangs (its stderr file) and exits.
     faulthandler.dump_traceback_later(watchdog, exit=True)
-    device, stood_in = _device(rank, backend_name)
+    device, stood_in = stepping.device(rank, backend_name)
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=watchdog)
     )
     leaver = world - 1
     survivors = dist.new_group(list(range(leaver)), backend="gloo")  # collective: before the kill
     backend, a2a, stepped = _build(rank, world, backend_name, shape)
-    stepper = Stepper(stepped, backend_name.endswith("moe-ep"), device, shape, rank, world)
+    stepper = Stepper(stepped, stepping.is_moe_ep(backend_name), device, shape, rank, world)
     result: dict[str, Any] = {"rank": rank, "backend": backend.name, "vote_stood_in_for": stood_in}
     result["unmasked"] = [_step(stepper, seed, set()) for seed in range(1, 1 + UNMASKED_STEPS)]
     _say("unmasked", **result)
@@ -361,7 +321,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="where logs and masked-steps.json go"
     )
-    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--backend", choices=stepping.BACKENDS, default="auto")
     parser.add_argument(
         "--watchdog", type=float, default=240.0, help="seconds a rank may take in all"
     )
@@ -380,11 +340,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--steps={args.steps}: must be at least 1")
     args.out = args.out or Path(tempfile.mkdtemp(prefix="masked-steps-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    backend = args.backend
-    if backend == "auto":
-        from moe_sidecar.client.backends import flashinfer_backend_name
-
-        backend = flashinfer_backend_name()
+    backend = stepping.resolve(args.backend)
     outcomes = run(args, backend)
     shape = Shape(args.hidden, args.top_k, args.experts, args.tokens)
     record = {"backend": backend, "shape": asdict(shape), "ranks": args.ranks, "outcomes": outcomes}

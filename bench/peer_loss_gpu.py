@@ -1,6 +1,18 @@
 """A peer killed between its dispatch and its combine, with and without the
-peer-loss watcher, in one run (FlashInfer 0.7.2.post1's ``MoeAlltoAll``,
-every rank on the one GPU: rank r on ``cuda:r % count``).
+peer-loss watcher, in one run, on either FlashInfer release's all-to-all
+(every rank on the one GPU: rank r on ``cuda:r % count``):
+
+* ``--backend flashinfer-moe-alltoall`` (the default): 0.7.2.post1's
+  ``MoeAlltoAll`` (``manager.moe_alltoall``), dispatched and combined
+  through its own calls;
+* ``--backend flashinfer-moe-ep``: 0.7.4, stepped through its ``moe_ep``
+  object ``NVLinkOneSidedAlltoAll`` (``manager.get_communication()``), as
+  ``bench/masked_steps_gpu.py`` steps it (``bench/alltoall_steps.py``,
+  shared by both). 0.7.4's platform vote refuses a single GPU; with one GPU
+  visible it is stood in for, and each rank's ``ready`` event (and the
+  driver's line for it) says so as ``vote_stood_in_for``;
+* ``--backend reference`` / ``reference-moe-ep``: the same flow on CPU, the
+  reference stepped either way.
 
 Per scenario: a real sidecar on a Unix socket, ``--ranks`` rank processes
 (a gloo group, a ``WorkspaceManager`` through the sidecar, one bf16 layer
@@ -12,14 +24,22 @@ how each survivor ended and when (CLOCK_MONOTONIC from the kill):
 * ``watcher``: ``MOE_SIDECAR_ON_PEER_LOSS=exit`` (the default): each
   survivor should exit with status 75 within 2 s, naming the victim;
 * ``no-watcher``: ``MOE_SIDECAR_ON_PEER_LOSS=wait`` (the behaviour without
-  the watcher): FlashInfer's own outcome, a trap minutes later or a hang,
-  watched for ``--hang-cap`` seconds, then killed.
+  the watcher): FlashInfer's own outcome, watched for ``--hang-cap``
+  seconds, then killed. On 0.7.2.post1 a trap minutes later or a hang; on
+  0.7.4 the waits time out after ``NVLinkOneSidedConfig.timeout_sec``
+  (default 300 s; a wait past it traps the kernel), so under a shorter cap
+  the survivors are still hung at the cap, and the summary says so
+  (capped, not a trap).
 
     python3 bench/peer_loss_gpu.py --out DIR [--ranks 4] [--hang-cap 360]
+    python3 bench/peer_loss_gpu.py --backend flashinfer-moe-ep --hang-cap 60 --out DIR   # 0.7.4
     python3 bench/peer_loss_gpu.py --backend reference --hang-cap 20   # the flow on CPU
+    python3 bench/peer_loss_gpu.py --backend reference-moe-ep --hang-cap 20   # 0.7.4's form, on CPU
 
-Prints one line per survivor and a summary: the watcher's slowest survivor
-against the time the others took without it (a ratio of the same run).
+Prints one line per survivor (its backend, whether the vote was stood in
+for) and a summary naming the backend: the watcher's slowest survivor
+against the time the others took without it (a ratio of the same run; a
+lower bound when some were still hung at the cap).
 """
 
 from __future__ import annotations
@@ -36,6 +56,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+if __package__ in (None, ""):  # run as a script: the repository's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import alltoall_steps as stepping
+
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN = 7168
 """DeepSeek-V3's hidden size, as in the recorded 304 s trap."""
@@ -45,6 +70,8 @@ TOKENS = 128
 EXIT_STATUS = 75
 """The status ``MOE_SIDECAR_ON_PEER_LOSS=exit`` ends a rank with."""
 SCENARIOS = {"watcher": "exit", "no-watcher": "wait"}
+WATCHER_WITHIN_S = 2.0
+"""How soon after the kill the watcher must have ended every survivor."""
 
 
 def _say(event: str, **fields: Any) -> None:
@@ -60,27 +87,30 @@ def rank_main(rank: int, world: int, init_method: str, group: str, backend: str)
 
     from moe_sidecar.client import WorkspaceManager
 
-    gpu = backend != "reference"
-    if gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device, stood_in = stepping.device(rank, backend)
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(hours=1)
     )
     world_group = dist.group.WORLD
     assert world_group is not None
-    manager = WorkspaceManager(world_group, group=group, backend=backend, local_ranks=world)
+    manager = WorkspaceManager(
+        world_group, group=group, backend=stepping.client_backend(backend), local_ranks=world
+    )
     manager.initialize(TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, HIDDEN * 2, 0, layer="mtp.0.mlp")
-    a2a = manager.moe_alltoall
-    assert a2a is not None
-    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    moe_ep = stepping.is_moe_ep(backend)
+    stepped = manager.get_communication() if moe_ep else manager.moe_alltoall
+    assert stepped is not None
     g = torch.Generator().manual_seed(1000 + rank)
     experts = torch.rand(TOKENS, NUM_EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K]
     experts = experts.to(torch.int32).to(device)
     weights = torch.full((TOKENS, TOP_K), 0.5, dtype=torch.float32, device=device)
     hidden = torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)
-    _say("ready")
-    recv = a2a.dispatch(experts, [hidden, experts, weights], TOKENS)
-    if gpu:
+    about = {"backend": backend, "stepped": type(stepped).__name__, "vote_stood_in_for": stood_in}
+    # 0.7.4's waits give up after this (NVLinkOneSidedConfig); None: no such setting.
+    about["wait_timeout_s"] = getattr(getattr(stepped, "config", None), "timeout_sec", None)
+    _say("ready", **about)
+    rows, _, _ = stepping.dispatch(stepped, moe_ep, hidden, experts, weights, TOKENS, None)
+    if device.type == "cuda":
         torch.cuda.synchronize()
     _say("dispatched")
     if rank == world - 1:
@@ -88,11 +118,18 @@ def rank_main(rank: int, world: int, init_method: str, group: str, backend: str)
     _say("combining")
     started = time.monotonic()
     try:
-        a2a.combine((recv[0].float() * (1 + rank)).to(torch.bfloat16).contiguous(), TOKENS)
-        if gpu:
+        expert_out = (rows.float() * (1 + rank)).to(torch.bfloat16).contiguous()
+        stepping.combine(stepped, moe_ep, expert_out, TOKENS, None)
+        if device.type == "cuda":
             torch.cuda.synchronize()
     except Exception as error:
         _say("raised", error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - started)
+        if device.type != "cuda" and os.environ.get("MOE_SIDECAR_ON_PEER_LOSS") == "exit":
+            # On CPU gloo notices the closed sockets itself, at times before the
+            # watcher acts (FlashInfer's kernels notice nothing): give the
+            # watcher this rank runs the time it is allowed, so the CPU run
+            # checks the watcher rather than a race.
+            time.sleep(WATCHER_WITHIN_S)
         os._exit(1)
     _say("combined")
     os._exit(0)
@@ -179,53 +216,94 @@ def scenario(name: str, args: argparse.Namespace, out: Path) -> dict[int, dict[s
         if rank not in outcomes:
             outcomes[rank] = {"status": None, "seconds": None}  # still hung at the cap
             ranks[rank].kill()
-        lines = (out / f"{name}-rank{rank}.stderr").read_text().strip().splitlines()
-        outcomes[rank]["last_line"] = lines[-1] if lines else ""
-        outcomes[rank]["events"] = [e["event"] for e in events[rank]]
+        stderr_file = out / f"{name}-rank{rank}.stderr"
+        outcomes[rank].update(_reported(stderr_file, events[rank]))
     sidecar.send_signal(signal.SIGTERM)
     sidecar.wait(timeout=30)
     return outcomes
 
 
-def _describe(outcome: dict[str, Any], cap: float) -> str:
+def _reported(stderr: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a survivor said: its last stderr line (the watcher's), its events,
+    what its ``ready`` event named (backend, object stepped, the vote, 0.7.4's
+    wait timeout) and its combine's error, if it raised."""
+    lines = stderr.read_text().strip().splitlines()
+    ready = next((e for e in events if e["event"] == "ready"), {})
+    raised = next((e for e in events if e["event"] == "raised"), None)
+    return {
+        "last_line": lines[-1] if lines else "",
+        "events": [e["event"] for e in events],
+        **{k: ready.get(k) for k in ("backend", "stepped", "vote_stood_in_for", "wait_timeout_s")},
+        "raised": raised and {k: raised[k] for k in ("error", "seconds")},
+    }
+
+
+def _describe(name: str, rank: int, outcome: dict[str, Any], cap: float) -> str:
+    """One survivor's line: its backend, what it stepped, and how it ended."""
+    where = f"{outcome['backend']}, {outcome['stepped']}"
+    where += f", vote_stood_in_for={outcome['vote_stood_in_for']}"
     if outcome["status"] is None:
-        return f"still hung {cap:g} s after the kill (killed)"
-    return f"ended with status {outcome['status']} {outcome['seconds']:.3f} s after the kill"
+        ended = f"still hung {cap:g} s after the kill (killed at the cap)"
+    else:
+        ended = f"ended with status {outcome['status']} {outcome['seconds']:.3f} s after the kill"
+    if outcome["raised"]:
+        ended += f" (its combine raised {outcome['raised']['error'][:100]!r})"
+    return f"{name}: rank {rank} ({where}) {ended}: {outcome['last_line']}"
+
+
+def summarize(
+    backend: str, victim: int, cap: float, results: dict[str, dict[int, dict[str, Any]]]
+) -> tuple[str, bool]:
+    """The summary line (naming ``backend``); whether the watcher ended every
+    survivor with status 75, naming the victim, within 2 s."""
+    watched, unwatched = list(results["watcher"].values()), list(results["no-watcher"].values())
+    named = all(f"rank {victim} died" in o["last_line"] for o in watched)
+    exited = sum(o["status"] == EXIT_STATUS for o in watched)
+    all_ended = exited == len(watched)
+    slowest = max(o["seconds"] for o in watched) if all_ended else float("inf")
+    ended = sorted(o["seconds"] for o in unwatched if o["status"] is not None)
+    hung = len(unwatched) - len(ended)
+    without = f"{len(ended)} of {len(unwatched)} survivors ended"
+    if ended:
+        without += f" (the first after {ended[0]:.1f} s, the last after {ended[-1]:.1f} s)"
+    if hung:
+        timeouts = sorted({o["wait_timeout_s"] for o in unwatched} - {None})
+        waits = f"; a wait traps after timeout_sec={timeouts[0]:g} s" if timeouts else ""
+        without += f", {hung} still hung at the {cap:g} s cap (capped, not a trap{waits})"
+    # The first survivor without the watcher against the last with it; a lower
+    # bound when none ended before the cap.
+    first = ended[0] if ended else cap
+    ratio = f"{'' if ended else 'at least '}{first / slowest:.0f}x" if all_ended else "no ratio"
+    within = f", the last within {slowest:.3f} s" if all_ended else ""
+    line = (
+        f"summary ({backend}): with the watcher {exited} of {len(watched)} survivors exited "
+        f"with status {EXIT_STATUS} (naming the dead rank: {named}){within}; without it "
+        f"{without}: {ratio}"
+    )
+    return line, all_ended and named and slowest < WATCHER_WITHIN_S
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "rank":
         rank_main(int(argv[1]), int(argv[2]), argv[3], argv[4], argv[5])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--hang-cap", type=float, default=360.0)
     parser.add_argument("--startup", type=float, default=240.0)
-    parser.add_argument("--backend", default="flashinfer-moe-alltoall")
+    parser.add_argument("--backend", choices=stepping.BACKENDS, default="flashinfer-moe-alltoall")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="peer-loss-")))
     args = parser.parse_args(argv)
+    args.backend = stepping.resolve(args.backend)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {name: scenario(name, args, args.out) for name in SCENARIOS}
     for name, outcomes in results.items():
         for rank, outcome in outcomes.items():
-            print(
-                f"{name}: rank {rank} {_describe(outcome, args.hang_cap)}: {outcome['last_line']}"
-            )
+            print(_describe(name, rank, outcome, args.hang_cap))
     (args.out / "peer-loss.json").write_text(json.dumps(results, indent=2))
-    watched = [o["seconds"] for o in results["watcher"].values()]
-    unwatched = [o["seconds"] or args.hang_cap for o in results["no-watcher"].values()]
-    named = all(
-        f"rank {args.ranks - 1} died" in o["last_line"] for o in results["watcher"].values()
-    )
-    all_ended = all(o["status"] == EXIT_STATUS for o in results["watcher"].values())
-    slowest = max(s for s in watched if s is not None) if all_ended else float("inf")
-    print(
-        f"summary: with the watcher every survivor ended (status {EXIT_STATUS}, naming the dead "
-        f"rank: {named}) within {slowest:.3f} s; without it the first survivor ended after "
-        f"{min(unwatched):.1f} s and the last after {max(unwatched):.1f} s (cap "
-        f"{args.hang_cap:g} s): {min(unwatched) / slowest:.0f}x"
-    )
-    return 0 if all_ended and named and slowest < 2.0 else 1
+    line, passed = summarize(args.backend, args.ranks - 1, args.hang_cap, results)
+    print(line)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
