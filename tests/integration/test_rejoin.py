@@ -1,23 +1,32 @@
-"""A replacement rank rejoins against a real sidecar: four ranks' sessions,
+"""A replacement rank rejoins against a real sidecar (``python -m
+moe_sidecar``) over real gRPC: four ranks' sessions,
 one leaves, the three survivors commit view 2; a replacement for that rank
 proposes on its own session with the running lifetime's proof, gets the
 REBUILD at the stored plan under a new generation, and view 3 (all four,
 PROPOSED at that generation) is shown by GetGroup and Watch; all four
-acknowledge on their sessions and it commits. The view is stored: a
-restarted sidecar shows it. Without the running proof the newcomer is a
+acknowledge on their sessions and it commits. The view is stored: the
+sidecar killed and started again on its state dir shows it. Without the running proof the newcomer is a
 restart's first rank, and the view does not move."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from moe_sidecar.server import running_server
 from moe_workspace.v1 import coordinator_pb2 as pb
-from tests.integration.helpers import NVFP4, coordinator_stub, make_config, propose_request
+from tests.integration.helpers import (
+    NVFP4,
+    coordinator_stub,
+    propose_request,
+    start_sidecar_process,
+    stop_process,
+    wait_for_serving_record,
+)
 from tests.integration.test_exclude_ranks import _Session
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,6 +36,25 @@ WORLD = 4
 GONE = 3
 SURVIVORS = (0, 1, 2)
 PROOF = "the-running-lifetimes-proof"
+
+
+@contextlib.contextmanager
+def _sidecar(tmp_path: Path, *flags: str) -> Iterator[str]:
+    """A ``python -m moe_sidecar`` on a socket in ``tmp_path`` (state kept in
+    ``tmp_path/state``); its target while it serves; killed after."""
+    # One log per start: a start waits for its own serving record.
+    log = tmp_path / f"sidecar-{len(list(tmp_path.glob('sidecar-*.log')))}.log"
+    socket = tmp_path / "sidecar.sock"
+    process = start_sidecar_process(
+        log,
+        *("--listen", f"unix://{socket}", "--state-dir", str(tmp_path / "state")),
+        *("--health-port", "auto", "--metrics-port", "auto", *flags),
+    )
+    try:
+        wait_for_serving_record(process, log)
+        yield f"unix://{socket}"
+    finally:
+        stop_process(process)
 
 
 def _proposal(rank: int, lifetime: str, proof: str = PROOF) -> pb.ProposeRequest:
@@ -68,65 +96,59 @@ async def _view_2_committed(stub: Any) -> list[_Session]:
 async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
     tmp_path: Path,
 ) -> None:
-    config = make_config(tmp_path)
-    async with (
-        running_server(config) as running,
-        coordinator_stub(running.addresses.listen[0]) as stub,
-    ):
-        sessions = await _view_2_committed(stub)
-        before: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
-        events = stub.Watch(pb.WatchRequest(group=GROUP))
-        await events.initial_metadata()  # subscribed
-        newcomer = _Session(stub)
-        joined = await newcomer.send(propose=_proposal(GONE, "life-3-replacement"))
-        event: pb.GroupEvent = await asyncio.wait_for(events.read(), timeout=5)
-        proposed: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+    with _sidecar(tmp_path) as target:
+        async with coordinator_stub(target) as stub:
+            sessions = await _view_2_committed(stub)
+            before: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+            events = stub.Watch(pb.WatchRequest(group=GROUP))
+            await events.initial_metadata()  # subscribed
+            newcomer = _Session(stub)
+            joined = await newcomer.send(propose=_proposal(GONE, "life-3-replacement"))
+            event: pb.GroupEvent = await asyncio.wait_for(events.read(), timeout=5)
+            proposed: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+            for rank in SURVIVORS:
+                acked = await sessions[rank].send(acknowledge=pb.AcknowledgeView(view=3, rounds=9))
+                assert acked.acknowledged.state == pb.VIEW_STATE_PROPOSED, acked
+            last = await newcomer.send(acknowledge=pb.AcknowledgeView(view=3, rounds=0))
+            committed = await asyncio.wait_for(events.read(), timeout=5)
+            events.cancel()
+            for session in (*sessions, newcomer):
+                session.close()
+    decision = joined.decision
+    generation = before.view.generation + 1
+    assert decision.action == pb.ACTION_REBUILD, joined
+    assert decision.plan.generation == generation
+    assert decision.plan.capacities == before.plan.capacities  # the stored plan
+    view = proposed.view
+    assert (view.number, list(view.members), view.generation) == (3, [0, 1, 2, 3], generation)
+    assert view.state == pb.VIEW_STATE_PROPOSED and view.HasField("deadline")
+    assert "rank 3 rejoined" in view.cause
+    assert event.kind == pb.EVENT_KIND_VIEW_CHANGED and event.view == view
+    assert proposed.lifetimes == before.lifetimes  # no restart
+    assert last.acknowledged.state == pb.VIEW_STATE_COMMITTED, last
+    assert committed.kind == pb.EVENT_KIND_VIEW_CHANGED and committed.view == last.acknowledged
 
-        decision = joined.decision
-        generation = before.view.generation + 1
-        assert decision.action == pb.ACTION_REBUILD, joined
-        assert decision.plan.generation == generation
-        assert decision.plan.capacities == before.plan.capacities  # the stored plan
-        view = proposed.view
-        assert (view.number, list(view.members), view.generation) == (3, [0, 1, 2, 3], generation)
-        assert view.state == pb.VIEW_STATE_PROPOSED and view.HasField("deadline")
-        assert "rank 3 rejoined" in view.cause
-        assert event.kind == pb.EVENT_KIND_VIEW_CHANGED and event.view == view
-        assert proposed.lifetimes == before.lifetimes  # no restart
-
-        for rank in SURVIVORS:
-            acked = await sessions[rank].send(acknowledge=pb.AcknowledgeView(view=3, rounds=9))
-            assert acked.acknowledged.state == pb.VIEW_STATE_PROPOSED, acked
-        last = await newcomer.send(acknowledge=pb.AcknowledgeView(view=3, rounds=0))
-        assert last.acknowledged.state == pb.VIEW_STATE_COMMITTED, last
-        committed = await asyncio.wait_for(events.read(), timeout=5)
-        assert committed.view == last.acknowledged
-        events.cancel()
-        for session in (*sessions, newcomer):
-            session.close()
-    async with running_server(config) as again, coordinator_stub(again.addresses.listen[0]) as stub:
-        stored: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
-    assert (stored.view.number, list(stored.view.members)) == (3, [0, 1, 2, 3])
-    assert stored.view.generation == generation
+    with _sidecar(tmp_path) as target:  # killed above; its row read back
+        async with coordinator_stub(target) as stub:
+            stored: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
+    assert stored.view == last.acknowledged
 
 
 async def test_without_the_running_proof_the_newcomer_waits_for_a_restart(
     tmp_path: Path,
 ) -> None:
-    config = make_config(tmp_path, round_timeout=30)
-    async with (
-        running_server(config) as running,
-        coordinator_stub(running.addresses.listen[0]) as stub,
-    ):
-        sessions = await _view_2_committed(stub)
-        stranger = stub.Propose(
-            _proposal(GONE, "life-3-restart", proof="another-lifetimes-proof"), timeout=30
-        )
-        shown = await _wait_for_pending(stub)
-        assert (shown.view.number, list(shown.view.members)) == (2, list(SURVIVORS))
-        stranger.cancel()
-        for session in sessions:
-            session.close()
+    with _sidecar(tmp_path, "--round-timeout", "30") as target:
+        async with coordinator_stub(target) as stub:
+            sessions = await _view_2_committed(stub)
+            stranger = stub.Propose(
+                _proposal(GONE, "life-3-restart", proof="another-lifetimes-proof"), timeout=30
+            )
+            shown = await _wait_for_pending(stub)
+            stranger.cancel()
+            for session in sessions:
+                session.close()
+    assert (shown.view.number, list(shown.view.members)) == (2, list(SURVIVORS))
+    assert shown.view.state == pb.VIEW_STATE_COMMITTED
 
 
 async def _wait_for_pending(stub: Any) -> pb.Group:
