@@ -11,11 +11,12 @@ import pytest
 from moe_sidecar.core import policy
 from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step, Wait
 from moe_sidecar.core.errors import CoordinatorError, InvalidArgument, PreconditionFailed
-from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
+from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement, summarize
 from moe_sidecar.core.identity import proof_id
 from moe_sidecar.core.membership import View, ViewState, acknowledge, join, leave
 from moe_sidecar.core.plan import Action, Capacities
 from moe_sidecar.store.row_codec import decode_group, encode_group
+from moe_sidecar.wire import display
 from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
@@ -100,6 +101,8 @@ def test_a_replacement_with_the_running_proof_gets_the_join_view() -> None:
     assert publish.event.message.startswith(
         f"view 3 proposed: members 0, 1, 2, 3 at generation {generation}"
     )
+    listed = display.format_groups([summarize(step.state)])  # what `moe-sidecar groups` prints
+    assert f"  view 3 proposed: members 0, 1, 2, 3 at generation {generation}, due " in listed
 
 
 def test_every_member_acknowledging_commits_the_join_view() -> None:
