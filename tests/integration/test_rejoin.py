@@ -104,6 +104,7 @@ async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
             await events.initial_metadata()  # subscribed
             newcomer = _Session(stub)
             joined = await newcomer.send(propose=_proposal(GONE, "life-3-replacement"))
+            retried = await newcomer.send(propose=_proposal(GONE, "life-3-replacement"))
             event: pb.GroupEvent = await asyncio.wait_for(events.read(), timeout=5)
             proposed: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
             for rank in SURVIVORS:
@@ -119,6 +120,7 @@ async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
     assert decision.action == pb.ACTION_REBUILD, joined
     assert decision.plan.generation == generation
     assert decision.plan.capacities == before.plan.capacities  # the stored plan
+    assert retried.decision == decision  # a retry (its answer lost) gets the same
     view = proposed.view
     assert (view.number, list(view.members), view.generation) == (3, [0, 1, 2, 3], generation)
     assert view.state == pb.VIEW_STATE_PROPOSED and view.HasField("deadline")

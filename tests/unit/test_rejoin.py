@@ -230,3 +230,12 @@ def test_a_member_leaving_an_open_join_keeps_the_newcomer_joined() -> None:
     following = leave(joining, 1, "rank 1 left", 1.0, 5.0)
     assert following is not None
     assert (following.members, following.generation, following.joined) == ((0, 2, 3), 2, (3,))
+
+
+def test_a_replacements_retried_round_1_gets_the_same_rebuild() -> None:
+    first = _arrive(_committed(), _proposal(GONE, "life-3b"))
+    retried = _arrive(first.state, _proposal(GONE, "life-3b"))
+    assert retried.reply == first.reply and retried.effects == ()
+    assert retried.state == first.state
+    survivor = _arrive(first.state, _proposal(0, "life-0"))  # the group's own round 1
+    assert isinstance(survivor.reply, Decision) and survivor.reply.action is Action.BUILD

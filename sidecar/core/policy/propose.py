@@ -40,7 +40,7 @@ from moe_sidecar.core.policy.proof import (
     single_proof,
 )
 from moe_sidecar.core.policy.recovery import catch_up, may_catch_up
-from moe_sidecar.core.policy.rejoin import claims_running_lifetime, rejoin
+from moe_sidecar.core.policy.rejoin import claims_running_lifetime, rejoin, rejoin_retry
 from moe_sidecar.core.policy.restart import join_restart, never_ran
 from moe_sidecar.core.policy.rounds import (
     decide_round,
@@ -195,6 +195,10 @@ def _admit_known(
         )
     _check_local_ranks(state, p)
     if p.round <= state.last_closed_round:
+        again = rejoin_retry(state, p)
+        if again is not None:
+            # A replacement's round 1 was answered apart from the group's rounds.
+            return again
         outcome = state.outcome_of(p.round)
         if outcome is None:
             raise PreconditionFailed(

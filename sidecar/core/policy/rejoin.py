@@ -11,7 +11,8 @@ it (a restart draws a new proof; a stranger holds none). Such a proposal:
 * takes the departed rank's place in the running lifetime (its record now
   names the new lifetime, the old one ended);
 * is answered with a REBUILD at the stored plan under a new generation
-  (never reused), which every member of the next view builds once;
+  (never reused), which every member of the next view builds once (a
+  retry of that proposal gets the same answer, :func:`rejoin_retry`);
 * proposes that view: every member and the newcomer, at the new
   generation (:func:`moe_sidecar.core.membership.join`), due within
   ``ack_timeout``; it commits once every member acknowledged it, the
@@ -40,7 +41,7 @@ from moe_sidecar.core.policy.events import group_event, requirement_text
 from moe_sidecar.core.policy.rounds import with_rank
 from moe_sidecar.core.policy.views import view_text
 
-__all__ = ["claims_running_lifetime", "rejoin"]
+__all__ = ["claims_running_lifetime", "rejoin", "rejoin_retry"]
 
 
 def claims_running_lifetime(state: GroupState, p: Proposal, record: RankRecord | None) -> bool:
@@ -130,7 +131,30 @@ def rejoin(
     event = group_event(
         state, EventKind.VIEW_CHANGED, now, ep_rank=p.ep_rank, message=view_text(following)
     )
-    rebuild = Plan(stored.capacities, stored.epoch, generation)
-    reply = Decision(p.round, Action.REBUILD, rebuild, grew=False, layer=p.requirement.layer)
+    reply = _rebuild(stored, generation, p)
     effects = (Persist(), Publish(replace(event, view=following)), Deadline(state.next_deadline()))
     return Step(state, reply=reply, effects=effects)
+
+
+def rejoin_retry(state: GroupState, p: Proposal) -> Step | None:
+    """The answer to a replacement's retried round 1 (its answer was lost):
+    the same REBUILD, no effect; None when ``p`` is not that (its rank joined
+    the current view and has proposed nothing since)."""
+    view = state.current_view()
+    record = state.rank(p.ep_rank)
+    if (
+        view is None
+        or p.ep_rank not in view.joined
+        or p.round != 1
+        or record is None
+        or record.last_round != 1
+        or state.plan is None
+    ):
+        return None
+    return Step(state, reply=_rebuild(state.plan, view.generation, p))
+
+
+def _rebuild(stored: Plan, generation: int, p: Proposal) -> Decision:
+    """A replacement's answer: REBUILD at the stored plan under ``generation``."""
+    plan = Plan(stored.capacities, stored.epoch, generation)
+    return Decision(p.round, Action.REBUILD, plan, grew=False, layer=p.requirement.layer)
