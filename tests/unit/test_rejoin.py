@@ -239,3 +239,22 @@ def test_a_replacements_retried_round_1_gets_the_same_rebuild() -> None:
     assert retried.state == first.state
     survivor = _arrive(first.state, _proposal(0, "life-0"))  # the group's own round 1
     assert isinstance(survivor.reply, Decision) and survivor.reply.action is Action.BUILD
+
+
+def test_a_replacement_leaving_before_its_join_commits_gives_back_the_built_generation() -> None:
+    committed = _committed()
+    joining = _arrive(committed, _proposal(GONE, "life-3b")).state
+    step = policy.depart(joining, GONE, "life-3b", "killed again", 21.0, ack_timeout=5.0)
+    assert step is not None
+    view = step.state.current_view()
+    assert view is not None and committed.built is not None
+    assert (view.number, view.members, view.state) == (4, (0, 1, 2), ViewState.PROPOSED)
+    assert view.generation == committed.built.generation and view.joined == ()
+    # Once a join committed, its generation is the members' own: a later death keeps it.
+    state = joining
+    for rank, lifetime in ((0, "life-0"), (1, "life-1"), (2, "life-2"), (GONE, "life-3b")):
+        state = policy.acknowledge_view(state, rank, lifetime, 3, 0, 21.0).state
+    after = policy.depart(state, 1, "life-1", "killed", 22.0, ack_timeout=5.0)
+    assert after is not None
+    later = after.state.current_view()
+    assert later is not None and later.generation == committed.generation + 1
