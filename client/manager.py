@@ -522,14 +522,16 @@ class AlltoAllManager:
 
         Raises:
             PreconditionFailed: the policy is not ``mask``, embedded mode,
-                nothing built, or this rank is no member of the view.
+                nothing built, this rank is no member of the view, or a
+                replacement joined it (a rebuild this manager does not make).
             ViewFailed: the view failed: every rank of the group restarts.
             RoundTimedOut: the view was not decided in time.
             CoordinatorError: a covered round was refused, or the sidecar
                 could not be asked.
         """
         self._settle()  # the session carries nothing unanswered before the acknowledgement
-        return self._views.adopt(timeout_s)
+        held = self._held.plan.generation if self._held.plan is not None else None
+        return self._views.adopt(timeout_s, held_generation=held)
 
     def checkpoint_prepare(self) -> None:
         """Unmaps the workspace for a checkpoint (vLLM's sleep mode); collective

@@ -134,16 +134,21 @@ class ViewFollower:
         self.adopted = None
         self._wrappers = []
 
-    def adopt(self, timeout_s: float | None = None) -> AdoptedView:
+    def adopt(
+        self, timeout_s: float | None = None, *, held_generation: int | None = None
+    ) -> AdoptedView:
         """Acknowledges the group's latest proposed view at this quiesced
         point and waits until it commits; from then on the manager's steps
         pass its mask. A view already committed with this rank in it is
-        adopted as it is.
+        adopted as it is. ``held_generation``: the generation of what this
+        rank built (None: not checked).
 
         Raises:
             PreconditionFailed: the policy is not ``mask``, embedded mode
-                (masks need a sidecar), nothing built yet, or this rank is no
-                member of the view.
+                (masks need a sidecar), nothing built yet, this rank is no
+                member of the view, or the view is above ``held_generation``
+                (a replacement joined: its members must rebuild, which this
+                follower does not do; nothing is acknowledged).
             ViewFailed: the view failed (the group must restart).
             RoundTimedOut: not decided within ``timeout_s`` seconds.
             CoordinatorError: the sidecar could not be asked.
@@ -157,11 +162,30 @@ class ViewFollower:
         deadline = time.monotonic() + wait_s
         view = self._views.latest_view(self._group)
         while view is not None and view.state is ViewState.PROPOSED:
+            self._check_generation(view, held_generation)
             view = self._views.acknowledge_view(self._group, view.number, self.rounds)
             if view.state is ViewState.PROPOSED:
                 remaining = max(deadline - time.monotonic(), 0.001)
                 view = self._views.await_view(self._group, view.number, remaining)
+        if view is not None and view.state is ViewState.COMMITTED:
+            self._check_generation(view, held_generation)
         return self._adopt_decided(view)
+
+    def _check_generation(self, view: View, held: int | None) -> None:
+        """Refuses a view above what this rank built: a replacement joined it.
+
+        Raises:
+            PreconditionFailed: naming the view, its generation and the held one.
+        """
+        if held is None or view.generation <= held:
+            return
+        raise PreconditionFailed(
+            f"EP group {quote_name(self._group)}: view {view.number} (members "
+            f"{list(view.members)}) is at generation {view.generation}, above the {held} rank "
+            f"{self._ep_rank} built: a replacement joined, and every member must rebuild at "
+            "the stored plan over a CPU group with it, which the manager does not do yet; "
+            "its mask would name a rank this workspace was never built with (restart the group)"
+        )
 
     def _adopt_decided(self, view: View | None) -> AdoptedView:
         if view is None:

@@ -80,6 +80,10 @@ class View:
     """When a PROPOSED view fails unacknowledged (None otherwise)."""
     acks: tuple[Acknowledgement, ...] = ()
     """Members' acknowledgements of a PROPOSED view, in arrival order."""
+    joined: tuple[int, ...] = ()
+    """Members a join added (replacements holding no workspace yet): their
+    acknowledgements count, their round counts are not compared (they ran
+    no all-to-all round of the running workspace)."""
 
     def missing(self) -> tuple[int, ...]:
         """Members that have not acknowledged the view."""
@@ -126,7 +130,11 @@ def without(
             deadline=None,
             acks=(),
         )
-    return _proposed(view, rest, view.generation, cause, now + ack_timeout)
+    following = _proposed(view, rest, view.generation, cause, now + ack_timeout)
+    if view.state is ViewState.PROPOSED:
+        # A join still open stays a join for the members it added that remain.
+        following = replace(following, joined=tuple(r for r in view.joined if r in rest))
+    return following
 
 
 def join(
@@ -152,14 +160,17 @@ def join(
             f"generation {view.generation}, the join names {generation}"
         )
     members = tuple(sorted((*view.members, ep_rank)))
-    return _proposed(view, members, generation, cause, now + ack_timeout)
+    following = _proposed(view, members, generation, cause, now + ack_timeout)
+    return replace(following, joined=(ep_rank,))
 
 
 def acknowledge(view: View, ep_rank: int, number: int, rounds: int, now: float) -> View:
     """The view after member ``ep_rank`` acknowledged view ``number`` at a
     quiesced point, ``rounds`` all-to-all rounds done: COMMITTED once every
     member has, at one count; FAILED when the counts differ or the deadline
-    passed. A retried acknowledgement (same count) changes nothing.
+    passed. A retried acknowledgement (same count) changes nothing. The
+    counts of the members a join added (:attr:`View.joined`) are not
+    compared: they ran no round of the workspace the others quiesced.
 
     Raises:
         PreconditionFailed: ``number`` is not the view's, the view FAILED,
@@ -189,10 +200,10 @@ def acknowledge(view: View, ep_rank: int, number: int, rounds: int, now: float) 
     acked = replace(view, acks=(*view.acks, Acknowledgement(ep_rank, rounds)))
     if acked.missing():
         return acked
-    counts = {a.rounds for a in acked.acks}
-    if len(counts) == 1:
+    compared = sorted((a for a in acked.acks if a.ep_rank not in view.joined), key=_rank)
+    if len({a.rounds for a in compared}) <= 1:
         return replace(acked, state=ViewState.COMMITTED, deadline=None)
-    at = ", ".join(f"rank {a.ep_rank} at {a.rounds}" for a in sorted(acked.acks, key=_rank))
+    at = ", ".join(f"rank {a.ep_rank} at {a.rounds}" for a in compared)
     return replace(
         acked,
         state=ViewState.FAILED,

@@ -36,6 +36,7 @@ def encode_view(view: View, lifetime_index: int) -> dict[str, Any]:
         "cause": view.cause,
         "deadline": view.deadline,
         "acks": [[a.ep_rank, a.rounds] for a in view.acks],
+        "joined": list(view.joined),
     }
 
 
@@ -69,5 +70,7 @@ def decode_view(d: Any, ep_size: int) -> tuple[View, int]:
         cause=str_field(d, "cause"),
         deadline=time_field(d, "deadline") if d.get("deadline") is not None else None,
         acks=tuple(acks),
+        # Rows written before joins have no "joined": no member was added.
+        joined=tuple(rank_numbers_field(d, "joined", ep_size)) if "joined" in d else (),
     )
     return view, int_field(d, "lifetime_index")

@@ -159,7 +159,13 @@ def test_a_replacement_joins_only_with_a_new_generation() -> None:
     committed = _acked(AFTER_DEATH, {0: 40, 1: 40, 2: 40})
     joined = join(committed, 3, 2, "a replacement for rank 3 joined", 20.0, TIMEOUT)
     assert joined == View(
-        3, (0, 1, 2, 3), 2, ViewState.PROPOSED, "a replacement for rank 3 joined", deadline=25.0
+        3,
+        (0, 1, 2, 3),
+        2,
+        ViewState.PROPOSED,
+        "a replacement for rank 3 joined",
+        deadline=25.0,
+        joined=(3,),
     )
     assert _acked(joined, {0: 0, 1: 0, 2: 0, 3: 0}).state is ViewState.COMMITTED
     assert _acked(joined, {0: 0, 1: 0, 2: 0, 3: 0}).acks[3] == Acknowledgement(3, 0)

@@ -8,6 +8,7 @@ the real sidecar, ranks and kill are ``tests/multiprocess/test_masked_view.py``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from moe_sidecar.client.errors import (
 from moe_sidecar.client.masked_alltoall import MaskedAlltoAll
 from moe_sidecar.client.membership_view import ViewFollower
 from moe_sidecar.client.peer_loss import PeerLoss, PeerLossPolicy, PeerLossWatch
-from moe_sidecar.core.membership import View, ViewState, acknowledge, first_view, leave
+from moe_sidecar.core.membership import View, ViewState, acknowledge, first_view, join, leave
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -176,3 +177,23 @@ def test_a_loss_under_mask_is_recorded_not_raised() -> None:
     assert follower.peer_fault()
     watch.clear_fault()
     assert not follower.peer_fault()
+
+
+def test_a_view_a_replacement_joined_is_refused_before_acknowledging_it() -> None:
+    proposed = _proposed_without_3()
+    committed = proposed
+    for rank in (0, 1, 2):
+        committed = acknowledge(committed, rank, 2, 3, 1.0)
+    joining = join(committed, 3, 2, "rank 3 rejoined", 2.0, 60.0)
+    for latest in (joining, replace(joining, state=ViewState.COMMITTED)):
+        sidecar = AnsweringSidecar(latest, latest)
+        follower = _follower(sidecar)
+        with pytest.raises(PreconditionFailed) as info:
+            follower.adopt(held_generation=1)
+        assert "view 3 (members [0, 1, 2, 3]) is at generation 2, above the 1 rank 0 built" in (
+            info.value.message
+        )
+        assert sidecar.calls == [("latest", GROUP)]  # nothing acknowledged
+        assert follower.adopted is None
+    same = AnsweringSidecar(committed, committed)
+    assert _follower(same).adopt(held_generation=1).number == 2

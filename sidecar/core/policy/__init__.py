@@ -23,6 +23,8 @@ One module per event a group meets:
 * :mod:`.merge`: a plan decided on another node arrives through the cluster store;
 * :mod:`.admin`: a reset forgets the stored plan; a group is checked removable;
 * :mod:`.views`: membership views move (a departure, an admin exclusion).
+* :mod:`.rejoin`: a replacement for a departed rank, carrying the running
+  lifetime's proof, joins the next view at a new generation.
 
 Every event a step publishes is made by :func:`.events.group_event`; every
 field is checked by :mod:`.validation` first.

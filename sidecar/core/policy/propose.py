@@ -40,6 +40,7 @@ from moe_sidecar.core.policy.proof import (
     single_proof,
 )
 from moe_sidecar.core.policy.recovery import catch_up, may_catch_up
+from moe_sidecar.core.policy.rejoin import claims_running_lifetime, rejoin, rejoin_retry
 from moe_sidecar.core.policy.restart import join_restart, never_ran
 from moe_sidecar.core.policy.rounds import (
     decide_round,
@@ -127,7 +128,9 @@ def _admit_new_lifetime(
     """A proposal from a lifetime the group has not seen for this rank.
 
     It joins the running lifetime while that is still at round 1 and the
-    rank's place in it is free; otherwise it belongs to a restart
+    rank's place in it is free, or as the replacement of a departed rank
+    when it carries the running lifetime's proof (:mod:`.rejoin`);
+    otherwise it belongs to a restart
     (:func:`join_restart`), which replaces the running lifetime only once
     every local rank has joined it.
     """
@@ -156,6 +159,11 @@ def _admit_new_lifetime(
         # More local ranks than the running lifetime: a takeover, complete
         # only once every one of them proposed with one proof.
         return join_restart(state, p, now, round_timeout, node, ceiling)
+    if claims_running_lifetime(state, p, record):
+        # The running lifetime's proof: a replacement the survivors let in
+        # (a restart draws a new proof), joining the next view.
+        assert record is not None
+        return rejoin(state, p, record, now, round_timeout)
     taken = record is not None and record.lifetime_index == state.lifetime_index
     if taken and _held_by_other_proof(state, p):
         taken = False
@@ -187,6 +195,10 @@ def _admit_known(
         )
     _check_local_ranks(state, p)
     if p.round <= state.last_closed_round:
+        again = rejoin_retry(state, p)
+        if again is not None:
+            # A replacement's round 1 was answered apart from the group's rounds.
+            return again
         outcome = state.outcome_of(p.round)
         if outcome is None:
             raise PreconditionFailed(

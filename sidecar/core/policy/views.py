@@ -59,8 +59,9 @@ def member_left(
     failed view)."""
     view = state.current_view()
     following = leave(view, ep_rank, cause, now, ack_timeout) if view is not None else None
-    if following is None:
+    if view is None or following is None:
         return state, ()
+    following = _unjoined(state, view, following)
     state = replace(state, view=following, view_lifetime=state.lifetime_index)
     event = group_event(
         state, EventKind.VIEW_CHANGED, now, ep_rank=ep_rank, message=view_text(following)
@@ -110,7 +111,7 @@ def exclude(
         raise PreconditionFailed(
             f"view {view.number} failed ({view.cause}): the group must restart"
         )
-    return _adopt(state, following, now)
+    return _adopt(state, _unjoined(state, view, following), now)
 
 
 def acknowledge_view(
@@ -170,6 +171,21 @@ def resume_view(state: GroupState, now: float, ack_timeout: float) -> GroupState
     if view is None or view.deadline is None:
         return state
     return replace(state, view=replace(view, deadline=now + ack_timeout))
+
+
+def _unjoined(state: GroupState, view: View, following: View) -> View:
+    """``following`` at the generation the members built when every rank a
+    still proposed join added has left it: nobody rebuilt for that join (the
+    members rebuild only once it commits), so its generation is not theirs."""
+    if (
+        view.state is ViewState.PROPOSED
+        and view.joined
+        and not following.joined
+        and following.members
+        and state.built is not None
+    ):
+        return replace(following, generation=state.built.generation)
+    return following
 
 
 def _adopt(state: GroupState, view: View, now: float) -> Step:
