@@ -350,6 +350,24 @@ def test_nothing_shrinks_within_an_epoch_and_a_reset_is_not_undone() -> None:
     assert late.state == step.state and late.replicates and not late.persists
 
 
+def test_a_merge_keeps_the_joined_owner_and_persists_a_new_one() -> None:
+    state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a", owner=LOW)
+    assert state.owner == LOW and cluster_plan_of(state).owner == LOW
+    # The same plan with a larger owner in one epoch: only the owner changes, and is stored.
+    taken = policy.merge(state, replace(cluster_plan_of(state), owner=HIGH), 2.0, ceiling=CEILING)
+    assert taken.state.owner == HIGH and taken.persists and not taken.replicates
+    # A smaller (or no) owner changes nothing here and gets the join back.
+    for smaller in (LOW, ""):
+        kept = policy.merge(
+            taken.state, replace(cluster_plan_of(state), owner=smaller), 3.0, ceiling=CEILING
+        )
+        assert kept.state == taken.state and kept.effects == (Replicate(),)
+    # A later epoch brings its owner, even none.
+    later = doc(None, epoch=1, generation=state.generation)
+    reset = policy.merge(taken.state, later, 4.0, ceiling=CEILING)
+    assert reset.state.owner == "" and reset.state.epoch == 1
+
+
 def test_a_merge_that_cannot_join_is_refused_naming_why() -> None:
     state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a")
     with pytest.raises(PreconditionFailed, match="top_k"):
