@@ -2,24 +2,35 @@
 
 A :class:`ClusterPlan` is the part of a :class:`~moe_sidecar.core.group.GroupState`
 that outlives a node: the group's layout (``ep_size``), its epoch, its stored
-plan, its generation counter and its growth history, each growth naming the
-node that made it. Round state (lifetimes, ranks, open rounds, retained
-outcomes, what a lifetime built) stays on the node that runs the ranks.
+plan, its generation counter, its growth history, each growth naming the
+node that made it, and the owner of the stored plan (the id
+:func:`moe_sidecar.core.identity.owner_id` makes, never the digest a rank
+sends), so that a restart on any node is checked against the owner
+(:mod:`moe_sidecar.core.policy.owner`). Round state (lifetimes, ranks, open
+rounds, retained outcomes, what a lifetime built) stays on the node that
+runs the ranks.
 
 Cluster plans form a lattice on top of :func:`moe_sidecar.core.plan.join_epoch_plans`, so
 stores that exchange them converge whatever the order, and nothing merges by
 any other rule (:func:`join_cluster_plans`):
 
-* the higher epoch wins whole: its plan and its history (a reset is never
-  undone by a node that missed it);
+* the higher epoch wins whole: its plan, its history and its owner (a reset
+  is never undone by a node that missed it; a lifetime that did not inherit
+  the stored plan began a new epoch with its own owner);
 * in one epoch the plans join with :func:`moe_sidecar.core.plan.join` (no plan is
   the bottom) and the histories are united; a joined plan that neither side
-  held is recorded as a growth made by the joining node;
+  held is recorded as a growth made by the joining node; the owner is the
+  larger id of the two (:func:`join_owners`: no owner is the bottom, so a
+  node older than owners that wrote the document back loses nothing; two
+  owners in one epoch come only of two nodes' races, and the restart on the
+  side whose owner lost begins a new epoch, one rebuild);
 * the generation counter is the larger of the two (generations are never
   reused by a node that has heard of the other's).
 
 The join is commutative and idempotent, and its result covers both inputs
-(:func:`covers`), which is what the compare-and-swap retry of a store relies on.
+(:func:`covers`), which is what the compare-and-swap retry of a store relies
+on. Its epoch, owner and plan capacities are associative too; the
+generations are not, when a join mints one.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import Final
 from moe_sidecar.core import limits
 from moe_sidecar.core.errors import InvalidArgument, quote_name
 from moe_sidecar.core.group import GroupState, Growth
+from moe_sidecar.core.identity import OWNER_DIGEST_LENGTH
 from moe_sidecar.core.plan import EpochPlan, Plan, dominates, join_epoch_plans
 
 __all__ = [
@@ -44,6 +56,7 @@ __all__ = [
     "cluster_plan_of",
     "covers",
     "join_cluster_plans",
+    "join_owners",
     "plan_origin",
 ]
 
@@ -68,6 +81,10 @@ class ClusterPlan:
     """The last generation any node that contributed issued."""
     history: tuple[Growth, ...] = ()
     """The growths of ``epoch``, oldest first, each with its node."""
+    owner: str = ""
+    """The owner id (:attr:`moe_sidecar.core.group.GroupState.owner`) of the
+    lifetime that stored the plan (empty: none, or a document written before
+    owners travelled)."""
 
     @property
     def held(self) -> EpochPlan:
@@ -88,6 +105,7 @@ def cluster_plan_of(state: GroupState) -> ClusterPlan:
         plan=state.plan,
         generation=state.generation,
         history=state.history,
+        owner=state.owner,
     )
 
 
@@ -112,6 +130,12 @@ def _unite(epoch: int, *histories: tuple[Growth, ...]) -> tuple[Growth, ...]:
     return tuple(sorted(entries, key=_history_key))[-MAX_HISTORY:]
 
 
+def join_owners(a: str, b: str) -> str:
+    """The owner of two cluster plans of one epoch: the larger id (a total
+    order, so commutative, associative and idempotent; "" is the least)."""
+    return max(a, b)
+
+
 def join_cluster_plans(a: ClusterPlan, b: ClusterPlan, *, node: str, now: float) -> ClusterPlan:
     """The cluster plan that holds both ``a`` and ``b`` (see the module docstring).
 
@@ -132,13 +156,16 @@ def join_cluster_plans(a: ClusterPlan, b: ClusterPlan, *, node: str, now: float)
     if a.epoch != b.epoch:
         winner = a if a.epoch > b.epoch else b
         history = _unite(winner.epoch, winner.history)
-        return ClusterPlan(a.name, a.ep_size, held.epoch, held.plan, held.generation, history)
+        return ClusterPlan(
+            a.name, a.ep_size, held.epoch, held.plan, held.generation, history, winner.owner
+        )
     history = _unite(a.epoch, a.history, b.history)
     plan = held.plan
     if plan is not None and plan != a.plan and plan != b.plan:
         joined = Growth(plan=plan, layer=JOINED_LAYER, ep_rank=0, round=0, at=now, node=node)
         history = _unite(a.epoch, history, (joined,))
-    return ClusterPlan(a.name, a.ep_size, held.epoch, plan, held.generation, history)
+    owner = join_owners(a.owner, b.owner)
+    return ClusterPlan(a.name, a.ep_size, held.epoch, plan, held.generation, history, owner)
 
 
 def covers(a: ClusterPlan, b: ClusterPlan) -> bool:
@@ -149,6 +176,8 @@ def covers(a: ClusterPlan, b: ClusterPlan) -> bool:
     if a.epoch != b.epoch:
         return a.epoch > b.epoch
     if b.plan is not None and (a.plan is None or not dominates(a.plan, b.plan)):
+        return False
+    if join_owners(a.owner, b.owner) != a.owner:
         return False
     mine = set(a.history)
     return all(g in mine for g in b.history if g.plan.epoch == b.epoch)
@@ -172,6 +201,7 @@ def check_cluster_plan(doc: ClusterPlan) -> None:
     limits.check_count("ep_size", doc.ep_size, 1, limits.MAX_EP_SIZE, limits.EP_SIZE_REASON)
     limits.check_count("epoch", doc.epoch, 0, limits.MAX_GENERATION)
     limits.check_count("generation", doc.generation, 0, limits.MAX_GENERATION)
+    _check_owner(doc.owner)
     if doc.plan is not None:
         limits.check_plan("plan", doc.plan, doc.ep_size)
         if doc.plan.epoch != doc.epoch:
@@ -215,6 +245,23 @@ def check_cluster_plan_ceiling(
     for i, g in enumerate(doc.history):
         limits.check_workspace_ceiling(
             f"history[{i}].plan", g.plan.capacities, doc.ep_size, ceiling, release
+        )
+
+
+def _check_owner(value: str) -> None:
+    """An owner id is empty or the 64 lowercase hex digits of a SHA-256
+    (:func:`~moe_sidecar.core.identity.owner_id`); the message shows its
+    length, never the value (an id is not a secret, but a forged field
+    may be anything)."""
+    if not isinstance(value, str) or (
+        value and (len(value) != OWNER_DIGEST_LENGTH or value.strip("0123456789abcdef"))
+    ):
+        length = len(value) if isinstance(value, str) else None
+        raise InvalidArgument(
+            f"owner: {length} characters that are not an owner id; it must be empty or the "
+            f"{OWNER_DIGEST_LENGTH} lowercase hex digits of a SHA-256",
+            field="owner",
+            value=length,
         )
 
 

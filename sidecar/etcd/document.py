@@ -11,7 +11,8 @@ read from etcd is untrusted until it passes, in order:
    + "\\n" + body``; the MAC binds the document to its key, so one group's
    document cannot be replayed under another group's key;
 3. its decoding and ranges (:func:`~moe_sidecar.store.row_codec.decode_cluster_plan`
-   runs the core's limits), and the key naming the group it holds;
+   runs the core's limits; the owner id, when there is one, is 64 hex
+   digits), and the key naming the group it holds;
 4. its plausibility against the group here: an epoch or generation more than
    ``max_epoch_lead`` / ``max_generation_lead`` past this node's is set
    aside (a real group never jumps that far; a forged one would refuse every

@@ -3,6 +3,11 @@
 ``"kind": "moe-sidecar/cluster-plan"``, ``"version": 1``: written by other
 nodes, so it is untrusted input, read with the same field checks as a row
 (:mod:`moe_sidecar.store.row_fields`) and then checked like a request.
+
+``"owner"``, the owner id of the group's stored plan, was added to version 1
+later: it is written only when set (so a group without an owner writes the
+bytes it always did), and a document without it (one written before owners
+travelled, or by a node older than them) reads as no owner.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from moe_sidecar.store.row_fields import (
     growth_fields,
     int_field,
     list_field,
+    optional_str_field,
     str_field,
     typed_capacities,
 )
@@ -53,6 +59,7 @@ def encode_cluster_plan(doc: ClusterPlan) -> bytes:
         "plan": encode_plan(doc.plan),
         "generation": doc.generation,
         "history": encode_history(doc.history),
+        **({"owner": doc.owner} if doc.owner else {}),
     }
     return json.dumps(document, separators=(",", ":")).encode()
 
@@ -113,6 +120,8 @@ def decode_cluster_plan(data: bytes) -> ClusterPlan:
             plan=_typed_plan(document, "plan"),
             generation=int_field(document, "generation"),
             history=tuple(_typed_growth(g) for g in history),
+            # Documents written before owners travelled: no owner.
+            owner=optional_str_field(document, "owner"),
         )
     except (KeyError, TypeError) as error:
         raise RowError(f"malformed: {error!r}") from None

@@ -7,6 +7,8 @@ etcd replica does (compare-and-swap, retried with the join).
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
 from dataclasses import replace
 
@@ -22,6 +24,7 @@ from moe_sidecar.core.cluster import (
     cluster_plan_of,
     covers,
     join_cluster_plans,
+    join_owners,
     plan_origin,
 )
 from moe_sidecar.core.effects import EventKind, Persist, Publish, Replicate, Step
@@ -33,6 +36,15 @@ from tests.ceiling import CEILING
 pytestmark = pytest.mark.timeout(30)
 
 GROUP = "deepseek-v3:fp4/tp1-ep2/pp0"
+
+
+def owner(name: str) -> str:
+    """An owner id (64 hex digits, as the wire codec makes it) per name; "" stays empty."""
+    return hashlib.sha256(name.encode()).hexdigest() if name else ""
+
+
+OWNER = owner("the group's ranks")
+"""The owner every lifetime of these tests carries unless told otherwise."""
 
 
 def caps(tokens: int = 256, dispatch: int = 100, combine: int = 200, top_k: int = 2) -> Capacities:
@@ -48,19 +60,29 @@ def growth(p: Plan, node: str, at: float, layer: str = "l0") -> Growth:
 
 
 def doc(
-    p: Plan | None, *history: Growth, epoch: int = 0, generation: int | None = None
+    p: Plan | None,
+    *history: Growth,
+    epoch: int = 0,
+    generation: int | None = None,
+    owner: str = "",
 ) -> ClusterPlan:
     counter = generation if generation is not None else (p.generation if p else 0)
-    return ClusterPlan(GROUP, 2, epoch, p, counter, tuple(history))
+    return ClusterPlan(GROUP, 2, epoch, p, counter, tuple(history), owner)
 
 
 def grow_on(
-    state: GroupState | None, node: str, req: Requirement, now: float, lifetime: str
+    state: GroupState | None,
+    node: str,
+    req: Requirement,
+    now: float,
+    lifetime: str,
+    owner: str = OWNER,
 ) -> GroupState:
-    """Both local ranks of ``node`` run one round (a fresh lifetime) needing ``req``."""
+    """Both local ranks of ``node`` run one round (a fresh lifetime, carrying
+    ``owner``) needing ``req``."""
     step: Step | None = None
     for rank in range(2):
-        p = Proposal(GROUP, 2, rank, 2, f"{lifetime}-{rank}", 1, req)
+        p = Proposal(GROUP, 2, rank, 2, f"{lifetime}-{rank}", 1, req, owner=owner)
         step = policy.propose(state, p, now, 30.0, node=node, ceiling=CEILING)
         state = step.state
     assert step is not None and isinstance(step.reply, Decision)
@@ -124,6 +146,72 @@ def test_histories_unite_and_keep_the_newest() -> None:
     assert joined.history[0].at == 5.0 and joined.history[-1].at == MAX_HISTORY - 1
 
 
+# --- the owner in the join ------------------------------------------------------------
+
+LOW, HIGH = sorted((owner("node a's ranks"), owner("a stranger on node b")))
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "wanted"),
+    [
+        # The higher epoch's owner, whichever id is larger and even when it is none.
+        (doc(None, epoch=1, owner=LOW), doc(None, epoch=0, owner=HIGH), LOW),
+        (doc(None, epoch=2, owner=""), doc(plan(1, epoch=1), epoch=1, owner=HIGH), ""),
+        # One epoch: the larger id; no owner is the bottom; one owner stays.
+        (doc(None, owner=LOW), doc(None, owner=HIGH), HIGH),
+        (doc(plan(1), owner=HIGH), doc(plan(2, tokens=512), owner=LOW), HIGH),
+        (doc(plan(1), owner=""), doc(plan(1), owner=LOW), LOW),
+        (doc(None, owner=LOW), doc(None, owner=LOW), LOW),
+        (doc(None), doc(None), ""),
+    ],
+)
+def test_the_join_takes_the_higher_epochs_owner_and_in_one_epoch_the_larger_id(
+    a: ClusterPlan, b: ClusterPlan, wanted: str
+) -> None:
+    assert join_cluster_plans(a, b, node="n", now=1.0).owner == wanted
+    assert join_cluster_plans(b, a, node="n", now=1.0).owner == wanted
+
+
+OWNED = [
+    doc(None, owner=LOW),
+    doc(None, owner=HIGH),
+    doc(None),
+    doc(plan(1), owner=LOW),
+    doc(plan(2, tokens=512), growth(plan(2, tokens=512), "b", 2.0), owner=HIGH),
+    doc(plan(3, dispatch=400), owner=""),
+    doc(None, epoch=1, generation=3, owner=LOW),
+    doc(plan(4, epoch=1), epoch=1, owner=HIGH),
+    doc(None, epoch=2, generation=4),
+]
+"""Cluster plans of three epochs, with both owners, none, plans and none."""
+
+
+def _join(a: ClusterPlan, b: ClusterPlan) -> ClusterPlan:
+    return join_cluster_plans(a, b, node="n", now=9.0)
+
+
+@pytest.mark.parametrize(("a", "b"), list(itertools.product(OWNED, repeat=2)))
+def test_the_owner_join_is_commutative_and_idempotent(a: ClusterPlan, b: ClusterPlan) -> None:
+    assert _join(a, b) == _join(b, a)
+    assert _join(a, a) == a
+    assert join_owners(a.owner, b.owner) == join_owners(b.owner, a.owner)
+    joined = _join(a, b)
+    # The join covers both inputs, owner included, and covers nothing it does not hold.
+    assert covers(joined, a) and covers(joined, b)
+    assert covers(a, b) == (_join(a, b) == a)
+
+
+@pytest.mark.parametrize(("a", "b", "c"), list(itertools.product(OWNED, repeat=3)))
+def test_the_owner_join_is_associative(a: ClusterPlan, b: ClusterPlan, c: ClusterPlan) -> None:
+    left, right = _join(_join(a, b), c), _join(a, _join(b, c))
+    # Not the generations: a join that mints one mints it only in one grouping.
+    assert (left.epoch, left.owner) == (right.epoch, right.owner)
+    assert (left.plan and left.plan.capacities) == (right.plan and right.plan.capacities)
+    assert join_owners(join_owners(a.owner, b.owner), c.owner) == join_owners(
+        a.owner, join_owners(b.owner, c.owner)
+    )
+
+
 @pytest.mark.parametrize(
     ("bad", "field"),
     [
@@ -137,6 +225,9 @@ def test_histories_unite_and_keep_the_newest() -> None:
         (doc(plan(1), growth(plan(1), "a", float("nan"))), "history[0].at"),
         (doc(plan(1), replace(growth(plan(1), "a", 1.0), ep_rank=2)), "history[0].ep_rank"),
         (doc(plan(1), growth(plan(1, epoch=1), "a", 1.0)), "history[0].plan.epoch"),
+        (doc(None, owner="not an id"), "owner"),
+        (doc(None, owner=OWNER.upper()), "owner"),
+        (doc(None, owner=OWNER[:-1]), "owner"),
     ],
 )
 def test_a_document_from_another_node_is_range_checked(bad: ClusterPlan, field: str) -> None:
@@ -259,6 +350,24 @@ def test_nothing_shrinks_within_an_epoch_and_a_reset_is_not_undone() -> None:
     assert late.state == step.state and late.replicates and not late.persists
 
 
+def test_a_merge_keeps_the_joined_owner_and_persists_a_new_one() -> None:
+    state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a", owner=LOW)
+    assert state.owner == LOW and cluster_plan_of(state).owner == LOW
+    # The same plan with a larger owner in one epoch: only the owner changes, and is stored.
+    taken = policy.merge(state, replace(cluster_plan_of(state), owner=HIGH), 2.0, ceiling=CEILING)
+    assert taken.state.owner == HIGH and taken.persists and not taken.replicates
+    # A smaller (or no) owner changes nothing here and gets the join back.
+    for smaller in (LOW, ""):
+        kept = policy.merge(
+            taken.state, replace(cluster_plan_of(state), owner=smaller), 3.0, ceiling=CEILING
+        )
+        assert kept.state == taken.state and kept.effects == (Replicate(),)
+    # A later epoch brings its owner, even none.
+    later = doc(None, epoch=1, generation=state.generation)
+    reset = policy.merge(taken.state, later, 4.0, ceiling=CEILING)
+    assert reset.state.owner == "" and reset.state.epoch == 1
+
+
 def test_a_merge_that_cannot_join_is_refused_naming_why() -> None:
     state = grow_on(None, "a", Requirement(caps(), "l0"), 1.0, "a")
     with pytest.raises(PreconditionFailed, match="top_k"):
@@ -269,12 +378,12 @@ def test_a_merge_that_cannot_join_is_refused_naming_why() -> None:
 
 def test_an_open_round_decides_from_the_merged_plan() -> None:
     state = None
-    p0 = Proposal(GROUP, 2, 0, 2, "x0", 1, Requirement(caps(), "l0"))
+    p0 = Proposal(GROUP, 2, 0, 2, "x0", 1, Requirement(caps(), "l0"), owner=OWNER)
     state = policy.propose(state, p0, 1.0, 30.0, node="b", ceiling=CEILING).state
     assert state.open_round is not None
     merged = policy.merge(
         state,
-        doc(plan(4, tokens=2048), growth(plan(4, tokens=2048), "a", 1.5)),
+        doc(plan(4, tokens=2048), growth(plan(4, tokens=2048), "a", 1.5), owner=OWNER),
         2.0,
         ceiling=CEILING,
     )

@@ -4,6 +4,7 @@ tests/integration/test_attacks_etcd.py)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,16 @@ from moe_sidecar.store.sqlite import StateStore
 pytestmark = pytest.mark.timeout(10)
 
 REQ = Requirement(Capacities(256, 100, 200, 2, 16), "l0")
+OWNER = hashlib.sha256(b"the ranks' owner").hexdigest()
+"""The owner of the merged plans and of the local ranks (so they inherit them)."""
 
 
 def remote(name: str) -> ClusterPlan:
-    return ClusterPlan(name, 1, plan=Plan(REQ.capacities, 0, 1), generation=1)
+    return ClusterPlan(name, 1, plan=Plan(REQ.capacities, 0, 1), generation=1, owner=OWNER)
 
 
 def proposal(group: str) -> Proposal:
-    return Proposal(group, 1, 0, 1, "lifetime-of-rank-0", 1, REQ)
+    return Proposal(group, 1, 0, 1, "lifetime-of-rank-0", 1, REQ, owner=OWNER)
 
 
 async def test_merged_groups_and_local_groups_are_bounded_apart(tmp_path: Path) -> None:

@@ -5,11 +5,12 @@ only when its ranks carry the stored owner. No I/O, no clock."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from moe_sidecar.core import policy
+from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import Step
 from moe_sidecar.core.errors import InvalidArgument
 from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
@@ -160,3 +161,77 @@ def test_an_owner_digest_becomes_its_id_at_the_boundary() -> None:
         with pytest.raises(InvalidArgument, match=r"owner_digest: .* not an owner digest") as error:
             owner_id(bad)
         assert bad not in error.value.message and error.value.field == "owner_digest"
+
+
+# --- across nodes: the owner travels with the cluster plan -------------------------------
+
+
+def _node_b(doc: ClusterPlan) -> GroupState:
+    """Node B's group once it merged ``doc`` (from node A), before any lifetime there."""
+    step = policy.merge(None, doc, 2.0, node="node-b", ceiling=CEILING)
+    assert step.state.lifetime_index == 0
+    return step.state
+
+
+def _stored_on_a() -> GroupState:
+    """The real ranks' group on node A: one lifetime, its plan and owner stored."""
+    return lifetime(None, "real-ranks-on-a", ["ranks"] * LOCAL, req=HUGE).state
+
+
+@dataclass(frozen=True)
+class NodeCase:
+    name: str
+    stored: str
+    """The owner in node A's document ("" also: a document written before owners travelled)."""
+    first: tuple[str, ...]
+    """The owner each rank of node B's first lifetime carries."""
+    inherits: bool
+
+
+NODE_CASES = [
+    NodeCase("the real ranks on node B inherit node A's plan", "ranks", ("ranks",) * LOCAL, True),
+    NodeCase("a stranger on node B does not", "ranks", ("stranger",) * LOCAL, False),
+    NodeCase("ranks without their key do not", "ranks", ("",) * LOCAL, False),
+    NodeCase("a document without an owner is inherited by none", "", ("ranks",) * LOCAL, False),
+    NodeCase("two owners in the round", "ranks", ("ranks", "ranks", "ranks", "x"), False),
+]
+
+
+@pytest.mark.parametrize("case", NODE_CASES, ids=[c.name for c in NODE_CASES])
+def test_a_first_lifetime_on_another_node_inherits_only_with_the_documents_owner(
+    case: NodeCase,
+) -> None:
+    on_a = _stored_on_a()
+    doc = replace(cluster_plan_of(on_a), owner=owner(case.stored))
+    on_b = _node_b(doc)
+    assert on_b.owner == owner(case.stored)  # the merge keeps the owner
+    assert on_b.plan == on_a.plan and on_a.plan is not None
+    step = lifetime(on_b, "first-on-b", list(case.first))
+    assert isinstance(step.reply, Decision)
+    if case.inherits:
+        assert step.reply.plan == on_a.plan and not step.reply.grew
+        assert step.reply.action is Action.BUILD and step.state.epoch == on_a.epoch
+    else:
+        # A new epoch from its own proposals: node A's plan is never built here.
+        assert step.reply.plan.capacities == REAL.capacities
+        assert step.state.epoch == on_a.epoch + 1 and step.reply.plan.epoch == step.state.epoch
+        assert step.reply.plan.generation > on_a.generation
+    assert step.state.owner == restart_owner(
+        tuple(prop(r, "p", n) for r, n in enumerate(case.first))
+    )
+
+
+def test_a_restart_is_checked_against_the_owner_a_merge_brought() -> None:
+    """Node B ran the real ranks; a stranger's squat on node A began a later
+    epoch, which reached B: the real ranks' restart on B does not build it."""
+    on_b = lifetime(None, "real-ranks-on-b", ["ranks"] * LOCAL).state
+    squat = lifetime(None, "stranger-on-a", ["stranger"] * LOCAL, req=HUGE).state
+    doc = replace(cluster_plan_of(squat), epoch=on_b.epoch + 1)
+    doc = replace(doc, plan=replace(squat.plan, epoch=doc.epoch) if squat.plan else None)
+    doc = replace(doc, history=(), generation=max(doc.generation, on_b.generation))
+    merged = policy.merge(on_b, doc, 3.0, node="node-b", ceiling=CEILING).state
+    assert merged.owner == owner("stranger") and merged.epoch == doc.epoch
+    again = lifetime(merged, "real-ranks-again", ["ranks"] * LOCAL)
+    assert isinstance(again.reply, Decision)
+    assert again.reply.plan.capacities == REAL.capacities
+    assert again.state.epoch == doc.epoch + 1 and again.state.owner == owner("ranks")

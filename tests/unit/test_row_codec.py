@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from tests.unit.groups import rich_state
 pytestmark = pytest.mark.timeout(10)
 
 DATA = Path(__file__).resolve().parent.parent / "data"
+OWNER_ID = hashlib.sha256(b"an owner id").hexdigest()
 
 
 def test_encoding_round_trips_exactly() -> None:
@@ -63,6 +66,21 @@ def test_a_cluster_plan_of_this_release_loads_and_round_trips() -> None:
     assert decode_cluster_plan(encode_cluster_plan(reset)) == reset
 
 
+def test_a_cluster_plan_carries_its_owner_and_one_written_before_owners_has_none() -> None:
+    data = (DATA / "cluster-plan-v1.json").read_bytes()
+    assert b'"owner"' not in data  # written before owners travelled
+    old = decode_cluster_plan(data)
+    assert old.owner == ""
+    # No owner writes the bytes it always did, so older nodes read it unchanged.
+    assert "owner" not in json.loads(encode_cluster_plan(old))
+    owned = replace(old, owner=OWNER_ID)
+    assert json.loads(encode_cluster_plan(owned))["owner"] == OWNER_ID
+    assert decode_cluster_plan(encode_cluster_plan(owned)) == owned
+    # The owner of the group row is the owner of its cluster plan.
+    state = replace(rich_state(), owner=OWNER_ID)
+    assert decode_cluster_plan(encode_cluster_plan(cluster_plan_of(state))).owner == OWNER_ID
+
+
 def _cluster(**changes: object) -> bytes:
     document = json.loads((DATA / "cluster-plan-v1.json").read_text())
     for path, value in changes.items():
@@ -90,6 +108,9 @@ def _cluster(**changes: object) -> bytes:
         (_cluster(history__1__ep_rank=4), "history[1].ep_rank=4"),
         (_cluster(history__0__at=-1.0), "history[0].at=-1.0"),
         (_cluster(name="x" * 300), "group="),
+        (_cluster(owner=7), "'owner' holds 7"),
+        (_cluster(owner="f" * 63), "owner: 63 characters that are not an owner id"),
+        (_cluster(owner=OWNER_ID.upper()), "owner: 64 characters that are not an owner id"),
     ],
 )
 def test_bad_cluster_plans_are_refused_with_the_reason(data: bytes, needle: str) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from moe_sidecar.store.sqlite import DATABASE_FILE, StateStore
 pytestmark = pytest.mark.timeout(10)
 
 REQ = Requirement(Capacities(256, 100, 200, 2, 16), "l0")
+OWNER = hashlib.sha256(b"the ranks' owner").hexdigest()
 
 
 class ManualClock:
@@ -272,6 +275,7 @@ async def test_a_merge_is_persisted_and_watched(tmp_path: Path, clock: ManualClo
             plan=Plan(REQ.capacities, 0, 3),
             generation=3,
             history=(Growth(Plan(REQ.capacities, 0, 3), "l0", 1, 1, 999.0, "node-a"),),
+            owner=OWNER,
         )
         assert holder.merge(remote)
         assert holder.cluster_plan("g/ep2") == remote
@@ -280,7 +284,9 @@ async def test_a_merge_is_persisted_and_watched(tmp_path: Path, clock: ManualClo
         event = await anext(subscription)
         assert event.kind is EventKind.PLAN_MERGED and event.node == "node-a"
         # The merged plan is round 1's plan here.
-        decisions = await asyncio.gather(holder.propose(proposal(0)), holder.propose(proposal(1)))
+        # (for ranks that carry its owner: the owner came with it)
+        owned = [replace(proposal(rank), owner=OWNER) for rank in range(2)]
+        decisions = await asyncio.gather(*(holder.propose(p) for p in owned))
         assert {d.plan for d in decisions} == {remote.plan} and not decisions[0].grew
     finally:
         holder.close()

@@ -49,7 +49,7 @@ def merge(
     """Merges a group's plan decided elsewhere (another node, the cluster store).
 
     ``state`` is None for a group this node has never seen. The group's
-    epoch, plan, generation counter and history become the join of its own
+    epoch, plan, generation counter, history and owner become the join of its own
     and ``remote`` (:func:`~moe_sidecar.core.cluster.join_cluster_plans`): a later
     epoch replaces the plan (a reset reaches this node), in one epoch the
     plans join, nothing ever shrinks. Rounds, lifetimes and what a lifetime
@@ -84,6 +84,8 @@ def merge(
         # The join's counter is at least the group's own: cluster_plan_of copies it.
         generation=joined.generation,
         history=joined.history,
+        # So a restart here is checked against the owner of the plan it would inherit.
+        owner=joined.owner,
     )
     effects: list[Effect] = []
     if cluster_plan_of(merged) != local:

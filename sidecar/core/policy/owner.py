@@ -16,15 +16,23 @@ begins a new epoch from its own proposals, as a takeover does, and its owner
 becomes the stored one: a stranger's plan is never built by the real ranks,
 and ranks without their key (lost, or a client older than owner keys) lose
 one rebuild, nothing else. Within a lifetime the owner is not compared.
+
+The owner travels with the plan through a cluster store
+(:class:`~moe_sidecar.core.cluster.ClusterPlan`), so a node that holds a
+group's plan only from another node holds its owner too. The first lifetime
+of a group on such a node inherits the plan on the same terms as a restart
+(:func:`disowns_stored_plan`): a stranger that squats the group on another
+node does not build the plan, and cannot plant one that the real ranks
+there build.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from moe_sidecar.core.group import GroupState, Proposal
+from moe_sidecar.core.group import GroupState, OpenRound, Proposal
 
-__all__ = ["inherits_stored_plan", "restart_owner"]
+__all__ = ["disowns_stored_plan", "inherits_stored_plan", "restart_owner"]
 
 
 def inherits_stored_plan(state: GroupState, proposals: Iterable[Proposal]) -> bool:
@@ -40,3 +48,17 @@ def restart_owner(proposals: tuple[Proposal, ...]) -> str:
     when they carry none or several (then no later lifetime inherits its plan)."""
     owners = {q.owner for q in proposals}
     return next(iter(owners)) if len(owners) == 1 else ""
+
+
+def disowns_stored_plan(state: GroupState, rnd: OpenRound) -> bool:
+    """Whether deciding ``rnd`` begins a new epoch without ``state``'s stored
+    plan: it is the first round of a lifetime that did not come as a restart
+    (the group's first lifetime on this node; a restart checks its owner when
+    it completes), a plan is stored (here, or merged from another node), and
+    the round's proposals do not carry its owner."""
+    return (
+        rnd.number == 1
+        and state.proof is None
+        and state.plan is not None
+        and not inherits_stored_plan(state, rnd.proposals)
+    )

@@ -17,7 +17,9 @@ proposed with one proof it takes the group over (the real ranks taking back
 a group squatted first with fewer ranks). Such a takeover does not inherit
 the stored plan: a new epoch begins, as after a reset, so nothing the
 earlier lifetime grew is built by the new one (the generation counter goes
-on, generations are never reused).
+on, generations are never reused). Nor does a group's first lifetime on this
+node whose round 1 does not carry the owner of a plan stored here (merged
+from another node): :func:`~.owner.disowns_stored_plan`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ from dataclasses import dataclass, replace
 
 from moe_sidecar.core import limits
 from moe_sidecar.core.effects import Deadline, Effect, Persist, Step, Wait
-from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, RoundAborted, quote_name
+from moe_sidecar.core.errors import (
+    ErrorCode,
+    InvalidArgument,
+    PreconditionFailed,
+    RoundAborted,
+    quote_name,
+)
 from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.core.policy.events import gone_text, lifetime_started, requirement_text
+from moe_sidecar.core.policy.owner import disowns_stored_plan
 from moe_sidecar.core.policy.proof import (
     Verdict,
     closing_proof,
@@ -322,7 +331,16 @@ def _add_proposal(
             reply=Wait(state.lifetime_index, rnd.number, rnd.deadline),
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
-    return decide_round(replace(state, ranks=ranks), rnd, p, now, effects, node, ceiling)
+    state = replace(state, ranks=ranks)
+    if disowns_stored_plan(state, rnd):
+        # A first lifetime here without the stored plan's owner (it may have
+        # come from another node) begins a new epoch, as a disowned restart does.
+        try:
+            limits.check_count("epoch", state.epoch + 1, 0, limits.MAX_GENERATION)
+        except InvalidArgument as error:
+            return refuse_round(state, rnd, p, error.message, now, effects)
+        state = replace(state, epoch=state.epoch + 1, plan=None, history=())
+    return decide_round(state, rnd, p, now, effects, node, ceiling)
 
 
 def propose(
