@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,9 @@ PROOF = "the-running-lifetimes-proof"
 
 
 @contextlib.contextmanager
-def _sidecar(tmp_path: Path, *flags: str) -> Iterator[str]:
+def _sidecar(tmp_path: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A ``python -m moe_sidecar`` on a socket in ``tmp_path`` (state kept in
-    ``tmp_path/state``); its target while it serves; killed after."""
+    ``tmp_path/state``); its target and process while it serves; killed after."""
     # One log per start: a start waits for its own serving record.
     log = tmp_path / f"sidecar-{len(list(tmp_path.glob('sidecar-*.log')))}.log"
     socket = tmp_path / "sidecar.sock"
@@ -52,7 +53,7 @@ def _sidecar(tmp_path: Path, *flags: str) -> Iterator[str]:
     )
     try:
         wait_for_serving_record(process, log)
-        yield f"unix://{socket}"
+        yield f"unix://{socket}", process
     finally:
         stop_process(process)
 
@@ -96,7 +97,7 @@ async def _view_2_committed(stub: Any) -> list[_Session]:
 async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
     tmp_path: Path,
 ) -> None:
-    with _sidecar(tmp_path) as target:
+    with _sidecar(tmp_path) as (target, process):
         async with coordinator_stub(target) as stub:
             sessions = await _view_2_committed(stub)
             before: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
@@ -112,6 +113,9 @@ async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
                 assert acked.acknowledged.state == pb.VIEW_STATE_PROPOSED, acked
             last = await newcomer.send(acknowledge=pb.AcknowledgeView(view=3, rounds=0))
             committed = await asyncio.wait_for(events.read(), timeout=5)
+            # Killed while every member is connected: closed sessions would
+            # move the view on (members leaving) before the kill, or not.
+            stop_process(process)
             events.cancel()
             for session in (*sessions, newcomer):
                 session.close()
@@ -130,7 +134,7 @@ async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
     assert last.acknowledged.state == pb.VIEW_STATE_COMMITTED, last
     assert committed.kind == pb.EVENT_KIND_VIEW_CHANGED and committed.view == last.acknowledged
 
-    with _sidecar(tmp_path) as target:  # killed above; its row read back
+    with _sidecar(tmp_path) as (target, _):  # killed above; its row read back
         async with coordinator_stub(target) as stub:
             stored: pb.Group = await stub.GetGroup(pb.GetGroupRequest(group=GROUP), timeout=5)
     assert stored.view == last.acknowledged
@@ -139,7 +143,7 @@ async def test_a_replacement_joins_view_3_at_a_new_generation_and_it_commits(
 async def test_without_the_running_proof_the_newcomer_waits_for_a_restart(
     tmp_path: Path,
 ) -> None:
-    with _sidecar(tmp_path, "--round-timeout", "30") as target:
+    with _sidecar(tmp_path, "--round-timeout", "30") as (target, _):
         async with coordinator_stub(target) as stub:
             sessions = await _view_2_committed(stub)
             stranger = stub.Propose(
