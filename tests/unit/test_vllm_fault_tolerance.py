@@ -26,6 +26,7 @@ from moe_sidecar.client.engines.vllm.fault_tolerance import (
     masked_flags,
     supports_fault_tolerance,
 )
+from moe_sidecar.client.masked_alltoall import MaskedAlltoAll
 from moe_sidecar.core.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(30)
@@ -165,3 +166,41 @@ def test_the_set_stays_vllms_where_the_manager_cannot_serve_it(
 def test_a_vllm_without_the_sentinel_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, SENTINEL_MODULE, None)
     assert not extend_ft_backends("sidecar", masking=True)
+
+
+class _Recorder:
+    """An all-to-all that records the masks its calls get."""
+
+    def __init__(self) -> None:
+        self.combines: list[int | None] = []
+
+    def dispatch(self, *args: object, active_rank_mask: int | None = None) -> None:
+        return None
+
+    def combine(self, *args: object, active_rank_mask: int | None = None) -> None:
+        self.combines.append(active_rank_mask)
+
+
+class _Source:
+    def __init__(self, mask: int | None) -> None:
+        self.mask = mask
+        self.rounds = 0
+
+    def step_mask(self) -> int | None:
+        return self.mask
+
+    def round_done(self) -> None:
+        self.rounds += 1
+
+
+def test_a_dispatch_cut_short_leaves_no_mask_for_the_next_combine() -> None:
+    inner, source = _Recorder(), _Source(0b1111)
+    wrapper = MaskedAlltoAll(inner, source)
+    wrapper.dispatch("tokens")  # the fault: its combine never comes
+    wrapper.reset_step()  # clean_buffers()
+    source.mask = 0b0111  # the view adopted at the retry
+    wrapper.combine("payload")
+    assert inner.combines == [None]
+    wrapper.dispatch("tokens")
+    wrapper.combine("payload")
+    assert inner.combines == [None, 0b0111] and source.rounds == 2
