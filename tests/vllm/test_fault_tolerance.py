@@ -105,3 +105,31 @@ def test_vllms_retry_adopts_the_view_and_the_survivors_step_exactly(
         ranks.expect(SURVIVORS, "cleaned", 30)
         exits = ranks.exits(SURVIVORS, 30)
         assert {r: code for r, (code, _) in exits.items()} == dict.fromkeys(SURVIVORS, 0)
+
+
+def test_the_manager_reads_vllms_own_config_objects() -> None:
+    """``VllmFaultTolerance.current()`` on vLLM 0.33's real ``VllmConfig``: the
+    switch and the CUDA-graph mode (a CPU platform resolves the mode to
+    ``NONE``; a GPU config holds a capturing one, set here as it would be)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+
+    from moe_sidecar.client.engines.vllm.fault_tolerance import (
+        FaultToleranceUnsupported,
+        VllmFaultTolerance,
+        supports_fault_tolerance,
+    )
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        assert VllmFaultTolerance.current() == VllmFaultTolerance(False, "NONE")
+    config.parallel_config.enable_fault_tolerance = True
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    with set_current_vllm_config(config):
+        read = VllmFaultTolerance.current()
+    assert read == VllmFaultTolerance(True, "FULL_AND_PIECEWISE") and read.cuda_graphs
+    assert VllmFaultTolerance.current() == VllmFaultTolerance(
+        False, "NONE"
+    )  # outside vLLM's context
+    with pytest.raises(FaultToleranceUnsupported, match="cudagraph_mode='FULL_AND_PIECEWISE'"):
+        supports_fault_tolerance(read, masking=True, sidecar=True, backend="flashinfer-moe-ep")
