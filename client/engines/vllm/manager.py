@@ -34,6 +34,7 @@ import torch.distributed as dist
 from moe_sidecar.client.backends import AlltoAllBackend
 from moe_sidecar.client.engine_rules import EngineRules
 from moe_sidecar.client.engines.vllm.fault_tolerance import (
+    FaultToleranceUnsupported,
     VllmFaultTolerance,
     masked_flags,
     supports_fault_tolerance,
@@ -124,7 +125,7 @@ class WorkspaceManager(AlltoAllManager):
                 sidecar=not self.embedded,
                 backend=self.backend.name,
             )
-        except Exception:
+        except FaultToleranceUnsupported:
             self.cleanup()  # the session opened above is closed before vLLM stops
             raise
         self.support_fault_tolerance = support
