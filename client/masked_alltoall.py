@@ -70,6 +70,11 @@ class MaskedAlltoAll:
         self._source.round_done()
         return result
 
+    def reset_step(self) -> None:
+        """Forgets a dispatch left without its combine (a fault cut the step
+        short): the next combine takes the next dispatch's mask."""
+        self._dispatch_mask = None
+
     def __getattr__(self, name: str) -> Any:
         # Only names this class lacks come here: the wrapped object's own.
         return getattr(self.wrapped, name)

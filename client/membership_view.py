@@ -128,6 +128,12 @@ class ViewFollower:
         self._wrappers = [wrapper, *self._wrappers[:1]]
         return wrapper
 
+    def reset_steps(self) -> None:
+        """A fault cut a step short: no wrapper keeps a dispatch's mask for a
+        combine that never came."""
+        for wrapper in self._wrappers:
+            wrapper.reset_step()
+
     def forget(self) -> None:
         """A new lifetime begins (the manager cleaned up): no view, no rounds."""
         self.rounds = 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from moe_sidecar.client.engines.vllm.fault_tolerance import FT_BACKEND
 from moe_sidecar.client.engines.vllm.plugin import (
     check_environment,
     detect_generation,
@@ -26,7 +27,8 @@ from moe_sidecar.client.engines.vllm.plugin import (
 from moe_sidecar.client.engines.vllm.sizing import Generation
 from moe_sidecar.core.errors import InvalidArgument
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
+# Eight vLLM interpreters at once: 200 s measured on 2 shared cores.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 MARK = "PLUGIN-RESULT "
 SCRIPT = f"""
@@ -59,6 +61,22 @@ if out["replaced"]:
     import vllm.model_executor.layers.fused_moe.prepare_finalize.flashinfer_nvlink_one_sided as pf
 
     out["prepare_finalize_binds_ours"] = pf.FlashInferNVLinkOneSidedManager is current
+import sys
+from types import SimpleNamespace
+
+# Loaded only where the plugin extended it (sidecar mode, MOE_SIDECAR_ON_PEER_LOSS=mask).
+sentinel = sys.modules.get("vllm.v1.worker.sentinel.gpu_worker_sentinel")
+out["ft_backends"] = None if sentinel is None else sorted(sentinel.FT_BACKEND_SET)
+if sentinel is not None:
+    # vLLM's own check, as a worker constructs its sentinel (gpu_worker.py).
+    settings = SimpleNamespace(
+        data_parallel_rank=0,
+        data_parallel_size=2,
+        data_parallel_master_ip="127.0.0.1",
+        all2all_backend="flashinfer_nvlink_one_sided",
+    )
+    sentinel.WorkerSentinel(SimpleNamespace(parallel_config=settings))
+    out["sentinel_accepts_ours"] = True
 print("{MARK}" + json.dumps(out), flush=True)
 """
 
@@ -66,6 +84,10 @@ CASES: dict[str, dict[str, str]] = {
     "unset": {},
     "embedded": {"MOE_SIDECAR_VLLM": "1", "VLLM_PLUGINS": "moe_sidecar"},
     "sidecar": {"MOE_SIDECAR_TARGET": "unix:///run/moe-sidecar/sidecar.sock"},
+    "sidecar-mask": {
+        "MOE_SIDECAR_TARGET": "unix:///run/moe-sidecar/sidecar.sock",
+        "MOE_SIDECAR_ON_PEER_LOSS": "mask",
+    },
     "switched-off": {"MOE_SIDECAR_TARGET": "127.0.0.1:50051", "MOE_SIDECAR_VLLM": "0"},
     "not-selected": {"MOE_SIDECAR_VLLM": "1", "VLLM_PLUGINS": "some_other_plugin"},
     "malformed": {"MOE_SIDECAR_VLLM": "maybe"},
@@ -108,7 +130,11 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[s
 
 
 def _line(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "moe-sidecar: vLLM" in line]
+    return [line for line in text.splitlines() if "moe-sidecar: vLLM 0" in line]
+
+
+def _ft_line(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "moe-sidecar: vLLM fault tolerance" in line]
 
 
 @pytest.mark.parametrize(("case", "mode"), [("embedded", "embedded"), ("sidecar", "sidecar")])
@@ -127,6 +153,28 @@ def test_enabled_replaces_the_class_with_a_subclass_and_logs_one_line(
     assert "INFO" in line  # vLLM's own format: it went through vLLM's handler
     if mode == "sidecar":
         assert "MOE_SIDECAR_TARGET=unix:///run/moe-sidecar/sidecar.sock" in line
+
+
+def test_sidecar_mode_with_masks_extends_vllms_fault_tolerance_backends_with_one_line(
+    outcomes: dict[str, tuple[dict[str, Any], str]],
+) -> None:
+    result, text = outcomes["sidecar-mask"]
+    assert result["error"] is None and result["replaced"], text
+    assert result["ft_backends"] == ["deepep_low_latency", FT_BACKEND, "nixl_ep"], result
+    assert result["sentinel_accepts_ours"], result
+    [line] = _ft_line(text)
+    assert f"accepts --all2all-backend {FT_BACKEND}" in line and "INFO" in line, line
+    assert len(_line(text)) == 1, text
+
+
+@pytest.mark.parametrize("case", ["sidecar", "embedded", "unset"])
+def test_without_sidecar_masks_vllms_fault_tolerance_backends_are_untouched(
+    outcomes: dict[str, tuple[dict[str, Any], str]], case: str
+) -> None:
+    result, text = outcomes[case]
+    assert result["error"] is None, text
+    assert result["ft_backends"] is None, result  # not even imported
+    assert _ft_line(text) == []
 
 
 @pytest.mark.parametrize("case", ["unset", "switched-off", "not-selected"])

@@ -4,7 +4,9 @@
 ``initialize()`` call forms), ``plugin`` (the ``vllm.general_plugins`` entry
 point, :func:`register`), ``sizing`` (each vLLM generation's arguments as
 capacities), ``naming`` (the group name from vLLM's config), ``settings``
-(the environment variables the room reads). Importing this package loads
+(the environment variables the room reads), ``fault_tolerance`` (vLLM
+0.33's fault-tolerance hooks: its backend set, the support decision, the
+mask in vLLM's convention). Importing this package loads
 nothing of torch or vLLM; the manager's module is imported when
 :class:`WorkspaceManager` is first used.
 """

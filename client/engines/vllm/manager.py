@@ -25,6 +25,7 @@ the attributes vLLM reads, vLLM's group naming and combine setting
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,14 +33,23 @@ import torch.distributed as dist
 
 from moe_sidecar.client.backends import AlltoAllBackend
 from moe_sidecar.client.engine_rules import EngineRules
+from moe_sidecar.client.engines.vllm.fault_tolerance import (
+    FaultToleranceUnsupported,
+    VllmFaultTolerance,
+    masked_flags,
+    supports_fault_tolerance,
+)
 from moe_sidecar.client.engines.vllm.naming import vllm_group_name_of
 from moe_sidecar.client.engines.vllm.settings import low_precision_combine
 from moe_sidecar.client.engines.vllm.sizing import UNSET, LayerCall, classify_call
 from moe_sidecar.client.errors import BackendError
 from moe_sidecar.client.layer_need import LayerNeed
 from moe_sidecar.client.manager import DEFAULT_MAX_UNANSWERED, AlltoAllManager
+from moe_sidecar.client.membership_view import AdoptedView
 
 __all__ = ["VLLM_RULES", "WorkspaceManager"]
+
+_log = logging.getLogger(__name__)
 
 VLLM_RULES = EngineRules(group_name=vllm_group_name_of, low_precision_combine=low_precision_combine)
 """vLLM's rules: the group named from vLLM's config
@@ -58,7 +68,10 @@ class WorkspaceManager(AlltoAllManager):
     ``moe_alltoall``, ``workspace_size``, ``max_num_tokens``, ``top_k``,
     ``num_experts``, ``rank``, ``world_size``, ``combine_into()``,
     ``get_communication()``, ``get_handle()``, ``checkpoint_prepare()``,
-    ``checkpoint_restore()``, ``cleanup()``, ``destroy()``), plus
+    ``checkpoint_restore()``, ``cleanup()``, ``destroy()``), vLLM 0.33's
+    fault-tolerance hooks (``support_fault_tolerance``, ``query_fault()``,
+    ``query_active_mask()``, ``clean_buffers()``:
+    :mod:`moe_sidecar.client.engines.vllm.fault_tolerance`), plus
     ``generation`` (of the plan built) and ``counters``.
 
     Args:
@@ -73,6 +86,9 @@ class WorkspaceManager(AlltoAllManager):
             1, or an unknown backend name (naming ``MOE_SIDECAR_BACKEND`` when
             it came from there).
         ValueError: an unknown backend name passed as ``backend``.
+        FaultToleranceUnsupported: vLLM's fault tolerance is on with
+            ``MOE_SIDECAR_ON_PEER_LOSS=mask`` but CUDA graphs are on and the
+            backend's masked all-to-all refuses their capture.
     """
 
     def __init__(
@@ -102,6 +118,20 @@ class WorkspaceManager(AlltoAllManager):
         # vLLM's All2AllManagerBase names them so.
         self.rank = self.ep_rank
         self.world_size = self.ep_size
+        try:
+            support = supports_fault_tolerance(
+                VllmFaultTolerance.current(),
+                masking=self._views.masking,
+                sidecar=not self.embedded,
+                backend=self.backend.name,
+            )
+        except FaultToleranceUnsupported:
+            self.cleanup()  # the session opened above is closed before vLLM stops
+            raise
+        self.support_fault_tolerance = support
+        """vLLM 0.33 reads it once: whether to call :meth:`query_fault` after every
+        step (its fault tolerance on, ``MOE_SIDECAR_ON_PEER_LOSS=mask`` in sidecar
+        mode, and no CUDA graphs where the backend's mask refuses them)."""
 
     def _held_changed(self) -> None:
         """Keeps the attributes vLLM's callers read of what is built."""
@@ -213,6 +243,50 @@ class WorkspaceManager(AlltoAllManager):
         if handle is None:
             raise BackendError("combine_into() before initialize(): nothing is built")
         return handle.combine(payload, runtime_max_tokens_per_rank, output=output)
+
+    # --- vLLM 0.33's fault tolerance -----------------------------------------
+
+    def query_fault(self) -> torch.Tensor:
+        """A 0-dim bool CPU tensor: a peer of this lifetime died and no view was
+        adopted since (:meth:`peer_fault`). Reads one attribute: no RPC, no
+        device work (vLLM calls it after every step)."""
+        return torch.tensor(self.peer_fault(), dtype=torch.bool)
+
+    def query_active_mask(self) -> torch.Tensor:
+        """An int32 CPU tensor of ``ep_size`` ranks in vLLM's convention: 0 live,
+        1 masked (no member of the adopted view, or a peer whose death was heard
+        of and no view masks yet). No RPC, no device work."""
+        loss = self._peer_loss.fault  # the base class's watch: the death not yet masked
+        lost = () if loss is None else (loss.ep_rank,)
+        flags = masked_flags(self.active_mask(), self.ep_size, lost)
+        return torch.tensor(flags, dtype=torch.int32)
+
+    def clean_buffers(self) -> None:
+        """vLLM's retry (``WorkerSentinel.retry``): adopts the group's committed
+        view (:meth:`adopt_view`: acknowledges the proposed one at this
+        quiesced point and waits for its commit; a committed view with this
+        rank in it is adopted as it is), which clears the fault
+        :meth:`query_fault` reports, and drops a dispatch a fault left
+        without its combine. Nothing built, or fault tolerance not served
+        (:attr:`support_fault_tolerance` False): nothing to do.
+
+        Raises:
+            ViewFailed: the view failed: every rank of the group restarts.
+            RoundTimedOut: the view was not decided within the propose timeout.
+            PreconditionFailed: this rank is no member of the view.
+            CoordinatorError: a covered round was refused, or the sidecar
+                could not be asked.
+        """
+        if self.plan is None or not self.support_fault_tolerance:
+            return
+        self._views.reset_steps()
+        view: AdoptedView = self.adopt_view()
+        _log.info(
+            "moe-sidecar: vLLM retry: EP rank %d runs under view %d (members %s)",
+            self.ep_rank,
+            view.number,
+            list(view.members),
+        )
 
     def destroy(self) -> None:
         """What vLLM calls when it tears its communicator down

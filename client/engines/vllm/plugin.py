@@ -30,6 +30,11 @@ of that class** whose behaviour is :class:`WorkspaceManager`'s (vLLM 0.33
 asserts ``isinstance(manager, FlashInferNVLinkOneSidedManager)``), puts it in
 the module in place of vLLM's, and logs one line saying so.
 
+In sidecar mode under ``MOE_SIDECAR_ON_PEER_LOSS=mask`` it also adds
+``flashinfer_nvlink_one_sided`` to the backends vLLM 0.33's fault tolerance
+accepts (:func:`~moe_sidecar.client.engines.vllm.fault_tolerance.extend_ft_backends`),
+with one more line; the manager answers its hooks.
+
 The subclass does not run vLLM's own ``__init__``: it asserts that FlashInfer's
 ``moe_ep`` API is importable, which only matters to vLLM's own
 ``initialize()``. It runs vLLM's ``All2AllManagerBase.__init__`` (``rank``,
@@ -49,11 +54,13 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
+from moe_sidecar.client.engines.vllm.fault_tolerance import extend_ft_backends
 from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
 from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
 from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, Generation
 from moe_sidecar.client.environment import check_environment
 from moe_sidecar.client.environment import plugin_mode as engine_plugin_mode
+from moe_sidecar.client.peer_loss import PeerLossPolicy, policy_from_environment
 from moe_sidecar.core.defaults import (
     ENV_BACKEND,
     ENV_TARGET,
@@ -182,6 +189,7 @@ def register() -> None:
     if mode is None:
         return
     check_environment(os.environ)
+    extend_ft_backends(mode, policy_from_environment(os.environ) is PeerLossPolicy.MASK)
     module = importlib.import_module(ALL2ALL_MODULE)
     current = getattr(module, MANAGER_NAME, None)
     if current is None:
