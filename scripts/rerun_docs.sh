@@ -11,6 +11,9 @@ out=$(realpath -m "${1:?usage: scripts/rerun_docs.sh OUTDIR [--skip-tests]}")
 skip_tests=${2:-}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
+# Readable by other users, as a checkout usually is: tests run a sidecar as
+# uid 65534 from it.
+chmod 755 "$work"
 mkdir -p "$out"
 printf '| step | command | exit | seconds |\n| --- | --- | --- | --- |\n' >"$out/times.md"
 step=0
