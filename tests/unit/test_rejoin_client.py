@@ -20,9 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def cpu_group(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
-    """A one-rank gloo group on a file store in ``tmp_path``."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    """A one-rank gloo group on a rendezvous file in ``tmp_path``."""
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
     try:
         yield dist.new_group(backend="gloo")
     finally:
