@@ -24,7 +24,9 @@ printing one JSON line per answer:
 With a fifth argument ``INIT_METHOD`` the process is a replacement for rank
 ``RANK``: it joins the gloo group on it, makes its manager and calls
 ``join_as_replacement`` with the same layer, printing ``adopted`` (or
-``raised``) instead of ``ready``, then runs the same commands.
+``raised``) instead of ``ready``, then runs the same commands; a sixth,
+``TOKENS``, is the tokens per rank of the layer it joins with (default
+the others' layer's).
 
 A watchdog (``faulthandler``) dumps every thread's stack to stderr and ends
 the process past :data:`WATCHDOG_S`.
@@ -159,7 +161,9 @@ def _layer(manager: Any, world: int, name: str, tokens: int) -> None:
     _say("initialized", generation=manager.generation, counters=str(manager.counters))
 
 
-def main(rank: int, world: int, init_method: str, group: str, joins: str | None) -> None:
+def main(
+    rank: int, world: int, init_method: str, group: str, joins: str | None, tokens: int
+) -> None:
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     from moe_sidecar.client.manager import AlltoAllManager
     from moe_sidecar.client.rejoin import join_as_replacement
@@ -173,7 +177,8 @@ def main(rank: int, world: int, init_method: str, group: str, joins: str | None)
     )
     need = _need(world, "model.layers.0.mlp", TOKENS)
     if joins is not None:
-        _adopt(manager, lambda: join_as_replacement(manager, need, timeout_s=60.0))
+        wanted = _need(world, "model.layers.0.mlp", tokens)
+        _adopt(manager, lambda: join_as_replacement(manager, wanted, timeout_s=60.0))
     else:
         manager.initialize_layer(need)
         _say("ready", generation=manager.generation, fault=manager.peer_fault())
@@ -206,4 +211,5 @@ if __name__ == "__main__":
         sys.argv[3],
         sys.argv[4],
         sys.argv[5] if len(sys.argv) > 5 else None,
+        int(sys.argv[6]) if len(sys.argv) > 6 else TOKENS,
     )

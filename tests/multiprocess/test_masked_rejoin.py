@@ -10,7 +10,8 @@ generation and view 3 (members 0-3) commits (GetGroup shows it). All four
 then step with every rank's experts (exact), and initialize one more layer
 that grows the plan: its round meets all four (the replacement numbers its
 rounds after the survivors'), they rebuild at the next generation and step
-exactly again.
+exactly again. A replacement whose layer the stored plan does not serve is
+refused, and every survivor raises the refusal instead of waiting.
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ class RejoiningRanks(MaskedRanks):
     def __enter__(self) -> RejoiningRanks:
         return self
 
-    def replace(self, rank: int, target: str, group: str, init_method: str) -> None:
-        """Starts the replacement for ``rank`` (dead) on ``init_method``."""
+    def replace(
+        self, rank: int, target: str, group: str, init_method: str, tokens: int = TOKENS
+    ) -> None:
+        """Starts the replacement for ``rank`` (dead) on ``init_method``,
+        joining with a layer of ``tokens`` tokens per rank."""
         env = {**os.environ, "MOE_SIDECAR_TARGET": target, "MOE_SIDECAR_LOCAL_RANKS": ""}
         env["MOE_SIDECAR_ON_PEER_LOSS"] = "mask"
         assert self.ended[rank].is_set(), f"rank {rank} is still running"
         old = self.processes[rank]
         with open(self.stderr_paths[rank], "a") as stderr:
             process = subprocess.Popen(
-                [*self.command, str(rank), str(WORLD), "unused", group, init_method],
+                [*self.command, str(rank), str(WORLD), "unused", group, init_method, str(tokens)],
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.PIPE,
@@ -110,3 +114,32 @@ def test_a_replacement_rejoins_and_every_rank_steps_exactly(
 
         ranks.send(range(WORLD), "cleanup")
         ranks.expect(range(WORLD), "cleaned", 30)
+
+
+def _view_2(ranks: RejoiningRanks) -> None:
+    """Every rank steps once, rank 3 is killed, the survivors adopt view 2."""
+    ranks.expect(range(WORLD), "ready", STARTUP_S)
+    ranks.send(range(WORLD), "steps 0 1")
+    ranks.expect(range(WORLD), "stepped", 60)
+    ranks.kill(KILLED)
+    ranks.send(SURVIVORS, "adopt")
+    ranks.expect(SURVIVORS, "adopted", 90)
+
+
+def test_a_replacement_the_stored_plan_does_not_serve_is_refused_on_every_rank(
+    sidecar: Sidecar, tmp_path: Path
+) -> None:
+    group = "masked-rejoin-refused:fp4/tp1-ep4/pp0"
+    with RejoiningRanks(tmp_path / "ranks", sidecar.target, group, policy="mask") as ranks:
+        _view_2(ranks)
+        rejoin = f"file://{tmp_path / 'rejoin-rendezvous'}"
+        ranks.replace(KILLED, sidecar.target, group, rejoin, tokens=4 * TOKENS)
+        ranks.send(SURVIVORS, f"rejoin {rejoin}")
+        raised = ranks.expect(range(WORLD), "raised", 120)
+        for rank, failure in raised.items():
+            assert failure["type"] == "PreconditionFailed", (rank, failure)
+            assert "which the stored plan" in failure["message"], (rank, failure)
+        for rank in SURVIVORS:
+            assert "the replacement for rank 3 was refused" in raised[rank]["message"]
+        shown = sidecar.get_group(group).view
+        assert (shown.number, shown.state) == (2, _COMMITTED), shown  # nothing changed
