@@ -50,6 +50,7 @@ from moe_sidecar.client.layer_need import LayerNeed
 from moe_sidecar.client.membership_view import AdoptedView, ViewFollower
 from moe_sidecar.client.owner_key import owner_digest_of
 from moe_sidecar.client.peer_loss import PeerLossPolicy, PeerLossWatch
+from moe_sidecar.client.rejoin import rejoin_survivor
 from moe_sidecar.client.round_decisions import RoundDecisions
 from moe_sidecar.client.transport import DEFAULT_PROPOSE_TIMEOUT_S, Transport, transport_for
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
@@ -532,6 +533,11 @@ class AlltoAllManager:
         self._settle()  # the session carries nothing unanswered before the acknowledgement
         held = self._held.plan.generation if self._held.plan is not None else None
         return self._views.adopt(timeout_s, held_generation=held)
+
+    def rejoin(self, cpu_group: dist.ProcessGroup, timeout_s: float | None = None) -> AdoptedView:
+        """A replacement joined the re-formed ``cpu_group``: see (and for Raises:)
+        :func:`moe_sidecar.client.rejoin.rejoin_survivor`."""
+        return rejoin_survivor(self, cpu_group, timeout_s)
 
     def checkpoint_prepare(self) -> None:
         """Unmaps the workspace for a checkpoint (vLLM's sleep mode); collective

@@ -153,8 +153,8 @@ class ViewFollower:
             PreconditionFailed: the policy is not ``mask``, embedded mode
                 (masks need a sidecar), nothing built yet, this rank is no
                 member of the view, or the view is above ``held_generation``
-                (a replacement joined: its members must rebuild, which this
-                follower does not do; nothing is acknowledged).
+                (a replacement joined: its members must rebuild, which the
+                manager's ``rejoin()`` does; nothing is acknowledged).
             ViewFailed: the view failed (the group must restart).
             RoundTimedOut: not decided within ``timeout_s`` seconds.
             CoordinatorError: the sidecar could not be asked.
@@ -189,8 +189,8 @@ class ViewFollower:
             f"EP group {quote_name(self._group)}: view {view.number} (members "
             f"{list(view.members)}) is at generation {view.generation}, above the {held} rank "
             f"{self._ep_rank} built: a replacement joined, and every member must rebuild at "
-            "the stored plan over a CPU group with it, which the manager does not do yet; "
-            "its mask would name a rank this workspace was never built with (restart the group)"
+            "the stored plan over a CPU group with it: call the manager's rejoin() with that "
+            "group instead (its mask would name a rank this workspace was never built with)"
         )
 
     def _adopt_decided(self, view: View | None) -> AdoptedView:

@@ -14,7 +14,19 @@ printing one JSON line per answer:
   rows received per source, and the manager's mask;
 * ``fault``: waits (at most 30 s) until ``peer_fault()``: ``fault``;
 * ``adopt``: ``adopt_view()``: ``adopted`` with the view, or ``raised``;
+* ``rejoin INIT_METHOD``: a survivor re-forms the gloo group with a
+  replacement (the broken one destroyed, a new one on ``INIT_METHOD``) and
+  calls ``rejoin()``: ``adopted`` with the join view, or ``raised``;
+* ``layer NAME TOKENS``: ``initialize_layer`` of one more layer of the same
+  shape at ``TOKENS`` tokens per rank: ``initialized`` with the generation;
 * ``cleanup``: ``cleanup()`` and a clean exit.
+
+With a fifth argument ``INIT_METHOD`` the process is a replacement for rank
+``RANK``: it joins the gloo group on it, makes its manager and calls
+``join_as_replacement`` with the same layer, printing ``adopted`` (or
+``raised``) instead of ``ready``, then runs the same commands; a sixth,
+``TOKENS``, is the tokens per rank of the layer it joins with (default
+the others' layer's).
 
 A watchdog (``faulthandler``) dumps every thread's stack to stderr and ends
 the process past :data:`WATCHDOG_S`.
@@ -27,6 +39,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -98,10 +111,11 @@ def _wait_fault(manager: Any) -> None:
     _say("fault", fault=manager.peer_fault())
 
 
-def _adopt(manager: Any) -> None:
+def _adopt(manager: Any, adopt: Any = None) -> None:
     try:
-        view = manager.adopt_view(timeout_s=60.0)
+        view = adopt() if adopt is not None else manager.adopt_view(timeout_s=60.0)
     except Exception as error:
+        traceback.print_exc()  # the stack, in the rank's stderr file
         _say("raised", **failure_report(error))
         return
     _say(
@@ -111,33 +125,70 @@ def _adopt(manager: Any) -> None:
         mask=view.mask,
         active_mask=manager.active_mask(),
         fault=manager.peer_fault(),
+        generation=manager.generation,
     )
 
 
-def main(rank: int, world: int, init_method: str, group: str) -> None:
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    from moe_sidecar.client.layer_need import LayerNeed, Layout
-    from moe_sidecar.client.manager import AlltoAllManager
-    from moe_sidecar.client.sizing import layer_capacities
-
+def _cpu_group(rank: int, world: int, init_method: str) -> Any:
+    """A gloo group of every rank, on ``init_method``."""
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
-    cpu_group = dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo")
+
+
+def _need(world: int, name: str, tokens: int) -> Any:
+    from moe_sidecar.client.layer_need import LayerNeed, Layout
+    from moe_sidecar.client.sizing import layer_capacities
+
+    capacities = layer_capacities(world, tokens, TOP_K, NUM_EXPERTS, HIDDEN, 2 * HIDDEN, 0)
+    return LayerNeed(capacities, Layout(HIDDEN, None, None, 2 * HIDDEN, 0), name)
+
+
+def _rejoin(manager: Any, rank: int, world: int, init_method: str) -> None:
+    """The group with the dead rank is destroyed and one with the replacement formed."""
+    dist.destroy_process_group()
+    cpu_group = _cpu_group(rank, world, init_method)
+    _adopt(manager, lambda: manager.rejoin(cpu_group, timeout_s=60.0))
+
+
+def _layer(manager: Any, world: int, name: str, tokens: int) -> None:
+    try:
+        manager.initialize_layer(_need(world, name, tokens))
+    except Exception as error:
+        _say("raised", **failure_report(error))
+        return
+    _say("initialized", generation=manager.generation, counters=str(manager.counters))
+
+
+def main(
+    rank: int, world: int, init_method: str, group: str, joins: str | None, tokens: int
+) -> None:
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    from moe_sidecar.client.manager import AlltoAllManager
+    from moe_sidecar.client.rejoin import join_as_replacement
+
     manager = AlltoAllManager(
-        cpu_group,
+        _cpu_group(rank, world, joins or init_method),
         group=group,
         target=os.environ["MOE_SIDECAR_TARGET"],
         backend="reference",
         local_ranks=world,
     )
-    capacities = layer_capacities(world, TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, 2 * HIDDEN, 0)
-    need = LayerNeed(capacities, Layout(HIDDEN, None, None, 2 * HIDDEN, 0), "model.layers.0.mlp")
-    manager.initialize_layer(need)
-    _say("ready", generation=manager.generation, fault=manager.peer_fault())
+    need = _need(world, "model.layers.0.mlp", TOKENS)
+    if joins is not None:
+        wanted = _need(world, "model.layers.0.mlp", tokens)
+        _adopt(manager, lambda: join_as_replacement(manager, wanted, timeout_s=60.0))
+    else:
+        manager.initialize_layer(need)
+        _say("ready", generation=manager.generation, fault=manager.peer_fault())
     for line in sys.stdin:
         command, *rest = line.split()
-        if command == "steps":
+        if command == "rejoin":
+            _rejoin(manager, rank, world, rest[0])
+        elif command == "layer":
+            _layer(manager, world, rest[0], int(rest[1]))
+        elif command == "steps":
             first, count = int(rest[0]), int(rest[1])
             steps = [_step(manager, rank, world, seed) for seed in range(first, first + count)]
             _say("stepped", steps=steps)
@@ -154,4 +205,11 @@ def main(rank: int, world: int, init_method: str, group: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        sys.argv[3],
+        sys.argv[4],
+        sys.argv[5] if len(sys.argv) > 5 else None,
+        int(sys.argv[6]) if len(sys.argv) > 6 else TOKENS,
+    )
