@@ -32,11 +32,11 @@ every rank meet in one round and a later view compares one step count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from moe_sidecar.client.backends import backend_for
+from moe_sidecar.client.backends import AlltoAllBackend, backend_for
 from moe_sidecar.client.errors import (
     CoordinatorError,
     InternalError,
@@ -44,19 +44,54 @@ from moe_sidecar.client.errors import (
     PreconditionFailed,
 )
 from moe_sidecar.client.group_collectives import GroupCollectives
+from moe_sidecar.client.held_workspace import HeldWorkspace
 from moe_sidecar.client.layer_need import LayerNeed
 from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.membership_view import AdoptedView, ViewFollower
-from moe_sidecar.client.peer_loss import PeerLossPolicy
+from moe_sidecar.client.peer_loss import PeerLossPolicy, PeerLossWatch
+from moe_sidecar.client.round_decisions import RoundDecisions
+from moe_sidecar.client.transport import Transport
 from moe_sidecar.core.defaults import ENV_ON_PEER_LOSS
 from moe_sidecar.core.errors import quote_name
-from moe_sidecar.core.group import Requirement
+from moe_sidecar.core.group import Decision, Requirement
 from moe_sidecar.core.membership import View, ViewState
 from moe_sidecar.core.plan import Action, Plan
 
-AlltoAllManager = Any
-"""A :class:`moe_sidecar.client.manager.AlltoAllManager`, whose internals the
-join reaches (named, not imported: the manager imports this module)."""
+
+class AlltoAllManager(Protocol):
+    """What the join reads and sets of a
+    :class:`moe_sidecar.client.manager.AlltoAllManager` (its internals, named
+    here as a protocol rather than imported: the manager imports this
+    module), so that the type checker checks every use against the manager."""
+
+    cpu_group: dist.ProcessGroup
+    ep_size: int
+    ep_rank: int
+    group: str
+    backend: AlltoAllBackend
+    _transport: Transport
+    _peer_loss: PeerLossWatch
+    _on_group: GroupCollectives
+    _held: HeldWorkspace
+    _views: ViewFollower
+    _decisions: RoundDecisions
+    _group_proof: str | None
+    _owner_digest: str
+    _round: int
+    _initializes: int
+    _last_layer: str
+
+    @property
+    def embedded(self) -> bool: ...
+
+    def _round_decisions(self) -> RoundDecisions: ...
+
+    def _settle(self, keep: int = 0) -> None: ...
+
+    def _propose(self, requirement: Requirement) -> Decision: ...
+
+    def _build(self, plan: Plan, action: Action, layer: str, round_number: int) -> float: ...
+
 
 __all__ = ["Handover", "JoinAnswer", "join_as_replacement", "rejoin_survivor"]
 
