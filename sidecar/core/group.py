@@ -234,7 +234,10 @@ class GroupState:
         """The earliest deadline of the open and the pending round and of a
         proposed membership view (None: none)."""
         deadlines = [r.deadline for r in (self.open_round, self.pending) if r is not None]
-        view = self.current_view()
+        # Only a decided view can be a proposed one with a deadline: the first
+        # view current_view() would otherwise build is committed, without one,
+        # so it is not built here (this runs at every round's open and close).
+        view = self.view if self.view_lifetime == self.lifetime_index else None
         if view is not None and view.deadline is not None:
             deadlines.append(view.deadline)
         return min(deadlines) if deadlines else None

@@ -124,6 +124,18 @@ def test_the_members_acknowledgements_commit_the_view() -> None:
     assert decode_group(encode_group(both.state)).current_view() == event.view
 
 
+def test_only_a_proposed_view_of_the_current_lifetime_sets_a_deadline() -> None:
+    decided = _decided()
+    assert decided.current_view() is not None  # the first view: committed, no deadline
+    assert decided.next_deadline() is None
+    proposed, _ = _depart(decided, 2)
+    assert proposed.next_deadline() == 15.0
+    # The same proposed view left over from an earlier lifetime arms nothing.
+    stale = replace(proposed, view_lifetime=proposed.lifetime_index - 1)
+    assert stale.current_view() != proposed.view
+    assert stale.next_deadline() is None
+
+
 def test_a_view_not_acknowledged_in_time_fails_the_group() -> None:
     state, _ = _depart(_decided(), 2)
     assert state.next_deadline() == 15.0  # the timer is armed for the view
