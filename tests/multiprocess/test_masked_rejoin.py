@@ -16,14 +16,11 @@ refused, and every survivor raises the refusal instead of waiting.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.multiprocess.harness import REPO, Sidecar
+from tests.multiprocess.harness import Sidecar
 from tests.multiprocess.masked_workers import TOKENS
 from tests.multiprocess.test_masked_view import KILLED, SURVIVORS, WORLD, MaskedRanks, _check_steps
 from tests.multiprocess.test_peer_loss import STARTUP_S
@@ -40,33 +37,10 @@ class RejoiningRanks(MaskedRanks):
     def __enter__(self) -> RejoiningRanks:
         return self
 
-    def replace(
-        self, rank: int, target: str, group: str, init_method: str, tokens: int = TOKENS
-    ) -> None:
+    def replace(self, rank: int, group: str, init_method: str, tokens: int = TOKENS) -> None:
         """Starts the replacement for ``rank`` (dead) on ``init_method``,
         joining with a layer of ``tokens`` tokens per rank."""
-        env = {**os.environ, "MOE_SIDECAR_TARGET": target, "MOE_SIDECAR_LOCAL_RANKS": ""}
-        env["MOE_SIDECAR_ON_PEER_LOSS"] = "mask"
-        assert self.ended[rank].is_set(), f"rank {rank} is still running"
-        old = self.processes[rank]
-        with open(self.stderr_paths[rank], "a") as stderr:
-            process = subprocess.Popen(
-                [*self.command, str(rank), str(WORLD), "unused", group, init_method, str(tokens)],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-            )
-        assert old.returncode is not None
-        self.processes[rank] = process
-        self.ended[rank] = threading.Event()
-        threading.Thread(target=self._wait, args=(rank,), daemon=True).start()
-        assert process.stdout is not None
-        threading.Thread(
-            target=self._read, args=(process.stdout, self.answers[rank]), daemon=True
-        ).start()
+        self.start(rank, ["unused", group, init_method, str(tokens)])
 
 
 def test_a_replacement_rejoins_and_every_rank_steps_exactly(
@@ -89,7 +63,7 @@ def test_a_replacement_rejoins_and_every_rank_steps_exactly(
         _check_steps(ranks.expect(SURVIVORS, "stepped", 60), 2, 3, {KILLED}, survivors_mask)
 
         rejoin = f"file://{tmp_path / 'rejoin-rendezvous'}"
-        ranks.replace(KILLED, sidecar.target, group, rejoin)
+        ranks.replace(KILLED, group, rejoin)
         ranks.send(SURVIVORS, f"rejoin {rejoin}")
         joined = ranks.expect(range(WORLD), "adopted", 120)
         generation = ready[0]["generation"] + 1
@@ -133,7 +107,7 @@ def test_a_replacement_the_stored_plan_does_not_serve_is_refused_on_every_rank(
     with RejoiningRanks(tmp_path / "ranks", sidecar.target, group, policy="mask") as ranks:
         _view_2(ranks)
         rejoin = f"file://{tmp_path / 'rejoin-rendezvous'}"
-        ranks.replace(KILLED, sidecar.target, group, rejoin, tokens=4 * TOKENS)
+        ranks.replace(KILLED, group, rejoin, tokens=4 * TOKENS)
         ranks.send(SURVIVORS, f"rejoin {rejoin}")
         raised = ranks.expect(range(WORLD), "raised", 120)
         for rank, failure in raised.items():

@@ -68,6 +68,8 @@ class Ranks:
         env.pop("MOE_SIDECAR_ON_PEER_LOSS", None)
         if policy is not None:
             env["MOE_SIDECAR_ON_PEER_LOSS"] = policy
+        self.env = env
+        """The ranks' environment (a replacement's too)."""
         self.stderr_paths = [tmp_path / f"rank{r}.stderr" for r in range(WORLD)]
         self.answers: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in range(WORLD)]
         self.processes: list[subprocess.Popen[str]] = []
@@ -75,24 +77,36 @@ class Ranks:
         self.ended_at: list[float] = []
         """When each rank's exit was seen, by a thread blocked in its wait()."""
         for rank in range(WORLD):
-            with open(self.stderr_paths[rank], "w") as stderr:
-                process = subprocess.Popen(
-                    [*self.command, str(rank), str(WORLD), init_method, group],
-                    cwd=REPO,
-                    env=env,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                )
+            self.start(rank, [init_method, group])
+
+    def start(self, rank: int, args: Sequence[str]) -> None:
+        """Starts rank ``rank``'s process (``command``, the rank, the world
+        size, then ``args``), or a new one in the place of a rank that ended
+        (its stderr file goes on, its answers come on the same queue)."""
+        replacing = rank < len(self.processes)
+        if replacing:
+            assert self.ended[rank].is_set(), f"rank {rank} is still running"
+        with open(self.stderr_paths[rank], "a" if replacing else "w") as stderr:
+            process = subprocess.Popen(
+                [*self.command, str(rank), str(WORLD), *args],
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        if replacing:
+            self.processes[rank], self.ended[rank] = process, threading.Event()
+        else:
             self.processes.append(process)
             self.ended.append(threading.Event())
             self.ended_at.append(0.0)
-            threading.Thread(target=self._wait, args=(rank,), daemon=True).start()
-            assert process.stdout is not None
-            threading.Thread(
-                target=self._read, args=(process.stdout, self.answers[rank]), daemon=True
-            ).start()
+        threading.Thread(target=self._wait, args=(rank,), daemon=True).start()
+        assert process.stdout is not None
+        threading.Thread(
+            target=self._read, args=(process.stdout, self.answers[rank]), daemon=True
+        ).start()
 
     def _wait(self, rank: int) -> None:
         self.processes[rank].wait()
