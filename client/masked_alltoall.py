@@ -3,7 +3,9 @@
 :class:`MaskedAlltoAll` stands in front of what the manager hands out
 (``moe_alltoall``, ``get_communication()``) when the ``mask`` peer-loss
 policy is on. Every ``dispatch`` gets ``active_rank_mask=`` the adopted
-view's mask (none while no view is adopted, i.e. every rank), its
+view's mask (none while no view is adopted, i.e. every rank) unless the
+caller names a mask (``active_rank_mask=None`` names none: FlashInfer's
+default, which under a view without a dead rank would wait for it), its
 ``combine`` the same mask as its dispatch, and each combine done counts one
 all-to-all round (a dispatch + combine pair): the count a rank states when
 it acknowledges a view (:mod:`moe_sidecar.client.membership_view`). Every
@@ -46,12 +48,12 @@ class MaskedAlltoAll:
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped ``dispatch``, with ``active_rank_mask`` the view's
-        unless the caller names one.
+        unless the caller names one (not None).
 
         Raises:
             RankMaskError: what the wrapped object raises for the mask.
         """
-        if "active_rank_mask" not in kwargs:
+        if kwargs.get("active_rank_mask") is None:
             kwargs["active_rank_mask"] = self._source.step_mask()
         result = self.wrapped.dispatch(*args, **kwargs)
         self._dispatch_mask = kwargs["active_rank_mask"]
@@ -64,7 +66,7 @@ class MaskedAlltoAll:
         Raises:
             RankMaskError: what the wrapped object raises for the mask.
         """
-        if "active_rank_mask" not in kwargs:
+        if kwargs.get("active_rank_mask") is None:
             kwargs["active_rank_mask"] = self._dispatch_mask
         result = self.wrapped.combine(*args, **kwargs)
         self._source.round_done()

@@ -163,6 +163,13 @@ def test_the_wrapper_passes_the_adopted_mask_and_counts_rounds() -> None:
         ("combine", 0b0111),
     ]
     assert follower.rounds == 2
+    # An explicit None is no mask named: the view's still goes, to both calls.
+    wrapped.dispatch("x", active_rank_mask=None)
+    wrapped.combine("y", active_rank_mask=None)
+    assert inner.masks[-2:] == [("dispatch", 0b0111), ("combine", 0b0111)]
+    wrapped.dispatch("x", active_rank_mask=0b0011)  # a mask named is passed as it is
+    wrapped.combine("y")
+    assert inner.masks[-2:] == [("dispatch", 0b0011), ("combine", 0b0011)]
     follower.forget()
     assert (follower.rounds, follower.adopted, follower.active_mask()) == (0, None, 0b1111)
 
