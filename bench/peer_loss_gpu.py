@@ -60,6 +60,7 @@ if __package__ in (None, ""):  # run as a script: the repository's packages impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import alltoall_steps as stepping
+from bench.sidecar_process import unix_socket_sidecar
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN = 7168
@@ -135,25 +136,6 @@ def rank_main(rank: int, world: int, init_method: str, group: str, backend: str)
     os._exit(0)
 
 
-def _start_sidecar(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    socket = directory / "s.sock"
-    target = f"unix://{socket}"
-    log = open(directory / "sidecar.log", "wb")  # noqa: SIM115 (lives as long as the sidecar)
-    command = [sys.executable, "-c", "import sys; from moe_sidecar.cli import main; "]
-    command[-1] += "sys.exit(main(sys.argv[1:]))"
-    command += ["serve", "--listen", target, "--state-dir", str(directory / "state")]
-    command += ["--health-port", "0", "--metrics-port", "0", "--log-format", "text"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not socket.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(
-                f"the sidecar did not start: {(directory / 'sidecar.log').read_text()}"
-            )
-        time.sleep(0.05)  # the poll interval of a wait with a deadline
-    return process, target
-
-
 def _reader(stdout: IO[str], events: list[dict[str, Any]], changed: threading.Condition) -> None:
     for line in stdout:
         if line.startswith("{"):
@@ -163,9 +145,20 @@ def _reader(stdout: IO[str], events: list[dict[str, Any]], changed: threading.Co
 
 
 def scenario(name: str, args: argparse.Namespace, out: Path) -> dict[int, dict[str, Any]]:
-    """Runs one scenario; each survivor's outcome."""
+    """Runs one scenario against a sidecar of its own; each survivor's outcome.
+
+    Raises:
+        SystemExit: the sidecar did not start, or the ranks did not reach their combine.
+    """
     directory = Path(tempfile.mkdtemp(prefix=f"peer-loss-{name}-"))
-    sidecar, target = _start_sidecar(directory)
+    with unix_socket_sidecar(directory) as (_, target):
+        return _kill_mid_step(name, args, out, directory, target)
+
+
+def _kill_mid_step(
+    name: str, args: argparse.Namespace, out: Path, directory: Path, target: str
+) -> dict[int, dict[str, Any]]:
+    """Starts the ranks on ``target``, kills the victim mid-step; each survivor's outcome."""
     env = {**os.environ, "MOE_SIDECAR_TARGET": target, "MOE_SIDECAR_ON_PEER_LOSS": SCENARIOS[name]}
     init = f"file://{directory / 'rendezvous'}"
     group = f"peer-loss-{name}:bf16/tp1-ep{args.ranks}/pp0"
@@ -218,8 +211,6 @@ def scenario(name: str, args: argparse.Namespace, out: Path) -> dict[int, dict[s
             ranks[rank].kill()
         stderr_file = out / f"{name}-rank{rank}.stderr"
         outcomes[rank].update(_reported(stderr_file, events[rank]))
-    sidecar.send_signal(signal.SIGTERM)
-    sidecar.wait(timeout=30)
     return outcomes
 
 

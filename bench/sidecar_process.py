@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.multiprocess.harness import free_port
 
-__all__ = ["metric_value", "rss_mib", "running_sidecar"]
+__all__ = ["metric_value", "rss_mib", "running_sidecar", "unix_socket_sidecar"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,3 +80,35 @@ def running_sidecar(
         finally:
             process.terminate()
             process.wait(timeout=30)
+
+
+@contextmanager
+def unix_socket_sidecar(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``moe-sidecar serve`` on the Unix socket ``directory/s.sock`` (its state
+    and ``sidecar.log`` in ``directory``; health and metrics off), once the
+    socket exists; yields the process and its target, and stops it (SIGTERM)
+    on exit.
+
+    Raises:
+        SystemExit: it exited or made no socket within 60 s (its log says why).
+    """
+    socket_path = directory / "s.sock"
+    target = f"unix://{socket_path}"
+    command = [sys.executable, "-c", "import sys; from moe_sidecar.cli import main; "]
+    command[-1] += "sys.exit(main(sys.argv[1:]))"
+    command += ["serve", "--listen", target, "--state-dir", str(directory / "state")]
+    command += ["--health-port", "0", "--metrics-port", "0", "--log-format", "text"]
+    with open(directory / "sidecar.log", "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"the sidecar did not start: {(directory / 'sidecar.log').read_text()}"
+                )
+            time.sleep(0.05)  # the poll interval of a wait with a deadline
+        yield process, target
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
