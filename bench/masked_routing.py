@@ -19,6 +19,7 @@ Imports torch only; tensors are made on the CPU, the caller moves them.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,14 @@ __all__ = [
     "DEEPSEEK_V3",
     "INVALID_EXPERT",
     "Shape",
+    "add_shape_arguments",
     "dropped_share",
     "exact_in_bf16",
     "expected_combine",
     "expected_rows",
     "expert_output",
     "owner",
+    "shape_from",
     "step_inputs",
 ]
 
@@ -52,6 +55,30 @@ class Shape:
 
 DEEPSEEK_V3 = Shape(hidden=7168, top_k=8, num_experts=256, tokens=128)
 """DeepSeek-V3's hidden size, top-k and experts; 128 tokens per rank."""
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ranks``'s companions of a masked-steps bench: the layer's shape
+    (DeepSeek-V3's by default), read back by :func:`shape_from`."""
+    parser.add_argument("--hidden", type=int, default=DEEPSEEK_V3.hidden)
+    parser.add_argument("--top-k", type=int, default=DEEPSEEK_V3.top_k)
+    parser.add_argument("--experts", type=int, default=DEEPSEEK_V3.num_experts)
+    parser.add_argument(
+        "--tokens", type=int, default=DEEPSEEK_V3.tokens, help="tokens per rank per step"
+    )
+
+
+def shape_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Shape:
+    """The shape ``args`` name (see :func:`add_shape_arguments`), checked
+    against ``args.ranks`` and ``args.steps``; a bad one ends the bench
+    through ``parser.error`` (naming the flag and its value)."""
+    if args.ranks < 2 or args.experts % args.ranks:
+        parser.error(
+            f"--ranks={args.ranks}: needs at least 2 and to divide --experts={args.experts}"
+        )
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps}: must be at least 1")
+    return Shape(args.hidden, args.top_k, args.experts, args.tokens)
 
 
 def owner(expert: int, shape: Shape, ep_size: int) -> int:

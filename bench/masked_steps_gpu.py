@@ -51,7 +51,8 @@ if __package__ in (None, ""):  # run as a script: the repository's packages impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import alltoall_steps as stepping
-from bench.masked_routing import DEEPSEEK_V3, Shape
+from bench import masked_routing as routing
+from bench.masked_routing import Shape
 
 REPO = Path(__file__).resolve().parents[1]
 EVENT = "MASKED-STEPS "
@@ -325,24 +326,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--watchdog", type=float, default=240.0, help="seconds a rank may take in all"
     )
-    parser.add_argument("--hidden", type=int, default=DEEPSEEK_V3.hidden)
-    parser.add_argument("--top-k", type=int, default=DEEPSEEK_V3.top_k)
-    parser.add_argument("--experts", type=int, default=DEEPSEEK_V3.num_experts)
-    parser.add_argument(
-        "--tokens", type=int, default=DEEPSEEK_V3.tokens, help="tokens per rank per step"
-    )
+    routing.add_shape_arguments(parser)
     args = parser.parse_args(argv)
-    if args.ranks < 2 or args.experts % args.ranks:
-        parser.error(
-            f"--ranks={args.ranks}: needs at least 2 and to divide --experts={args.experts}"
-        )
-    if args.steps < 1:
-        parser.error(f"--steps={args.steps}: must be at least 1")
+    shape = routing.shape_from(parser, args)
     args.out = args.out or Path(tempfile.mkdtemp(prefix="masked-steps-"))
     args.out.mkdir(parents=True, exist_ok=True)
     backend = stepping.resolve(args.backend)
     outcomes = run(args, backend)
-    shape = Shape(args.hidden, args.top_k, args.experts, args.tokens)
     record = {"backend": backend, "shape": asdict(shape), "ranks": args.ranks, "outcomes": outcomes}
     (args.out / "masked-steps.json").write_text(json.dumps(record, indent=2))
     return 0 if summarize(args, outcomes) else 1
