@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from moe_sidecar.client.backends import AlltoAllBackend, backend_for
+from moe_sidecar.client.backends import BACKENDS, AlltoAllBackend, backend_for
 from moe_sidecar.client.errors import (
     CoordinatorError,
     InternalError,
@@ -94,9 +94,6 @@ class AlltoAllManager(Protocol):
 
 
 __all__ = ["Handover", "JoinAnswer", "join_as_replacement", "rejoin_survivor"]
-
-_BUILT_IN_BACKENDS = ("flashinfer-moe-alltoall", "flashinfer-moe-ep", "reference")
-"""Backends made by name, which are made again on the new group."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +168,10 @@ def _rebind(manager: AlltoAllManager, cpu_group: dist.ProcessGroup) -> None:
     manager.cpu_group = cpu_group
     manager._on_group = GroupCollectives(cpu_group, manager.group, manager._transport)
     manager._on_group.count = count
-    if manager.backend.name in _BUILT_IN_BACKENDS:
+    # A built-in backend (its name one backend_for() makes: 0.7.2.post1's
+    # is called "flashinfer") is made again on the new group; its build
+    # exchanges handles on the group it was made with.
+    if manager.backend.name in BACKENDS:
         manager.backend = backend_for(manager.backend.name, cpu_group)
         manager._held.backend = manager.backend
     manager._decisions = manager._round_decisions()

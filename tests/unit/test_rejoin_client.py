@@ -1,5 +1,6 @@
 """The client's rejoin refuses what it cannot do, naming why, before any
-collective or RPC: another peer-loss policy, embedded mode."""
+collective or RPC: another peer-loss policy, embedded mode; and it makes
+every built-in backend again on the re-formed group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from moe_sidecar.client import rejoin
+from moe_sidecar.client.backends import BACKENDS
 from moe_sidecar.client.errors import PreconditionFailed
 from moe_sidecar.client.layer_need import LayerNeed, Layout
 from moe_sidecar.client.manager import AlltoAllManager
@@ -52,3 +55,18 @@ def test_rejoin_and_join_are_refused_without_a_sidecar_masking(
         join_as_replacement(manager, _need())
     assert why in str(info.value)
     assert manager.plan is None and manager.counters.collectives == 0  # nothing happened
+
+
+@pytest.mark.parametrize("name", ["flashinfer-moe-alltoall", "flashinfer-moe-ep", "reference"])
+def test_every_built_in_backend_is_made_again_on_the_new_group(
+    cpu_group: dist.ProcessGroup, name: str
+) -> None:
+    # Made, never built: no FlashInfer module is loaded on this CPU path.
+    manager = AlltoAllManager(cpu_group, group="g", target="embedded", backend=name)
+    old = manager.backend
+    assert old.name in BACKENDS  # 0.7.2.post1's backend calls itself "flashinfer"
+    new_group = dist.new_group(backend="gloo")
+    rejoin._rebind(manager, new_group)
+    assert manager.backend is not old and type(manager.backend) is type(old)
+    assert manager._held.backend is manager.backend
+    assert manager.cpu_group is new_group and manager._on_group._cpu_group is new_group
