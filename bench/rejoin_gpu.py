@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -162,6 +163,7 @@ def _view_event(event: str, rank: Rank, adopt: Any, started: float) -> None:
     try:
         view = adopt()
     except Exception as error:
+        traceback.print_exc()  # the stack, in the rank's stderr file
         _say("raised", error=f"{type(error).__name__}: {error}")
         return
     _say(
@@ -295,7 +297,9 @@ class Driver:
     def expect(self, ranks: list[int], event: str, timeout_s: float) -> dict[int, dict[str, Any]]:
         """Each rank's ``event`` (consumed), once every rank said it; a rank
         that raised, exited or ran past ``timeout_s`` is recorded as a failure
-        and left out."""
+        and left out. After a failure nothing is awaited: the run stops there."""
+        if self.failures:
+            return {}
 
         def settled(rank: int) -> bool:
             said = self.events[rank]
@@ -320,7 +324,12 @@ class Driver:
         return self.processes[rank].wait(timeout=30)
 
     def finish(self) -> dict[int, int | None]:
+        """Each rank's exit status (None: killed at the end); after a failure
+        the ranks still running are killed first."""
         statuses: dict[int, int | None] = {}
+        for process in self.processes.values():
+            if self.failures and process.poll() is None:
+                process.kill()
         for rank, process in self.processes.items():
             try:
                 statuses[rank] = process.wait(timeout=60)
