@@ -18,7 +18,8 @@ at one time, each with the new group; over it:
    at that generation); the replacement broadcasts that answer (or its
    refusal, so the survivors raise too instead of waiting);
 3. every rank builds the all-to-all at that plan over the new group once
-   (a survivor frees its old one, as any rebuild does), acknowledges the
+   (a survivor frees its old one first: FlashInfer would hand back its cached
+   workspace of the same layout), acknowledges the
    join view (the replacement at 0 steps: the sidecar compares only the
    survivors' counts) and waits until it is COMMITTED; the mask then names
    every rank.
@@ -196,7 +197,8 @@ def rejoin_survivor(
         ViewFailed: the join view failed: every rank restarts.
         RoundTimedOut: the join view was not decided in time.
         RankLost: a peer died in a collective.
-        BackendError: the rebuild failed.
+        BackendError: the rebuild failed (the old workspace is freed by
+            then: nothing is built, and the group restarts).
         CoordinatorError: the sidecar could not be asked.
     """
     _check_mask_policy(manager, "rejoin()")
@@ -226,6 +228,12 @@ def rejoin_survivor(
         )
     _check_join_view(manager, manager._transport.latest_view(manager.group), answer.plan, newcomer)
     plan = Plan(held.capacities, held.epoch, answer.plan.generation)
+    # The old workspace goes first, not after the build as in a growth: the
+    # join's plan has its layout, and FlashInfer hands back a cached
+    # workspace of the same layout (mapped with the dead rank's memory, with
+    # no collective) instead of mapping the replacement's. Every survivor
+    # has passed the answer's broadcast, so no peer steps on it any more.
+    manager._held.release()
     manager._build(plan, Action.REBUILD, manager._last_layer, manager._round)
     follower: ViewFollower = manager._views
     return follower.adopt(timeout_s, held_generation=plan.generation)
