@@ -288,6 +288,12 @@ class FlashInferBackend:
                 "enable_rank_mask=True: this flashinfer-python's MoeAlltoAll takes no "
                 f"active-rank mask; install flashinfer-python=={SUPPORTED_FLASHINFER}"
             )
+        # FlashInfer keeps the group's vote on FABRIC handles (a collective) for
+        # the process; a replacement joining a new group votes afresh, so
+        # every rank votes again at every build, or the survivors' next
+        # collective meets the replacement's vote.
+        if hasattr(fi.MnnvlMemory, "_fabric_supported"):
+            fi.MnnvlMemory._fabric_supported = None
         # Passed only when asked for: the older MoeAlltoAll (vLLM 0.30's pin) has no such argument.
         mask_argument = {"enable_rank_mask": True} if spec.enable_rank_mask else {}
         handle: AlltoAll = masked_class(fi.MoeAlltoAll, fi.active_rank_mask)(
