@@ -1,5 +1,6 @@
 # GPU call (1 x H200, FlashInfer 0.7.2.post1 with its module carried in .gpu/aot):
-# on one tree, every GPU test (tests/gpu) alone on the GPU first (the
+# on one tree, every GPU test (tests/gpu; the rejoin's is bench/gpu_runs/rejoin.sh's
+# run, a call of its own) alone on the GPU first (the
 # regression test reads the GPU-wide memory figure, which another process's
 # allocations would change), then at once (the ranks of each part share the
 # one GPU; a trap stays inside its process): SGLang's adapter at DeepSeek-V3
@@ -11,7 +12,7 @@
 . bench/gpu_runs/common.sh
 pin=${PART_CPUS:+taskset -c $PART_CPUS}
 mkdir -p "$OUT/run"
-timeout 200 $pin python3 -m pytest tests/gpu -v -s -p no:cacheprovider --deselect tests/gpu/test_prewarm.py \
+timeout 200 $pin python3 -m pytest tests/gpu -v -s -p no:cacheprovider --deselect tests/gpu/test_prewarm.py --deselect tests/gpu/test_rejoin_gpu.py \
   >"$OUT/run/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >>"$OUT/run/gpu-tests.log"
 (for ep in 2 8; do
   timeout 250 $pin python3 bench/gpu_runs/sglang_alltoall.py --ep "$ep" --tokens 4096 --out "$OUT/run" \
