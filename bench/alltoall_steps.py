@@ -1,7 +1,9 @@
 """How a bench rank steps either FlashInfer release's all-to-all (or the CPU
 reference as either): its device, the client backend a bench backend
-name stands for, and one dispatch and one combine through whichever object
-is stepped. Imports torch (and FlashInfer) only when called.
+name stands for, one dispatch and one combine through whichever object
+is stepped, and one step of ``bench/masked_routing.py``'s routing checked
+against its expected combine (:func:`checked_step`). Imports torch (and
+FlashInfer) only when called.
 
 Two forms: 0.7.2.post1's ``MoeAlltoAll`` is dispatched and combined through
 its own calls (``flashinfer-moe-alltoall``, ``reference``); 0.7.4's is
@@ -13,18 +15,24 @@ stepped through its ``moe_ep`` object, ``NVLinkOneSidedAlltoAll``
 (``nvlink_platform_supported``: no NVLink peers); when every rank shares the
 one visible GPU, :func:`device` stands in for that vote under both names
 0.7.4 reads it, and says so (the bench scripts report it as
-``vote_stood_in_for``). Used by ``bench/masked_steps_gpu.py`` and
-``bench/peer_loss_gpu.py``.
+``vote_stood_in_for``). Used by ``bench/masked_steps_gpu.py``,
+``bench/peer_loss_gpu.py`` and ``bench/rejoin_gpu.py``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.masked_routing import Shape
 
 __all__ = [
     "BACKENDS",
     "VOTE_MODULES",
+    "Stepper",
+    "checked_step",
     "client_backend",
     "combine",
     "device",
@@ -107,3 +115,57 @@ def combine(stepped: Any, moe_ep: bool, expert_out: Any, tokens: int, mask: int 
     if moe_ep:
         return stepped.combine(expert_out, active_rank_mask=mask)
     return stepped.combine(expert_out, tokens, active_rank_mask=mask)
+
+
+@dataclass(frozen=True)
+class Stepper:
+    """What one rank steps: the all-to-all (or its ``moe_ep`` object), where."""
+
+    stepped: Any
+    moe_ep: bool
+    device: Any
+    shape: Shape
+    rank: int
+    world: int
+
+
+def checked_step(
+    stepper: Stepper, seed: int, masked: set[int], *, name_mask: bool = True
+) -> dict[str, Any]:
+    """One dispatch + experts + combine of the routing of
+    ``bench/masked_routing.py`` under the mask without the ``masked`` ranks
+    (none: every rank, no mask given); the combine's differences from the
+    expected values. ``name_mask=False`` passes no mask (``mask`` None):
+    the stepped object supplies it, as the manager's does under a view."""
+    import torch
+
+    from bench import masked_routing as routing
+
+    stepped, moe_ep, device = stepper.stepped, stepper.moe_ep, stepper.device
+    shape, rank, world = stepper.shape, stepper.rank, stepper.world
+    inputs = {k: v.to(device) for k, v in routing.step_inputs(shape, rank, seed).items()}
+    named = name_mask and bool(masked)
+    mask = ((1 << world) - 1) & ~sum(1 << r for r in masked) if named else None
+    values = inputs["values"].to(torch.bfloat16)
+    rows, ids, weights = dispatch(
+        stepped, moe_ep, values, inputs["ids"], inputs["weights"], shape.tokens, mask
+    )
+    received = int((ids != routing.INVALID_EXPERT).any(dim=-1).sum())
+    expert_out = routing.expert_output(shape, rank, world, rows, ids, weights).contiguous()
+    combined = combine(stepped, moe_ep, expert_out, shape.tokens, mask)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    want = routing.expected_combine(shape, rank, seed, world, masked)
+    got = combined.to("cpu", torch.float32)
+    live = [s for s in range(world) if s not in masked]
+    return {
+        "seed": seed,
+        "mask": mask,
+        "combine_error": float((got - want).abs().max()),
+        "mismatched_values": int((got != want).sum()),
+        "dropped_share": routing.dropped_share(shape, rank, seed, world, masked),
+        "rows_received": received,
+        "rows_from_members": sum(
+            routing.expected_rows(shape, s, rank, seed, world).size(0) for s in live
+        ),
+    }

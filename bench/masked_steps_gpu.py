@@ -41,11 +41,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the repository's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,15 +52,12 @@ if __package__ in (None, ""):  # run as a script: the repository's packages impo
 from bench import alltoall_steps as stepping
 from bench import masked_routing as routing
 from bench.masked_routing import Shape
+from bench.rank_processes import RankProcesses, say
 
 REPO = Path(__file__).resolve().parents[1]
 EVENT = "MASKED-STEPS "
 """The prefix of a rank's stdout lines the driver reads (FlashInfer prints too)."""
 UNMASKED_STEPS = 2
-
-
-def _say(event: str, **fields: Any) -> None:
-    print(EVENT + json.dumps({"event": event, **fields}), flush=True)
 
 
 def _build(rank: int, world: int, backend_name: str, shape: Shape) -> tuple[Any, Any, Any]:
@@ -84,55 +80,6 @@ def _build(rank: int, world: int, backend_name: str, shape: Shape) -> tuple[Any,
     return backend, a2a, backend.communication(a2a, spec)
 
 
-@dataclass(frozen=True)
-class Stepper:
-    """What one rank steps: the all-to-all (or its ``moe_ep`` object), where."""
-
-    stepped: Any
-    moe_ep: bool
-    device: Any
-    shape: Shape
-    rank: int
-    world: int
-
-
-def _step(stepper: Stepper, seed: int, masked: set[int]) -> dict[str, Any]:
-    """One dispatch + experts + combine under the mask without the ``masked``
-    ranks (none: every rank, no mask given); the combine's differences from
-    the expected values."""
-    import torch
-
-    from bench import masked_routing as routing
-
-    stepped, moe_ep, device = stepper.stepped, stepper.moe_ep, stepper.device
-    shape, rank, world = stepper.shape, stepper.rank, stepper.world
-    inputs = {k: v.to(device) for k, v in routing.step_inputs(shape, rank, seed).items()}
-    mask = None if not masked else ((1 << world) - 1) & ~sum(1 << r for r in masked)
-    values = inputs["values"].to(torch.bfloat16)
-    rows, ids, weights = stepping.dispatch(
-        stepped, moe_ep, values, inputs["ids"], inputs["weights"], shape.tokens, mask
-    )
-    received = int((ids != routing.INVALID_EXPERT).any(dim=-1).sum())
-    expert_out = routing.expert_output(shape, rank, world, rows, ids, weights).contiguous()
-    combined = stepping.combine(stepped, moe_ep, expert_out, shape.tokens, mask)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    want = routing.expected_combine(shape, rank, seed, world, masked)
-    got = combined.to("cpu", torch.float32)
-    live = [s for s in range(world) if s not in masked]
-    return {
-        "seed": seed,
-        "mask": mask,
-        "combine_error": float((got - want).abs().max()),
-        "mismatched_values": int((got != want).sum()),
-        "dropped_share": routing.dropped_share(shape, rank, seed, world, masked),
-        "rows_received": received,
-        "rows_from_members": sum(
-            routing.expected_rows(shape, s, rank, seed, world).size(0) for s in live
-        ),
-    }
-
-
 def rank_main(argv: list[str]) -> None:
     """One rank: ``rank world init backend watchdog steps hidden top_k experts tokens``."""
     from datetime import timedelta
@@ -151,113 +98,68 @@ def rank_main(argv: list[str]) -> None:
     leaver = world - 1
     survivors = dist.new_group(list(range(leaver)), backend="gloo")  # collective: before the kill
     backend, a2a, stepped = _build(rank, world, backend_name, shape)
-    stepper = Stepper(stepped, stepping.is_moe_ep(backend_name), device, shape, rank, world)
+    stepper = stepping.Stepper(
+        stepped, stepping.is_moe_ep(backend_name), device, shape, rank, world
+    )
     result: dict[str, Any] = {"rank": rank, "backend": backend.name, "vote_stood_in_for": stood_in}
-    result["unmasked"] = [_step(stepper, seed, set()) for seed in range(1, 1 + UNMASKED_STEPS)]
-    _say("unmasked", **result)
+    result["unmasked"] = [
+        stepping.checked_step(stepper, seed, set()) for seed in range(1, 1 + UNMASKED_STEPS)
+    ]
+    say(EVENT, "unmasked", **result)
     if rank == leaver:
         sys.stdin.readline()  # the driver kills it here; its watchdog ends it otherwise
         os._exit(3)
     sys.stdin.readline()  # "go": the leaver is gone
     first = 1 + UNMASKED_STEPS
-    result["masked"] = [_step(stepper, seed, {leaver}) for seed in range(first, first + steps)]
+    result["masked"] = [
+        stepping.checked_step(stepper, seed, {leaver}) for seed in range(first, first + steps)
+    ]
     dist.barrier(group=survivors)  # no survivor frees its workspace while a peer may read it
     backend.release(a2a)
-    _say("masked", **result)
+    say(EVENT, "masked", **result)
     # No destroy_process_group: the world group has a dead member.
     os._exit(0)
 
 
-def _reader(
-    stdout: IO[str], log: Path, events: dict[str, dict[str, Any]], changed: threading.Condition
-) -> None:
-    """Collects a rank's events, keeps its other output in ``log``, and
-    wakes the driver at each event and when the rank's output ends (it exited)."""
-    with open(log, "w") as other:
-        for line in stdout:
-            if not line.startswith(EVENT):
-                other.write(line)
-                continue
-            event = json.loads(line[len(EVENT) :])
-            with changed:
-                events[event.pop("event")] = event
-                changed.notify_all()
-    with changed:
-        changed.notify_all()
-
-
-def _spawn(
-    args: argparse.Namespace, backend: str, out: Path
-) -> tuple[list[subprocess.Popen[str]], list[dict[str, dict[str, Any]]], threading.Condition]:
+def _start(args: argparse.Namespace, backend: str) -> RankProcesses:
     init = f"file://{Path(tempfile.mkdtemp(prefix='masked-steps-')) / 'rendezvous'}"
     shape = [args.hidden, args.top_k, args.experts, args.tokens]
-    events: list[dict[str, dict[str, Any]]] = [{} for _ in range(args.ranks)]
-    changed = threading.Condition()
-    ranks = []
+    ranks = RankProcesses(args.out, EVENT)
     for rank in range(args.ranks):
         command = [sys.executable, __file__, "rank", str(rank), str(args.ranks), init, backend]
-        command += [str(args.watchdog), str(args.steps), *map(str, shape)]
-        with open(out / f"rank{rank}.stderr", "w") as stderr:
-            process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-            )
-        assert process.stdout is not None
-        threading.Thread(
-            target=_reader,
-            args=(process.stdout, out / f"rank{rank}.stdout", events[rank], changed),
-            daemon=True,
-        ).start()
-        ranks.append(process)
-    return ranks, events, changed
-
-
-def _tell(process: subprocess.Popen[str], line: str) -> None:
-    assert process.stdin is not None
-    try:
-        process.stdin.write(line + "\n")
-        process.stdin.flush()
-    except BrokenPipeError:
-        pass  # it ended already: its status says how
+        ranks.start(
+            rank, [*command, str(args.watchdog), str(args.steps), *map(str, shape)], f"rank{rank}"
+        )
+    return ranks
 
 
 def run(args: argparse.Namespace, backend: str) -> dict[int, dict[str, Any]]:
     """Spawns the ranks, kills the leaver after its unmasked steps, lets the
-    survivors step under the mask; every rank's outcome.
-
-    Raises:
-        SystemExit: no rank process started.
-    """
-    ranks, events, changed = _spawn(args, backend, args.out)
+    survivors step under the mask; every rank's outcome."""
+    ranks = _start(args, backend)
     leaver = args.ranks - 1
     deadline = time.monotonic() + args.watchdog + 30
-    with changed:
-        reported = changed.wait_for(
-            lambda: "unmasked" in events[leaver] or ranks[leaver].poll() is not None,
-            timeout=args.watchdog + 30,
-        )
+    reported = ranks.wait_for(
+        lambda: "unmasked" in ranks.events[leaver] or ranks.ended(leaver), args.watchdog + 30
+    )
     # Killed after it reported its unmasked steps, or (it hung) killed anyway
     # and the run fails: either way gone before the survivors step without it.
-    killed = bool(reported and "unmasked" in events[leaver] and ranks[leaver].poll() is None)
-    if ranks[leaver].poll() is None:
-        os.kill(ranks[leaver].pid, signal.SIGKILL)
-    ranks[leaver].wait(timeout=30)
-    for process in ranks[:leaver]:
-        _tell(process, "go")
+    killed = reported and not ranks.ended(leaver)
+    leaving = ranks.processes[leaver]
+    if leaving.poll() is None:
+        os.kill(leaving.pid, signal.SIGKILL)
+    leaving.wait(timeout=30)
+    ranks.send(range(leaver), "go")
     outcomes: dict[int, dict[str, Any]] = {}
-    for rank, process in enumerate(ranks):
+    for rank, process in ranks.processes.items():
         try:
             status = process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             status = process.wait(timeout=30)
         lines = (args.out / f"rank{rank}.stderr").read_text().strip().splitlines()
-        with changed:
-            reports = dict(events[rank])
+        with ranks.changed:
+            reports = dict(ranks.events[rank])
         outcomes[rank] = {
             "status": status,
             "killed": killed if rank == leaver else False,

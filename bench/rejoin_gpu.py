@@ -45,7 +45,7 @@ every rank exactly once, or a sidecar view other than the join's.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import faulthandler
 import json
 import os
@@ -54,12 +54,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the repository's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,9 +66,9 @@ if __package__ in (None, ""):  # run as a script: the repository's packages impo
 from bench import alltoall_steps as stepping
 from bench import masked_routing as routing
 from bench.masked_routing import Shape
+from bench.rank_processes import RankProcesses, say
 from bench.sidecar_process import unix_socket_sidecar
 
-REPO = Path(__file__).resolve().parents[1]
 EVENT = "REJOIN "
 """The prefix of a rank's stdout lines the driver reads (FlashInfer prints too)."""
 UNMASKED_STEPS = 2
@@ -79,7 +78,7 @@ VIEW_COMMITTED = 2
 
 
 def _say(event: str, **fields: Any) -> None:
-    print(EVENT + json.dumps({"event": event, "at": time.monotonic(), **fields}), flush=True)
+    say(EVENT, event, at=time.monotonic(), **fields)
 
 
 def _cpu_group(rank: int, world: int, init_method: str, timeout_s: float) -> Any:
@@ -117,43 +116,21 @@ def _counters(manager: Any) -> dict[str, int]:
 class Rank:
     """One rank's manager and how it steps it."""
 
-    def __init__(
-        self, manager: Any, backend: str, device: Any, shape: Shape, rank: int, world: int
-    ):
-        self.manager, self.backend, self.device = manager, backend, device
-        self.shape, self.rank, self.world = shape, rank, world
+    def __init__(self, manager: Any, stepper: stepping.Stepper) -> None:
+        self.manager = manager
+        self.stepper = stepper
+        """Where and what it steps; ``stepped`` is fetched again at every step."""
 
     def step(self, seed: int, masked: set[int]) -> dict[str, Any]:
-        """One dispatch + experts + combine through what the manager hands out
-        (no mask passed: the manager's); the differences from the expected
-        combine without the ``masked`` ranks' experts."""
-        import torch
-
-        shape, rank, world, moe_ep = (
-            self.shape,
-            self.rank,
-            self.world,
-            stepping.is_moe_ep(self.backend),
-        )
+        """One checked step through what the manager hands out, passing no
+        mask (the manager passes its view's); ``mask`` is the manager's."""
+        manager = self.manager
         # Fetched at every step: a rebuild makes a new object.
-        stepped = self.manager.get_communication() if moe_ep else self.manager.moe_alltoall
-        inputs = {k: v.to(self.device) for k, v in routing.step_inputs(shape, rank, seed).items()}
-        values = inputs["values"].to(torch.bfloat16)
-        rows, ids, weights = stepping.dispatch(
-            stepped, moe_ep, values, inputs["ids"], inputs["weights"], shape.tokens, None
-        )
-        out = routing.expert_output(shape, rank, world, rows, ids, weights).contiguous()
-        combined = stepping.combine(stepped, moe_ep, out, shape.tokens, None)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        want = routing.expected_combine(shape, rank, seed, world, masked)
-        got = combined.to("cpu", torch.float32)
+        stepped = manager.get_communication() if self.stepper.moe_ep else manager.moe_alltoall
+        stepper = dataclasses.replace(self.stepper, stepped=stepped)
         return {
-            "seed": seed,
-            "mask": self.manager.active_mask(),
-            "combine_error": float((got - want).abs().max()),
-            "mismatched_values": int((got != want).sum()),
-            "dropped_share": routing.dropped_share(shape, rank, seed, world, masked),
+            **stepping.checked_step(stepper, seed, masked, name_mask=False),
+            "mask": manager.active_mask(),
         }
 
 
@@ -199,7 +176,8 @@ def rank_main(argv: list[str]) -> None:
         backend=stepping.client_backend(backend),
         local_ranks=world,
     )
-    me = Rank(manager, backend, device, shape, rank, world)
+    moe_ep = stepping.is_moe_ep(backend)
+    me = Rank(manager, stepping.Stepper(None, moe_ep, device, shape, rank, world))
     about = {"backend": manager.backend.name, "vote_stood_in_for": stood_in}
     started = time.monotonic()
     if joins is not None:
@@ -233,66 +211,23 @@ def rank_main(argv: list[str]) -> None:
     os._exit(0)  # no process-group teardown: a peer of the first group is gone
 
 
-def _reader(
-    stdout: IO[str], log: Path, events: dict[str, dict[str, Any]], changed: threading.Condition
-) -> None:
-    """Keeps a rank's latest event of each kind (its other output in ``log``)
-    and wakes the driver at each event and when the rank's output ends."""
-    with open(log, "a") as other:
-        for line in stdout:
-            if not line.startswith(EVENT):
-                other.write(line)
-                continue
-            event = json.loads(line[len(EVENT) :])
-            with changed:
-                events[event.pop("event")] = event
-                changed.notify_all()
-    with changed:
-        changed.notify_all()
-
-
-class Driver:
-    """The rank processes of one run and what they said."""
+class Driver(RankProcesses):
+    """The rank processes of one run, what they said, and what failed."""
 
     def __init__(self, args: argparse.Namespace, backend: str, target: str, group: str) -> None:
+        super().__init__(args.out, EVENT)
         self.args, self.backend, self.target, self.group = args, backend, target, group
-        self.processes: dict[int, subprocess.Popen[str]] = {}
-        self.events: dict[int, dict[str, dict[str, Any]]] = {}
-        self.changed = threading.Condition()
         self.failures: list[str] = []
 
-    def start(self, rank: int, init: str, joins: str | None = None) -> None:
+    def start_rank(self, rank: int, init: str, joins: str | None = None) -> None:
+        """Starts rank ``rank`` on the rendezvous ``init`` (with ``joins``:
+        the replacement, joining on that rendezvous)."""
         args = self.args
         shape = [args.hidden, args.top_k, args.experts, args.tokens]
         command = [sys.executable, __file__, "rank", str(rank), str(args.ranks), init, self.group]
         command += [self.backend, str(args.watchdog), *map(str, shape)] + ([joins] if joins else [])
         env = {**os.environ, "MOE_SIDECAR_TARGET": self.target, "MOE_SIDECAR_ON_PEER_LOSS": "mask"}
-        name = f"rank{rank}" + ("-replacement" if joins else "")
-        with open(args.out / f"{name}.stderr", "w") as stderr:
-            process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-            )
-        assert process.stdout is not None
-        self.processes[rank], self.events[rank] = process, {}
-        threading.Thread(
-            target=_reader,
-            args=(process.stdout, args.out / f"{name}.stdout", self.events[rank], self.changed),
-            daemon=True,
-        ).start()
-
-    def send(self, ranks: list[int], line: str) -> None:
-        for rank in ranks:
-            stdin = self.processes[rank].stdin
-            assert stdin is not None
-            with contextlib.suppress(BrokenPipeError):  # it ended already: its status says how
-                stdin.write(line + "\n")
-                stdin.flush()
+        self.start(rank, command, f"rank{rank}" + ("-replacement" if joins else ""), env)
 
     def expect(self, ranks: list[int], event: str, timeout_s: float) -> dict[int, dict[str, Any]]:
         """Each rank's ``event`` (consumed), once every rank said it; a rank
@@ -303,10 +238,10 @@ class Driver:
 
         def settled(rank: int) -> bool:
             said = self.events[rank]
-            return event in said or "raised" in said or self.processes[rank].poll() is not None
+            return event in said or "raised" in said or self.ended(rank)
 
+        self.wait_for(lambda: all(settled(r) for r in ranks), timeout_s)
         with self.changed:
-            self.changed.wait_for(lambda: all(settled(r) for r in ranks), timeout=timeout_s)
             said = {r: self.events[r].pop(event) for r in ranks if event in self.events[r]}
         for rank in ranks:
             if rank not in said:
@@ -363,7 +298,7 @@ def run(args: argparse.Namespace, backend: str) -> tuple[dict[str, Any], list[st
     with unix_socket_sidecar(directory) as (_, target):
         driver = Driver(args, backend, target, group)
         for rank in every:
-            driver.start(rank, f"file://{directory / 'rendezvous'}")
+            driver.start_rank(rank, f"file://{directory / 'rendezvous'}")
         record["ready"] = driver.expect(every, "ready", args.watchdog)
         first = 1
         driver.send(every, f"steps {first} {UNMASKED_STEPS}")
@@ -378,7 +313,7 @@ def run(args: argparse.Namespace, backend: str) -> tuple[dict[str, Any], list[st
         first += args.steps
 
         rejoin = f"file://{directory / 'rejoin-rendezvous'}"
-        driver.start(leaver, rejoin, joins=rejoin)
+        driver.start_rank(leaver, rejoin, joins=rejoin)
         driver.send(survivors, f"rejoin {rejoin}")
         record["joined"] = driver.expect(every, "joined", args.watchdog)
         driver.send(every, f"steps {first} {args.steps}")
