@@ -96,8 +96,12 @@ def _view_2(ranks: RejoiningRanks) -> None:
     ranks.send(range(WORLD), "steps 0 1")
     ranks.expect(range(WORLD), "stepped", 60)
     ranks.kill(KILLED)
+    # Adopting before the sidecar has proposed view 2 would adopt view 1.
+    ranks.send(SURVIVORS, "fault")
+    assert all(f["fault"] for f in ranks.expect(SURVIVORS, "fault", 60).values())
     ranks.send(SURVIVORS, "adopt")
-    ranks.expect(SURVIVORS, "adopted", 90)
+    for rank, view in ranks.expect(SURVIVORS, "adopted", 90).items():
+        assert view["number"] == 2, (rank, view)
 
 
 def test_a_replacement_the_stored_plan_does_not_serve_is_refused_on_every_rank(

@@ -154,6 +154,9 @@ def test_a_survivor_that_never_acknowledges_fails_the_view_for_everyone(
         ranks.expect(range(WORLD), "stepped", 60)
         ranks.kill(KILLED)
         adopting = (0, 1)  # rank 2 never acknowledges: the view's deadline passes
+        # Adopting before the sidecar has proposed view 2 would adopt view 1.
+        ranks.send(adopting, "fault")
+        assert all(f["fault"] for f in ranks.expect(adopting, "fault", 60).values())
         ranks.send(adopting, "adopt")
         raised = ranks.expect(adopting, "raised", sidecar.round_timeout + 60)
         for rank, failure in raised.items():
