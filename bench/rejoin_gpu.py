@@ -12,9 +12,9 @@ stepped through ``manager.get_communication()``). The caller never passes a
 mask: what the manager hands out passes the adopted view's. Then:
 
 1. every rank steps ``UNMASKED_STEPS`` times;
-2. the driver SIGKILLs the last rank; the survivors adopt the sidecar's view
-   without it and step ``--steps`` times masked (the dead rank's experts'
-   share dropped);
+2. the driver SIGKILLs the last rank; once their watchers heard it, the
+   survivors adopt the sidecar's view without it and step ``--steps`` times
+   masked (the dead rank's experts' share dropped);
 3. a replacement process for that rank starts on a fresh rendezvous; the
    survivors re-form their gloo group with it there and call
    ``manager.rejoin()`` while it calls ``join_as_replacement()``: every rank
@@ -72,6 +72,8 @@ from bench.sidecar_process import unix_socket_sidecar
 EVENT = "REJOIN "
 """The prefix of a rank's stdout lines the driver reads (FlashInfer prints too)."""
 UNMASKED_STEPS = 2
+FAULT_WAIT_S = 30.0
+"""How long a survivor waits for its watcher to hear the death before adopting."""
 LAYER = "model.layers.0.mlp"
 VIEW_COMMITTED = 2
 """``VIEW_STATE_COMMITTED`` on the wire."""
@@ -132,6 +134,15 @@ class Rank:
             **stepping.checked_step(stepper, seed, masked, name_mask=False),
             "mask": manager.active_mask(),
         }
+
+
+def _await_peer_fault(manager: Any, timeout_s: float) -> None:
+    """Waits (at most ``timeout_s`` s) until the watcher heard the death:
+    adopting before the sidecar proposed the view without the dead rank
+    would adopt the view it is still in."""
+    deadline = time.monotonic() + timeout_s
+    while not manager.peer_fault() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _view_event(event: str, rank: Rank, adopt: Any, started: float) -> None:
@@ -195,7 +206,9 @@ def rank_main(argv: list[str]) -> None:
             steps = [me.step(seed, masked) for seed in range(first, first + count)]
             _say("stepped", steps=steps)
         elif command == "adopt":
-            _view_event("adopted", me, lambda: manager.adopt_view(timeout_s=60.0), time.monotonic())
+            at = time.monotonic()
+            _await_peer_fault(manager, FAULT_WAIT_S)
+            _view_event("adopted", me, lambda: manager.adopt_view(timeout_s=60.0), at)
         elif command == "rejoin":
             at = time.monotonic()
             dist.destroy_process_group()  # the group with the dead rank
