@@ -85,6 +85,11 @@ class View:
     acknowledgements count, their round counts are not compared (they ran
     no all-to-all round of the running workspace)."""
 
+    def members_text(self) -> str:
+        """The members as an operator reads them: ``members 0, 1, 2, 3 (3 joined)``."""
+        joined = f" ({', '.join(str(r) for r in self.joined)} joined)" if self.joined else ""
+        return f"members {', '.join(str(r) for r in self.members)}{joined}"
+
     def missing(self) -> tuple[int, ...]:
         """Members that have not acknowledged the view."""
         acked = {a.ep_rank for a in self.acks}

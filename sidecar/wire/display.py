@@ -229,11 +229,10 @@ def _view_line(view: View) -> str:
     every member left reads ``ended``: the ranks' normal exit ends it too)."""
     if not view.members:
         return f"view {view.number} ended at generation {view.generation} ({view.cause})"
-    members = ", ".join(str(r) for r in view.members)
     due = f", due {format_time(view.deadline)}" if view.deadline is not None else ""
     acked = f", acknowledged by {', '.join(str(a.ep_rank) for a in view.acks)}" if view.acks else ""
     return (
-        f"view {view.number} {view.state.value}: members {members} at generation "
+        f"view {view.number} {view.state.value}: {view.members_text()} at generation "
         f"{view.generation}{due}{acked} ({view.cause})"
     )
 
@@ -249,4 +248,5 @@ def _view_json(view: View | None) -> dict[str, Any] | None:
         "deadline": format_time(view.deadline) if view.deadline is not None else None,
         "cause": view.cause,
         "acknowledged": [a.ep_rank for a in view.acks],
+        "joined": list(view.joined),
     }

@@ -84,7 +84,8 @@ def test_a_replacement_rejoins_and_every_rank_steps_exactly(
         assert {g["generation"] for g in grown.values()} == {generation + 1}, grown
         ranks.send(range(WORLD), "steps 9 4")
         _check_steps(ranks.expect(range(WORLD), "stepped", 60), 9, 4, set(), EVERYONE)
-        assert sidecar.get_group(group).view.number == 3
+        shown = sidecar.get_group(group).view
+        assert (shown.number, list(shown.joined)) == (3, [KILLED]), shown
 
         ranks.send(range(WORLD), "cleanup")
         ranks.expect(range(WORLD), "cleaned", 30)

@@ -17,6 +17,12 @@ from moe_sidecar.core.membership import View, ViewState, acknowledge, join, leav
 from moe_sidecar.core.plan import Action, Capacities
 from moe_sidecar.store.row_codec import decode_group, encode_group
 from moe_sidecar.wire import display
+from moe_sidecar.wire.codec import (
+    event_from_proto,
+    event_to_proto,
+    summary_from_proto,
+    summary_to_proto,
+)
 from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
@@ -99,10 +105,20 @@ def test_a_replacement_with_the_running_proof_gets_the_join_view() -> None:
     assert isinstance(publish, Publish) and publish.event.kind is EventKind.VIEW_CHANGED
     assert publish.event.view == view and publish.event.ep_rank == GONE
     assert publish.event.message.startswith(
-        f"view 3 proposed: members 0, 1, 2, 3 at generation {generation}"
+        f"view 3 proposed: members 0, 1, 2, 3 (3 joined) at generation {generation}"
     )
-    listed = display.format_groups([summarize(step.state)])  # what `moe-sidecar groups` prints
-    assert f"  view 3 proposed: members 0, 1, 2, 3 at generation {generation}, due " in listed
+    summary = summarize(step.state)
+    listed = display.format_groups([summary])  # what `moe-sidecar groups` prints
+    assert (
+        f"  view 3 proposed: members 0, 1, 2, 3 (3 joined) at generation {generation}, due "
+        in listed
+    )
+    [document] = display.groups_as_json([summary])
+    assert document["view"]["joined"] == [GONE]
+    # GetGroup and Watch carry who joined.
+    assert summary_from_proto(summary_to_proto(summary)).view == view
+    decoded = event_from_proto(event_to_proto(publish.event, (3, "")))
+    assert decoded is not None and decoded.view == view
 
 
 def test_every_member_acknowledging_commits_the_join_view() -> None:

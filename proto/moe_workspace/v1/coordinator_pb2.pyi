@@ -778,6 +778,7 @@ class View(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     CAUSE_FIELD_NUMBER: _builtins.int
     ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
     number: _builtins.int
     """Only grows within a lifetime; 1 for its first view."""
     generation: _builtins.int
@@ -794,6 +795,12 @@ class View(_message.Message):
     def acknowledged(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Members that acknowledged a PROPOSED view."""
 
+    @_builtins.property
+    def joined(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Members a replacement's join added: they hold no workspace of the
+        running generation yet, so their round counts are not compared.
+        """
+
     def __init__(
         self,
         *,
@@ -804,10 +811,11 @@ class View(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         cause: _builtins.str = ...,
         acknowledged: _abc.Iterable[_builtins.int] | None = ...,
+        joined: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "cause", b"cause", "deadline", b"deadline", "generation", b"generation", "members", b"members", "number", b"number", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "cause", b"cause", "deadline", b"deadline", "generation", b"generation", "joined", b"joined", "members", b"members", "number", b"number", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,9 +43,8 @@ def view_text(view: View) -> str:
     """
     if not view.members:
         return f"view {view.number} ended at generation {view.generation} ({view.cause})"
-    members = ", ".join(str(r) for r in view.members)
     return (
-        f"view {view.number} {view.state.value}: members {members} at generation "
+        f"view {view.number} {view.state.value}: {view.members_text()} at generation "
         f"{view.generation} ({view.cause})"
     )
 

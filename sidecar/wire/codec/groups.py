@@ -83,6 +83,7 @@ def view_to_proto(view: View) -> pb.View:
         state=_VIEW_STATE_TO_PROTO[view.state],
         cause=view.cause,
         acknowledged=[a.ep_rank for a in view.acks],
+        joined=list(view.joined),
     )
     if view.deadline is not None:
         message.deadline.CopyFrom(_timestamp(view.deadline))
@@ -103,6 +104,7 @@ def view_from_proto(message: pb.View) -> View | None:
         cause=message.cause,
         deadline=_seconds(message.deadline) if message.HasField("deadline") else None,
         acks=tuple(Acknowledgement(r, 0) for r in message.acknowledged),
+        joined=tuple(message.joined),
     )
 
 
