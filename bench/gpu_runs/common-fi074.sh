@@ -7,9 +7,10 @@
 # warm machine reuse. Logs go to $OUT.
 set -uo pipefail
 # Its own target and JIT cache: a warm machine may hold 0.7.2.post1 in
-# /tmp/site and /tmp/fi from common.sh. The project goes in with --upgrade:
-# pip --target keeps a package directory that exists (an earlier call's tree).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-fi074 .gpu074/*.whl \
+# /tmp/site and /tmp/fi from common.sh. The wheels and the project go in
+# with --upgrade: pip --target keeps a package directory that exists (an
+# earlier call's wheels or tree).
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-fi074 .gpu074/*.whl \
   && python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site-fi074 . || exit 1
 export PYTHONPATH=/tmp/site-fi074:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi-074 NCCL_NVLS_ENABLE=0
 {

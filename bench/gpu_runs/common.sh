@@ -5,11 +5,11 @@
 # an ahead-of-time module. Logs go to $OUT.
 set -uo pipefail
 # Once per call: a script run from one that sourced this already (and set
-# MOE_GPU_INSTALLED) reuses the install. The project goes in with --upgrade:
-# pip --target keeps a package directory that exists (a warm machine's, from
-# an earlier call's tree) unless told to replace it.
+# MOE_GPU_INSTALLED) reuses the install. The wheels and the project go in
+# with --upgrade: pip --target keeps a package directory that exists (a warm
+# machine's, from an earlier call's wheels or tree) unless told to replace it.
 if [ -z "${MOE_GPU_INSTALLED:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
     && python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
 fi
 export MOE_GPU_INSTALLED=1
