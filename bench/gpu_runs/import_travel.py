@@ -67,11 +67,9 @@ def _travelling_bytes(root: Path) -> tuple[int, int]:
         check=True,
         capture_output=True,
     ).stdout.split(b"\0")
-    tree = sum(
-        (root / os.fsdecode(name)).stat().st_size
-        for name in listed
-        if name and (root / os.fsdecode(name)).is_file()
-    )
+    paths = (root / os.fsdecode(name) for name in listed if name)
+    # A file deleted but not yet staged is still listed: it does not travel.
+    tree = sum(path.stat().st_size for path in paths if path.is_file())
     wheels = sum(path.stat().st_size for path in (root / ".gpu" / "wheels").glob("*.whl"))
     return tree, wheels
 
@@ -99,9 +97,8 @@ def main(argv: list[str]) -> int:
     lacking = {top: size for top, size in packed.items() if top not in ON_THE_GPU_MACHINE}
     total = sum(lacking.values())
     print(f"lacking on the GPU machine: {total / 1e6:.1f} MB compressed")
-    print(
-        f"of which {apart}: {lacking.get(apart, 0) / 1e6:.1f} MB, the rest {(total - lacking.get(apart, 0)) / 1e6:.1f} MB"
-    )
+    own = lacking.get(apart, 0)
+    print(f"of which {apart}: {own / 1e6:.1f} MB, the rest {(total - own) / 1e6:.1f} MB")
     tree, wheels = _travelling_bytes(Path(__file__).resolve().parents[2])
     room = CALL_LIMIT_BYTES - tree - wheels
     print(
