@@ -42,7 +42,7 @@ from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.construction import backend_named
 from moe_sidecar.client.counters import ManagerCounters
 from moe_sidecar.client.engine_rules import NO_ENGINE, EngineRules
-from moe_sidecar.client.errors import BackendError, InvalidArgument
+from moe_sidecar.client.errors import BackendError, InvalidArgument, PreconditionFailed
 from moe_sidecar.client.first_round import share_proof_in_view
 from moe_sidecar.client.group_collectives import GroupCollectives
 from moe_sidecar.client.held_workspace import HeldWorkspace
@@ -53,6 +53,8 @@ from moe_sidecar.client.peer_loss import PeerLossPolicy, PeerLossWatch
 from moe_sidecar.client.rejoin import rejoin_survivor
 from moe_sidecar.client.round_decisions import RoundDecisions
 from moe_sidecar.client.transport import DEFAULT_PROPOSE_TIMEOUT_S, Transport, transport_for
+from moe_sidecar.core.defaults import ENV_ON_PEER_LOSS
+from moe_sidecar.core.errors import quote_name
 from moe_sidecar.core.group import CommitRecord, Decision, Proposal, Requirement
 from moe_sidecar.core.identity import new_group_secret, new_lifetime_secret
 from moe_sidecar.core.plan import Action, Plan
@@ -292,6 +294,34 @@ class AlltoAllManager:
             self._on_group, self._transport, arrival, target
         )
 
+    def _refuse_mask_across_sidecars(self) -> None:
+        """``mask`` only where one sidecar decides the group's views.
+
+        A view is committed by the sidecar that hears the death, for the
+        ranks it serves; the group's other sidecars neither hear it nor take
+        part, so a group spread over several would step on under a mask of
+        each node's own (one group split in two with no partition at all).
+        Every rank reaches the same answer from what it already knows
+        (``local_ranks`` below ``ep_size``), so no rank waits for a refused one
+        in a collective.
+
+        Raises:
+            PreconditionFailed: ``MOE_SIDECAR_ON_PEER_LOSS=mask`` in sidecar
+                mode for a group whose ranks span more than one sidecar,
+                naming the variable, the group and how its ranks are placed.
+        """
+        if self.embedded or self._peer_loss.policy is not PeerLossPolicy.MASK:
+            return
+        if self.local_ranks == self.ep_size:
+            return
+        raise PreconditionFailed(
+            f"{ENV_ON_PEER_LOSS}=mask: refused for group {quote_name(self.group)}, whose "
+            f"{self.ep_size} ranks span more than one sidecar ({self.local_ranks} on this "
+            "rank's node): a membership view is committed by one sidecar for its own ranks, "
+            "so the group's nodes would each step on with a mask of their own; use "
+            f"{ENV_ON_PEER_LOSS}=exit or raise, or place the group's ranks on one node"
+        )
+
     def _proposal(self, requirement: Requirement) -> Proposal:
         return Proposal(
             group=self.group,
@@ -347,6 +377,9 @@ class AlltoAllManager:
                 layers, or ranks disagreeing on the layer (an
                 :class:`~moe_sidecar.client.errors.AgreementError` when the
                 cross-rank agreement found it); the message names ranks and layers.
+                Also ``MOE_SIDECAR_ON_PEER_LOSS=mask`` for a group whose ranks
+                span more than one sidecar (each node would commit a view of
+                its own), before anything is shared or proposed.
             RoundTimedOut: a local rank never proposed this round; the message
                 names it and the last layer it reported.
             RoundAborted: another rank of the group restarted mid-round
@@ -371,6 +404,7 @@ class AlltoAllManager:
             PreconditionFailed, RoundTimedOut, RoundAborted, PermissionDenied,
             CoordinatorUnavailable, BackendError: see :meth:`initialize_layer`.
         """
+        self._refuse_mask_across_sidecars()
         self._share_group_proof()
         self._initializes += 1
         failure: BaseException | None = None

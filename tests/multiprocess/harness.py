@@ -325,6 +325,12 @@ class Sidecar:
             stub = pb_grpc.WorkspaceCoordinatorStub(channel)
             return stub.GetGroup(pb.GetGroupRequest(group=name), timeout=5.0)
 
+    def group_names(self) -> list[str]:
+        """The names of the groups the sidecar holds (its first page)."""
+        with grpc.insecure_channel(self.target) as channel:
+            stub = pb_grpc.WorkspaceCoordinatorStub(channel)
+            return [g.name for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5.0).groups]
+
     def wait_for_group(
         self, name: str, condition: Callable[[pb.Group], bool], *, timeout: float, what: str
     ) -> pb.Group:

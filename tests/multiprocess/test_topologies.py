@@ -8,11 +8,15 @@
   its own sidecar. Each sidecar decides for its 4 ranks; the cross-node
   all-reduce makes all 8 hold the same plan and generation, and the commits
   teach both sidecars the agreed plan.
+* ``mask`` over two sidecars: refused by name at every rank's first
+  ``initialize()``, before anything is shared or proposed, since each node
+  would commit a view of its own; on one sidecar the same ranks build.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +88,51 @@ def test_two_nodes_agree_on_one_plan(tmp_path: Path) -> None:
         assert sidecar_view.plan.workspace_bytes == final_bytes
         assert sidecar_view.plan.capacities.max_tokens == final_tokens
         assert sorted(r.committed_generation for r in sidecar_view.ranks) == [final_generation] * 4
+
+
+def _mask_first_rounds(tmp_path: Path, nodes: int, group: str) -> tuple[list[Any], list[Sidecar]]:
+    """4 ranks under ``mask`` over ``nodes`` real sidecars; each rank's first
+    round, and what each sidecar then holds of the group."""
+    sidecars = [Sidecar(tmp_path / f"node{n}").start() for n in range(nodes)]
+    try:
+        results = run_ranks(
+            workers.mask_across_sidecars_worker,
+            4,
+            timeout=60,
+            tmp_path=tmp_path,
+            args=([s.target for s in sidecars], group),
+            envs=[{"MOE_SIDECAR_ON_PEER_LOSS": "mask"}] * 4,
+        )
+        groups = [s.group_names() for s in sidecars]
+    finally:
+        for sidecar in sidecars:
+            sidecar.stop()
+    return results, groups
+
+
+def test_mask_is_refused_when_the_group_spans_sidecars(tmp_path: Path) -> None:
+    group = "mask-two-nodes:fp4/tp1-ep4/pp0"
+    results, groups = _mask_first_rounds(tmp_path, 2, group)
+    for rank, result in enumerate(results):
+        for call in (result["first"], result["again"]):
+            assert call["type"] == "PreconditionFailed", (rank, call)
+            # Raised by the rank itself, not answered by a sidecar.
+            assert call["grpc_code"] is None, (rank, call)
+            message = call["message"]
+            assert message.startswith("MOE_SIDECAR_ON_PEER_LOSS=mask: refused"), message
+            assert group in message and "span more than one sidecar" in message, message
+            assert "4 ranks" in message and "2 on this rank's node" in message, message
+            # Refused at once: nothing waited for a peer.
+            assert call["seconds"] < 5, (rank, call)
+        assert result["generation"] == 0, rank
+    # Nothing was shared or proposed: neither sidecar heard of the group.
+    assert groups == [[], []]
+
+
+def test_mask_on_one_sidecar_builds(tmp_path: Path) -> None:
+    group = "mask-one-node:fp4/tp1-ep4/pp0"
+    results, groups = _mask_first_rounds(tmp_path, 1, group)
+    for rank, result in enumerate(results):
+        assert result["first"]["type"] is None, (rank, result["first"])
+        assert result["generation"] == 1, rank
+    assert groups == [[group]]

@@ -414,6 +414,25 @@ def two_nodes_worker(rank: int, world: int, targets: list[str]) -> dict[str, Any
     return {"records": records, "agrees": manager.agrees_across_ranks}
 
 
+def mask_across_sidecars_worker(
+    rank: int, world: int, targets: list[str], group: str
+) -> dict[str, Any]:
+    """``world`` ranks split evenly over ``len(targets)`` sidecars: the first
+    ``initialize()``, as each rank's policy (``MOE_SIDECAR_ON_PEER_LOSS``)
+    meets it, and the layer after it."""
+    cpu_group = dist.new_group(backend="gloo")
+    per_node = world // len(targets)
+    manager = reference_manager(cpu_group, group, targets[rank // per_node], local_ranks=per_node)
+    layer = nvfp4_layer("model.layers.0.mlp")
+
+    def first() -> None:
+        initialize(manager, layer)
+
+    refused = _expect_failure(first)
+    again = _expect_failure(first)
+    return {"first": refused, "again": again, "generation": manager.generation}
+
+
 def layers_worker(
     rank: int, world: int, target: str, group: str, layers: list[Layer]
 ) -> list[dict[str, Any]]:
