@@ -18,7 +18,7 @@ import torch
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.flashinfer import Release
 
-__all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec", "CommunicationSpec"]
+__all__ = ["AlltoAll", "AlltoAllBackend", "BuildSpec", "CommunicationSpec", "one_token_bound"]
 
 
 @dataclass(frozen=True)
@@ -186,3 +186,25 @@ class AlltoAllBackend(Protocol):
         rank's workspace until then.
         """
         ...
+
+
+def one_token_bound(
+    max_tokens_per_rank: int | None, runtime_max_tokens_per_rank: int | None
+) -> int | None:
+    """A dispatch's token bound from either of its names: ``max_tokens_per_rank``
+    (the keyword of the FlashInfer release vLLM 0.33 pins, which vLLM 0.33
+    passes) or ``runtime_max_tokens_per_rank`` (the ``moe_ep`` release's,
+    which vLLM 0.34 passes); None when neither is given.
+
+    Raises:
+        ValueError: both given, with different values.
+    """
+    if max_tokens_per_rank is None:
+        return runtime_max_tokens_per_rank
+    if runtime_max_tokens_per_rank not in (None, max_tokens_per_rank):
+        raise ValueError(
+            f"max_tokens_per_rank={max_tokens_per_rank} and "
+            f"runtime_max_tokens_per_rank={runtime_max_tokens_per_rank} differ; "
+            "they name the same value"
+        )
+    return max_tokens_per_rank

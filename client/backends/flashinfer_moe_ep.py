@@ -55,7 +55,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_sidecar.client.backends.base import AlltoAll, BuildSpec, CommunicationSpec
+from moe_sidecar.client.backends.base import (
+    AlltoAll,
+    BuildSpec,
+    CommunicationSpec,
+    one_token_bound,
+)
 from moe_sidecar.client.backends.communicator import GroupCommunicator
 from moe_sidecar.client.backends.jit_cache import ModuleLoad, prepare_module
 from moe_sidecar.client.backends.moe_ep_objects import moe_ep_objects
@@ -151,14 +156,9 @@ def vllm_compatible_class() -> Any:
                 RankMaskError: a mask this build or this rank refuses.
             """
             mask = self._kernel_mask(active_rank_mask)
-            if max_tokens_per_rank is not None:
-                if runtime_max_tokens_per_rank not in (None, max_tokens_per_rank):
-                    raise ValueError(
-                        f"max_tokens_per_rank={max_tokens_per_rank} and "
-                        f"runtime_max_tokens_per_rank={runtime_max_tokens_per_rank} differ; "
-                        "they name the same value"
-                    )
-                runtime_max_tokens_per_rank = max_tokens_per_rank
+            runtime_max_tokens_per_rank = one_token_bound(
+                max_tokens_per_rank, runtime_max_tokens_per_rank
+            )
             result = super().dispatch(
                 hidden_states,
                 topk_ids,

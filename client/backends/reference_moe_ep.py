@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from moe_sidecar.client.backends.base import one_token_bound
 from moe_sidecar.client.backends.rank_mask import rank_mask_from_tensor
 from moe_sidecar.client.backends.reference_alltoall import ReferenceAlltoAll
 from moe_sidecar.client.engines.vllm.sizing import dispatch_format_name
@@ -106,6 +107,7 @@ class ReferenceCommunication:
         self.num_local_experts = params.num_experts // self.ep_size
         self._alltoall: ReferenceAlltoAll | None = alltoall
         self._tokens_per_rank: int | None = None
+        self._combine_input: torch.Tensor | None = None
 
     @property
     def alltoall(self) -> ReferenceAlltoAll:
@@ -126,6 +128,7 @@ class ReferenceCommunication:
         *,
         hidden_states_scale: torch.Tensor | None = None,
         max_tokens_per_rank: int | None = None,
+        runtime_max_tokens_per_rank: int | None = None,
         eplb_local_stats: torch.Tensor | None = None,
         active_rank_mask: torch.Tensor | int | None = None,
     ) -> ReferenceDispatchResult:
@@ -137,11 +140,15 @@ class ReferenceCommunication:
         received tensor is ``[ep_size * tokens_per_rank, *]``. ``active_rank_mask``
         (FlashInfer's CPU ``uint64`` words, or an ``int``; only with
         ``config.enable_rank_mask``): tokens routed to a masked rank are dropped.
+        The step's token bound comes as ``runtime_max_tokens_per_rank`` (the
+        keyword of FlashInfer's newer release, which vLLM 0.34 passes) or
+        ``max_tokens_per_rank`` (vLLM 0.33's); both given, they must agree.
 
         Raises:
             RuntimeError: a dispatch without its combine, or after destroy.
             RankMaskError: a mask the all-to-all refuses.
-            ValueError: ``max_tokens_per_rank`` outside ``(0, params.max_tokens_per_rank]``.
+            ValueError: the token bound outside ``(0, params.max_tokens_per_rank]``,
+                or both names given with different values.
             BackendError: EPLB statistics (not in the reference).
         """
         if eplb_local_stats is not None:
@@ -150,13 +157,16 @@ class ReferenceCommunication:
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
             raise RuntimeError("dispatch called twice without an intervening combine")
-        tokens_per_rank = (
-            self.params.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
-        )
+        asked = one_token_bound(max_tokens_per_rank, runtime_max_tokens_per_rank)
+        tokens_per_rank = self.params.max_tokens_per_rank if asked is None else asked
         if not 0 < tokens_per_rank <= self.params.max_tokens_per_rank:
+            name = (
+                "max_tokens_per_rank"
+                if runtime_max_tokens_per_rank is None
+                else "runtime_max_tokens_per_rank"
+            )
             raise ValueError(
-                f"max_tokens_per_rank={tokens_per_rank} must be in "
-                f"(0, {self.params.max_tokens_per_rank}]"
+                f"{name}={tokens_per_rank} must be in (0, {self.params.max_tokens_per_rank}]"
             )
         if topk_ids.dtype != torch.int32:
             topk_ids = topk_ids.to(torch.int32)
@@ -186,10 +196,36 @@ class ReferenceCommunication:
             eplb_gathered_stats=None,
         )
 
-    def get_combine_input_buffer(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """None: the reference has no zero-copy combine buffer (allowed by
-        FlashInfer's ``MoEEpCommunication`` contract)."""
-        return None
+    def get_combine_input_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer the expert computation may write its output into, as
+        FlashInfer's newer release hands out a view of its workspace's combine
+        input region: ``[ep_size * tokens_per_rank, hidden_size]`` of
+        ``dtype`` for the dispatch awaiting its combine (vLLM 0.34's
+        ``allocate_fused_expert_output`` reads its shape with no None check).
+        Passing it to :meth:`combine` is what vLLM does with it. One buffer
+        per object, sized for 16-bit rows at ``params.max_tokens_per_rank``
+        (FlashInfer's region's capacity), made on first use and dropped by
+        :meth:`destroy`.
+
+        Raises:
+            RuntimeError: before a dispatch, or after destroy (FlashInfer's words).
+            ValueError: a ``dtype`` wider than 16 bits, which the region cannot hold.
+        """
+        self.alltoall  # noqa: B018 - raises after destroy, as FlashInfer's object does
+        tokens_per_rank = self._tokens_per_rank
+        if tokens_per_rank is None:
+            raise RuntimeError("get_combine_input_buffer called before dispatch")
+        rows = self.ep_size * tokens_per_rank
+        capacity = self.ep_size * self.params.max_tokens_per_rank * self.params.hidden_size * 2
+        nbytes = rows * self.params.hidden_size * dtype.itemsize
+        if nbytes > capacity:
+            raise ValueError(
+                f"a {dtype} combine input needs {nbytes} bytes, more than the "
+                f"{capacity}-byte combine region"
+            )
+        if self._combine_input is None:
+            self._combine_input = torch.empty(capacity, dtype=torch.uint8)
+        return self._combine_input[:nbytes].view(dtype).view(rows, self.params.hidden_size)
 
     def combine(
         self,
@@ -233,3 +269,4 @@ class ReferenceCommunication:
         """Drops the all-to-all (FlashInfer's ``destroy()``: frees nothing itself)."""
         self._alltoall = None
         self._tokens_per_rank = None
+        self._combine_input = None

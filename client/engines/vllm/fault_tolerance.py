@@ -17,7 +17,17 @@ vLLM's ``CudaCommunicator.all2all_manager``, the plugin's subclass of
   error it raises; the engine aborts its requests;
 * on the orchestrator's retry, ``WorkerSentinel.retry`` synchronizes, clears
   the model runner's requests and (``data_parallel_size > 1``) calls
-  ``clean_buffers()`` before it re-forms the DP group.
+  ``clean_buffers()`` before it re-forms the DP group;
+* vLLM 0.34's retry (and its ``scale_down``, which runs it) then replays
+  ``update_mask(ep_rank, masked=True)`` for every EP rank of the
+  cumulative dead set it was given (``compute_dead_ep_ranks``): how vLLM
+  tells the manager its dead set. :func:`check_update_mask` meets it with
+  the committed view ``clean_buffers()`` adopted: accepted when the view
+  already excludes the rank, refused by name when the view still counts it
+  a member (the sidecar masks a rank only once it saw it leave: a
+  suspicion never evicts a live rank, and only an operator's
+  ``ExcludeRanks`` drains one), and ``masked=False`` refused (a rank comes
+  back only through the manager's ``rejoin()``).
 
 The decisions here are pure (:func:`supports_fault_tolerance`,
 :func:`masked_flags`); :func:`extend_ft_backends` is the one change to
@@ -35,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from moe_sidecar.core.defaults import ENV_ON_PEER_LOSS, ENV_TARGET
-from moe_sidecar.core.errors import InvalidArgument
+from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed, quote_name
 
 __all__ = [
     "FT_BACKEND",
@@ -44,6 +54,7 @@ __all__ = [
     "SENTINEL_MODULE",
     "FaultToleranceUnsupported",
     "VllmFaultTolerance",
+    "check_update_mask",
     "extend_ft_backends",
     "masked_flags",
     "supports_fault_tolerance",
@@ -180,3 +191,46 @@ def extend_ft_backends(mode: str | None, masking: bool) -> bool:
         ENV_TARGET,
     )
     return True
+
+
+def check_update_mask(
+    group: str, rank: int, masked: object, ep_size: int, view: tuple[int, tuple[int, ...]] | None
+) -> None:
+    """vLLM 0.34's ``update_mask(rank, masked)`` against the adopted ``view``
+    (its number and members; None: none adopted): returns when the view
+    already masks ``rank``.
+
+    Raises:
+        InvalidArgument: ``rank`` outside ``[0, ep_size)``, or ``masked`` not a bool.
+        PreconditionFailed: ``masked=False`` (a rank comes back through
+            ``rejoin()``, which rebuilds every member with it), no view adopted
+            (no death was followed: ``clean_buffers()`` adopts one), or the
+            view still counts ``rank`` a member; each names the rank and the view.
+    """
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < ep_size:
+        raise InvalidArgument.of("rank", rank, f"must be an EP rank in [0, {ep_size})")
+    if not isinstance(masked, bool):
+        raise InvalidArgument.of("masked", masked, "must be True or False")
+    name = quote_name(group)
+    if not masked:
+        raise PreconditionFailed(
+            f"update_mask(rank={rank}, masked=False) in EP group {name}: a masked rank comes "
+            "back only through a new view with a replacement in it, where every member "
+            "rebuilds (the manager's rejoin() over the re-formed CPU group); the mask is the "
+            "committed view's, not set per rank"
+        )
+    if view is None:
+        raise PreconditionFailed(
+            f"update_mask(rank={rank}) in EP group {name}: no membership view is adopted "
+            "(clean_buffers() adopts the one the sidecar proposes after a death; nothing "
+            "built, or not under MOE_SIDECAR_ON_PEER_LOSS=mask in sidecar mode)"
+        )
+    number, members = view
+    if rank in members:
+        raise PreconditionFailed(
+            f"update_mask(rank={rank}) in EP group {name}: vLLM names EP rank {rank} dead, "
+            f"but the committed view {number} still counts it a member (members "
+            f"{list(members)}): the sidecar masks a rank only once it saw it leave (its "
+            "session closed, its node's lease expired, its watcher silent past the bound) or "
+            "an operator drained it (ExcludeRanks); a suspicion never evicts a live rank"
+        )

@@ -36,6 +36,7 @@ from moe_sidecar.client.engine_rules import EngineRules
 from moe_sidecar.client.engines.vllm.fault_tolerance import (
     FaultToleranceUnsupported,
     VllmFaultTolerance,
+    check_update_mask,
     masked_flags,
     supports_fault_tolerance,
 )
@@ -70,7 +71,8 @@ class WorkspaceManager(AlltoAllManager):
     ``get_communication()``, ``get_handle()``, ``checkpoint_prepare()``,
     ``checkpoint_restore()``, ``cleanup()``, ``destroy()``), vLLM 0.33's
     fault-tolerance hooks (``support_fault_tolerance``, ``query_fault()``,
-    ``query_active_mask()``, ``clean_buffers()``:
+    ``query_active_mask()``, ``clean_buffers()``, and vLLM 0.34's
+    ``update_mask()``:
     :mod:`moe_sidecar.client.engines.vllm.fault_tolerance`), plus
     ``generation`` (of the plan built) and ``counters``.
 
@@ -286,6 +288,30 @@ class WorkspaceManager(AlltoAllManager):
             self.ep_rank,
             view.number,
             list(view.members),
+        )
+
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """vLLM 0.34's retry (and ``scale_down``, which runs it) after
+        :meth:`clean_buffers`: EP rank ``rank`` is in vLLM's dead set. Accepted
+        (nothing changes) when the view :meth:`clean_buffers` adopted already
+        excludes it: every step already passes that view's mask. The view is
+        the sidecar's; vLLM's word does not move it
+        (:func:`~moe_sidecar.client.engines.vllm.fault_tolerance.check_update_mask`).
+
+        Raises:
+            InvalidArgument: ``rank`` outside ``[0, ep_size)``.
+            PreconditionFailed: ``masked=False`` (a rank comes back through
+                :meth:`rejoin`), no view adopted, or the adopted view still
+                counts ``rank`` a member; the message names the rank and the view.
+        """
+        adopted = self._views.adopted
+        view = None if adopted is None else (adopted.number, adopted.members)
+        check_update_mask(self.group, rank, masked, self.ep_size, view)
+        _log.info(
+            "moe-sidecar: vLLM update_mask(%d): EP rank %d already masked by view %d",
+            rank,
+            rank,
+            view[0] if view else 0,
         )
 
     def destroy(self) -> None:

@@ -22,6 +22,11 @@ When it acts (:func:`plugin_mode`):
 before it changes anything, so a malformed value stops vLLM at start with
 one line naming the variable, not at the first MoE layer.
 
+Before anything else it checks the installed releases against each other
+(:mod:`moe_sidecar.client.engines.vllm.releases`): a FlashInfer release
+without a row of the release table, or vLLM 0.34 with the ``MoeAlltoAll``
+release, stops vLLM at start with one line naming both versions and the fix.
+
 What it does: it reads which ``initialize()`` signature this vLLM's
 ``vllm.distributed.device_communicators.all2all.FlashInferNVLinkOneSidedManager``
 has (PR #42976, 0.30 or 0.33: the parameter names, so forks that carry the
@@ -56,6 +61,7 @@ from typing import Any, ClassVar, Final
 
 from moe_sidecar.client.engines.vllm.fault_tolerance import extend_ft_backends
 from moe_sidecar.client.engines.vllm.manager import WorkspaceManager
+from moe_sidecar.client.engines.vllm.releases import UnsupportedReleases, installed_releases
 from moe_sidecar.client.engines.vllm.settings import ENV_VLLM
 from moe_sidecar.client.engines.vllm.sizing import KEYWORDS, Generation
 from moe_sidecar.client.environment import check_environment
@@ -70,6 +76,7 @@ __all__ = [
     "ALL2ALL_MODULE",
     "MANAGER_NAME",
     "PLUGIN_NAME",
+    "UnsupportedReleases",
     "UnsupportedVllm",
     "VllmManager",
     "check_environment",
@@ -183,12 +190,16 @@ def register() -> None:
     Raises:
         InvalidArgument: a malformed ``MOE_SIDECAR_VLLM``, or (enabled) a
             malformed variable of :func:`check_environment`.
+        UnsupportedReleases: enabled, but the installed FlashInfer has no row
+            of the release table, or is of another API than this vLLM calls
+            (:mod:`moe_sidecar.client.engines.vllm.releases`).
         UnsupportedVllm: enabled, but this vLLM's manager cannot be replaced.
     """
     mode = plugin_mode(os.environ)
     if mode is None:
         return
     check_environment(os.environ)
+    releases = installed_releases()
     extend_ft_backends(mode, policy_from_environment(os.environ) is PeerLossPolicy.MASK)
     module = importlib.import_module(ALL2ALL_MODULE)
     current = getattr(module, MANAGER_NAME, None)
@@ -202,15 +213,18 @@ def register() -> None:
     replacement = manager_class(current)
     setattr(module, MANAGER_NAME, replacement)
     _share_vllm_log()
-    vllm = importlib.import_module("vllm")
     target = os.environ.get(ENV_TARGET, "").strip()
+    first, second = KEYWORDS[replacement.vllm_generation]
     _log.info(
-        "moe-sidecar: vLLM %s's %s replaced by moe_sidecar's %s (%s initialize(), %s mode%s, "
-        "backend %s)",
-        getattr(vllm, "__version__", "?"),
+        "moe-sidecar: vLLM %s's %s replaced by moe_sidecar's %s (initialize() takes %s and %s, "
+        "as since %s; %s; %s mode%s, backend %s)",
+        releases.vllm,
         MANAGER_NAME,
         replacement.__name__,
+        first,
+        second,
         replacement.vllm_generation.value,
+        releases.describe(),
         mode,
         f", {ENV_TARGET}={target}" if mode == "sidecar" else "",
         os.environ.get(ENV_BACKEND, "").strip() or "flashinfer",
