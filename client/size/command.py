@@ -67,7 +67,8 @@ def add_command(subparsers: Any) -> None:
             "model whose MoE layers dispatch the given kinds, at an EP size, for a FlashInfer "
             "release, computed in pure Python as that release computes it. The answer is the "
             "union of the layer kinds (what the client builds). Exit status: 0 answered, 2 a bad "
-            "flag or a configuration the release refuses."
+            "flag, or a configuration the release, the sidecar or the client refuses (the sizes "
+            "are still printed, each refusal named)."
         ),
     )
     parser.add_argument(
@@ -119,8 +120,9 @@ def add_command(subparsers: Any) -> None:
 
 
 def answer_as_json(answer: SizeAnswer) -> dict[str, Any]:
-    """The ``--json`` object."""
+    """The ``--json`` object (``ok`` false: someone refuses it, see ``refusals``)."""
     return {
+        "ok": not answer.refusals,
         "flashinfer": answer.flashinfer,
         "ep_size": answer.ep_size,
         "workspace_bytes_per_rank": answer.workspace_bytes_per_rank,
@@ -252,7 +254,11 @@ def run(args: argparse.Namespace) -> int:
         print(format_answer(answer))
         if engine:
             print(format_engine(args.engine, engine))
-    return 0
+    # Sized but refused: a capacity script must not take the numbers as a
+    # configuration that runs.
+    for refusal in answer.refusals:
+        print(f"moe-sidecar size: refused by {refusal}", file=sys.stderr)
+    return 2 if answer.refusals else 0
 
 
 def engine_as_json(engine: str, sizes: list[NamespaceSize]) -> dict[str, Any]:

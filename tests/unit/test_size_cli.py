@@ -175,3 +175,101 @@ def test_a_value_beyond_an_int32_is_one_line_naming_the_flag(flag: str, value: s
         f"moe-sidecar size: {flag}={int(value)}: must be at most 2147483647 in magnitude "
         "(FlashInfer takes it as an int32)"
     ], result.stderr
+
+
+# --- a configuration someone refuses: sized, named, exit 2 ----------------------
+
+REFUSALS = [
+    pytest.param(
+        ("--flashinfer", "0.7.4", "--ep", "8", "--experts", "250", "--dispatch", "nvfp4"),
+        "FlashInfer 0.7.4: num_experts=250 is not divisible by the EP size 8",
+        id="0.7.4-experts-not-divisible",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.2.post1", "--ep", "8", "--experts", "250", "--dispatch", "nvfp4"),
+        "FlashInfer 0.7.2.post1: num_experts=250 is not divisible by the EP size 8",
+        id="0.7.2.post1-experts-not-divisible",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.4", "--top-k", "5", "--dispatch", "bf16"),
+        "FlashInfer 0.7.4: top_k=5: NVLinkOneSidedAlltoAll supports top_k in",
+        id="0.7.4-top-k-unsupported",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.4", "--eplb-experts", "300", "--dispatch", "bf16"),
+        "FlashInfer 0.7.4: eplb_stats_num_experts=300 must be in [0, num_experts=256]",
+        id="0.7.4-eplb-beyond-experts",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.4", "--ep", "128", "--dispatch", "bf16"),
+        "sidecar: ep_size=128: the sidecar holds EP groups of at most 64 ranks",
+        id="sidecar-ep-size",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.2.post1", "--eplb-experts", "100000", "--dispatch", "bf16"),
+        "sidecar: plan.eplb_experts=100000: must be an integer in [0, 65536]",
+        id="sidecar-capacity-range",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.4", "--ep", "64", "--tokens", "1000000", "--hidden", "100000"),
+        "sidecar: plan: max_tokens=1000000, dispatch_bytes_per_token=200064",
+        id="sidecar-payload-beyond-1-tib",
+    ),
+    pytest.param(
+        ("--flashinfer", "0.7.4", "--dispatch", "100"),
+        "client: --dispatch=100: 100 bytes per token is below hidden // 2 = 3584",
+        id="client-dispatch-below-half-hidden",
+    ),
+]
+"""One configuration per kind of refusal (who refuses, and why), each refused alone."""
+
+
+def _argv(overrides: tuple[str, ...]) -> list[str]:
+    """DeepSeek's flags (bf16 dispatch) with ``overrides`` replacing or adding flags."""
+    argv = dict(zip(DEEPSEEK[::2], DEEPSEEK[1::2], strict=True)) | {"--dispatch": "bf16"}
+    argv |= dict(zip(overrides[::2], overrides[1::2], strict=True))
+    return ["size", *(item for pair in argv.items() for item in pair)]
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), REFUSALS)
+def test_a_refused_configuration_is_sized_named_and_exits_2_in_table_form(
+    overrides: tuple[str, ...], refusal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moe_sidecar.cli import main
+
+    assert main(_argv(overrides)) == 2
+    out, err = capsys.readouterr()
+    assert "workspace per rank:" in out
+    (named,) = [line for line in out.splitlines() if "refused by" in line]
+    assert named.startswith(f"  refused by {refusal}"), out
+    assert err.splitlines() == [named.replace("  refused by", "moe-sidecar size: refused by")]
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), REFUSALS)
+def test_a_refused_configuration_is_sized_named_and_exits_2_in_json_form(
+    overrides: tuple[str, ...], refusal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moe_sidecar.cli import main
+
+    assert main([*_argv(overrides), "--json"]) == 2
+    out, _ = capsys.readouterr()
+    answer = json.loads(out)
+    assert answer["ok"] is False and answer["workspace_bytes_per_rank"] > 0
+    (named,) = answer["refusals"]
+    assert named.startswith(refusal), named
+
+
+def test_an_accepted_configuration_exits_0_with_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    from moe_sidecar.cli import main
+
+    assert main([*_argv(()), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ok"] is True and json.loads(out)["refusals"] == [] and err == ""
+
+
+def test_the_process_exits_2_on_the_configuration_flashinfer_refuses() -> None:
+    # As a capacity script runs it: the process's own exit status.
+    done = _size("--flashinfer", "0.7.4", *_argv(("--ep", "8", "--experts", "250"))[1:], "--json")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert json.loads(done.stdout)["ok"] is False
+    assert "num_experts=250 is not divisible by the EP size 8" in done.stderr
