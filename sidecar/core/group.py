@@ -1,22 +1,31 @@
-"""What the decision core knows of an EP group: frozen values, nothing else.
+"""What the decision core knows of an EP group: frozen values, with the
+methods that read them and make changed copies of them.
 
-The functions that move these values are in :mod:`moe_sidecar.core.policy`; the
-one codec per boundary converts them (:mod:`moe_sidecar.wire.codec` to and
-from the wire, :mod:`moe_sidecar.store.row_codec` to and from stored rows).
+A round is an :class:`OpenRound` (its proposals in rank order, their need,
+the slots each proof holds, the owner they carry) and the group a
+:class:`GroupState` (its ranks, its closed rounds, its stored plan and whose
+it is, the plan a round decides); each step of
+:mod:`moe_sidecar.core.policy` asks these values and builds its
+:class:`~moe_sidecar.core.effects.Step` from their answers. The one codec per
+boundary converts them (:mod:`moe_sidecar.wire.codec` to and from the wire,
+:mod:`moe_sidecar.store.row_codec` to and from stored rows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 from moe_sidecar.core.errors import CoordinatorError, ErrorCode, error_for_code
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.limits import WorkspaceSize
 from moe_sidecar.core.membership import View, first_view
-from moe_sidecar.core.plan import Action, Capacities, EpochPlan, Plan
+from moe_sidecar.core.plan import Action, Capacities, EpochPlan, Plan, grow, join_capacities
 
 __all__ = [
+    "RETAINED_ROUNDS",
     "CommitRecord",
     "Decision",
     "GroupState",
@@ -31,6 +40,15 @@ __all__ = [
     "Requirement",
     "summarize",
 ]
+
+RETAINED_ROUNDS = 64
+"""Closed rounds kept per group to answer retries, stored with the group.
+
+It is also the most proposals a rank's client may leave unanswered
+(:class:`moe_sidecar.client.WorkspaceManager`'s ``max_unanswered`` refuses
+more): a client re-sends what is unanswered on a new stream after a
+sidecar restart, and every such round is then at most this many rounds old,
+so it is still answered, with the answer it had."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +165,8 @@ class OpenRound:
     proposals: tuple[Proposal, ...] = ()
     need: Capacities | None = None
     """The join of the proposals' capacities so far (of the proposals that
-    share the first one's shape; :func:`moe_sidecar.core.policy.rounds.round_need`
-    is what a decision uses)."""
+    share the first one's shape; :meth:`GroupState.decided_plan` joins the
+    proposals a decision is made of)."""
     first_proof: str = ""
     """The proof of the proposal that opened the round: it wins a tie for a
     slot (:mod:`moe_sidecar.core.policy.proof`)."""
@@ -156,6 +174,62 @@ class OpenRound:
     def proposal_of(self, ep_rank: int) -> Proposal | None:
         """The proposal of ``ep_rank`` in this round, if it proposed."""
         return next((p for p in self.proposals if p.ep_rank == ep_rank), None)
+
+    def with_proposal(self, p: Proposal) -> OpenRound:
+        """This round with ``p`` among its proposals (in rank order) and in its
+        need; the round's first proposal sets the proof that opened it.
+
+        A proposal of another shape than the need's (another proof's: a
+        proposal of the round's own proof and another shape is refused
+        first) stays out of the need: it never joins this round's decision."""
+        capacities = p.requirement.capacities
+        if self.need is None:
+            need = capacities
+        elif self.need.shape == capacities.shape:
+            need = join_capacities(self.need, capacities)
+        else:
+            need = self.need
+        proposals = self.proposals
+        at = next((i for i, q in enumerate(proposals) if q.ep_rank > p.ep_rank), len(proposals))
+        return replace(
+            self,
+            proposals=(*proposals[:at], p, *proposals[at:]),
+            need=need,
+            first_proof=self.first_proof if proposals else p.proof,
+        )
+
+    def without(self, ep_rank: int) -> OpenRound:
+        """This round without the proposal of ``ep_rank`` (its need rebuilt; the
+        proof that opened it kept)."""
+        rest = replace(self, proposals=(), need=None)
+        for q in self.proposals:
+            if q.ep_rank != ep_rank:
+                rest = rest.with_proposal(q)
+        return replace(rest, first_proof=self.first_proof)
+
+    def slots_by_proof(self) -> Counter[str]:
+        """How many slots of this round each proof holds."""
+        return Counter(q.proof for q in self.proposals)
+
+    def single_proof(self) -> bool:
+        """Whether every proposal of this round carries one proof (an empty round does)."""
+        return len(self.slots_by_proof()) <= 1
+
+    def closing_proof(self, local_ranks: int) -> str | None:
+        """The proof this round closes with (the proof's rule 1,
+        :mod:`moe_sidecar.core.policy.proof`): every one of ``local_ranks``
+        slots held, all with one proof; None while it may not close."""
+        slots = self.slots_by_proof()
+        if len(self.proposals) < local_ranks or len(slots) != 1:
+            return None
+        return next(iter(slots))
+
+    def owner(self) -> str:
+        """The owner a new lifetime whose round 1 this is stores: its
+        proposals' one owner, or empty when they carry none or several (then
+        no later lifetime inherits its plan; :mod:`moe_sidecar.core.policy.owner`)."""
+        owners = {q.owner for q in self.proposals}
+        return next(iter(owners)) if len(owners) == 1 else ""
 
 
 @dataclass(frozen=True)
@@ -253,6 +327,68 @@ class GroupState:
     def outcome_of(self, round_number: int) -> Outcome | None:
         """The retained outcome of a closed round of the current lifetime."""
         return next((o for o in self.closed if o.round == round_number), None)
+
+    def ranks_with(self, record: RankRecord) -> tuple[RankRecord, ...]:
+        """The group's ranks (in rank order) with ``record`` in place of its
+        rank's earlier record: the rank's slot is replaced where it is, not
+        the tuple re-sorted."""
+        ranks = self.ranks
+        for index, r in enumerate(ranks):
+            if r.ep_rank == record.ep_rank:
+                return (*ranks[:index], record, *ranks[index + 1 :])
+            if r.ep_rank > record.ep_rank:
+                return (*ranks[:index], record, *ranks[index:])
+        return (*ranks, record)
+
+    def with_rank(self, record: RankRecord) -> GroupState:
+        """This group with ``record`` in place of the rank's earlier record."""
+        return replace(self, ranks=self.ranks_with(record))
+
+    def closed_by(self, outcome: Outcome) -> GroupState:
+        """This group with its open round closed by ``outcome`` (kept for retries)."""
+        return replace(
+            self,
+            open_round=None,
+            last_closed_round=outcome.round,
+            closed=(*self.closed, outcome)[-RETAINED_ROUNDS:],
+        )
+
+    def inherits_stored_plan(self, proposals: Iterable[Proposal]) -> bool:
+        """Whether a new lifetime whose round 1 holds ``proposals`` inherits the
+        stored plan: the stored owner is set and every proposal carries it
+        (an empty owner on either side never matches;
+        :mod:`moe_sidecar.core.policy.owner`)."""
+        owners = {q.owner for q in proposals}
+        return bool(self.owner) and owners == {self.owner}
+
+    def disowns_stored_plan(self, rnd: OpenRound) -> bool:
+        """Whether deciding ``rnd`` begins a new epoch without the stored plan:
+        it is the first round of a lifetime that did not come as a restart
+        (the group's first lifetime on this node; a restart checks its owner
+        when it completes), a plan is stored (here, or merged from another
+        node), and the round's proposals do not carry its owner."""
+        return (
+            rnd.number == 1
+            and self.proof is None
+            and self.plan is not None
+            and not self.inherits_stored_plan(rnd.proposals)
+        )
+
+    def decided_plan(self, rnd: OpenRound) -> Plan:
+        """The stored plan grown by the join of ``rnd``'s proposals (one proof,
+        one shape: a round closes only so) and of what the lifetime built.
+
+        Raises:
+            ShapeMismatch: the need, the plan and the built workspace have no one shape.
+        """
+        need = rnd.proposals[0].requirement.capacities
+        for q in rnd.proposals[1:]:
+            need = join_capacities(need, q.requirement.capacities)
+        if self.built is not None:
+            # The lifetime's earlier layers still run on what it built: the plan
+            # must keep serving them, whatever a reset or another node did since.
+            need = join_capacities(need, self.built.capacities)
+        return grow(self.plan, need, epoch=self.epoch, last_generation=self.generation)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Table-driven tests of the owner's rule in the pure decision core
-(:mod:`moe_sidecar.core.policy.owner`): a restart inherits the stored plan
-only when its ranks carry the stored owner. No I/O, no clock."""
+(:mod:`moe_sidecar.core.policy.owner`; its reads are the group's and the
+round's methods): a restart inherits the stored plan only when its ranks
+carry the stored owner. No I/O, no clock."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from moe_sidecar.core import policy
 from moe_sidecar.core.cluster import ClusterPlan, cluster_plan_of
 from moe_sidecar.core.effects import Step
 from moe_sidecar.core.errors import InvalidArgument
-from moe_sidecar.core.group import Decision, GroupState, Proposal, Requirement
+from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, Requirement
 from moe_sidecar.core.identity import owner_id
 from moe_sidecar.core.plan import Action, Capacities
-from moe_sidecar.core.policy.owner import inherits_stored_plan, restart_owner
 from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
@@ -65,6 +65,14 @@ def lifetime(
     return step
 
 
+def round_owner(owners: tuple[str, ...]) -> str:
+    """The owner a round 1 whose rank r carries ``owners[r]`` stores."""
+    rnd = OpenRound(number=1, opened_at=0.0, deadline=TIMEOUT)
+    for rank, name in enumerate(owners):
+        rnd = rnd.with_proposal(prop(rank, "p", name))
+    return rnd.owner()
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -102,9 +110,7 @@ def test_a_restart_inherits_the_stored_plan_only_with_the_stored_owner(case: Cas
         assert decision.plan.epoch == step.state.epoch == stored.epoch + 1
         assert [g.plan for g in step.state.history] == [decision.plan]
         assert decision.plan.generation > stored.generation  # generations are never reused
-    assert step.state.owner == restart_owner(
-        tuple(prop(r, "p", n) for r, n in enumerate(case.restart))
-    )
+    assert step.state.owner == round_owner(case.restart)
 
 
 def test_the_whole_group_squat_is_not_built_by_the_real_ranks() -> None:
@@ -150,7 +156,7 @@ def test_the_first_lifetime_stores_its_owner_and_later_rounds_do_not_compare_it(
 def test_inherits_stored_plan(stored: str, owners: list[str], expected: bool) -> None:
     state = GroupState(GROUP, LOCAL, LOCAL, owner=owner(stored))
     proposals = [prop(r, "p", name) for r, name in enumerate(owners)]
-    assert inherits_stored_plan(state, proposals) is expected
+    assert state.inherits_stored_plan(proposals) is expected
 
 
 def test_an_owner_digest_becomes_its_id_at_the_boundary() -> None:
@@ -216,9 +222,7 @@ def test_a_first_lifetime_on_another_node_inherits_only_with_the_documents_owner
         assert step.reply.plan.capacities == REAL.capacities
         assert step.state.epoch == on_a.epoch + 1 and step.reply.plan.epoch == step.state.epoch
         assert step.reply.plan.generation > on_a.generation
-    assert step.state.owner == restart_owner(
-        tuple(prop(r, "p", n) for r, n in enumerate(case.first))
-    )
+    assert step.state.owner == round_owner(case.first)
 
 
 def test_a_restart_is_checked_against_the_owner_a_merge_brought() -> None:

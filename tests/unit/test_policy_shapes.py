@@ -24,7 +24,7 @@ from moe_sidecar.core.group import (
     Requirement,
 )
 from moe_sidecar.core.plan import Action, Capacities, Plan
-from moe_sidecar.core.policy.rounds import decide_round, with_proposal
+from moe_sidecar.core.policy.rounds import decide_round
 from tests.ceiling import CEILING
 
 pytestmark = pytest.mark.timeout(10)
@@ -140,7 +140,7 @@ def test_a_round_whose_shapes_part_at_its_decision_is_refused_for_every_rank() -
     state = policy.merge(built_then_reset(2), remote(), 4.0, ceiling=CEILING).state
     rnd = OpenRound(number=2, opened_at=3.0, deadline=3.0 + TIMEOUT)
     for rank in range(2):
-        rnd = with_proposal(rnd, prop(rank, 2, OF_THE_PLAN, 2))
+        rnd = rnd.with_proposal(prop(rank, 2, OF_THE_PLAN, 2))
     step = decide_round(state, rnd, rnd.proposals[-1], 5.0, (), "node-a", ceiling=CEILING)
     refusal = step.reply
     assert isinstance(refusal, Refusal) and refusal.code is ErrorCode.FAILED_PRECONDITION

@@ -11,7 +11,12 @@ One module per event a group meets:
 
 * :mod:`.propose` (with :mod:`.restart` and :mod:`.rounds`): a rank's
   proposal joins its round; the last local rank closes it with one decision
-  or one refusal for everyone;
+  or one refusal for everyone. The round and the group it belongs to are
+  values with methods (:class:`~moe_sidecar.core.group.OpenRound`,
+  :class:`~moe_sidecar.core.group.GroupState`: a proposal joins or leaves a
+  round, the slots each proof holds, the plan a round decides, a rank's
+  record replaced, a closed round kept); each step asks them and builds its
+  step from their answers;
 * :mod:`.commit`: a rank holds the decided plan (across nodes: a plan above
   it in the lattice, joined into the stored one);
 * :mod:`.depart`: a rank's session ended;
@@ -33,6 +38,7 @@ field is checked by :mod:`.validation` first.
 from __future__ import annotations
 
 from moe_sidecar.core.cluster import MAX_HISTORY
+from moe_sidecar.core.group import RETAINED_ROUNDS
 from moe_sidecar.core.policy.admin import check_removable, reset
 from moe_sidecar.core.policy.commit import commit
 from moe_sidecar.core.policy.deadlines import expire, resume
@@ -40,7 +46,7 @@ from moe_sidecar.core.policy.depart import depart
 from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
 from moe_sidecar.core.policy.recovery import replay_reuse
-from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS, new_group
+from moe_sidecar.core.policy.rounds import new_group
 from moe_sidecar.core.policy.validation import validate_group_name, validate_proposal
 from moe_sidecar.core.policy.views import acknowledge_view, exclude
 

@@ -13,7 +13,7 @@ from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import EpochPlan, ShapeMismatch, join, join_epoch_plans
 from moe_sidecar.core.policy.events import group_event
 from moe_sidecar.core.policy.proof import mismatch_text, proof_text
-from moe_sidecar.core.policy.rounds import refuse_proof, with_rank
+from moe_sidecar.core.policy.rounds import refuse_proof
 from moe_sidecar.core.policy.validation import validate_commit
 
 __all__ = ["commit"]
@@ -150,8 +150,7 @@ def commit(
     record = state.rank(c.ep_rank)
     assert record is not None
     before = state
-    state = with_rank(
-        state,
+    state = state.with_rank(
         replace(
             record,
             committed_generation=c.plan.generation,

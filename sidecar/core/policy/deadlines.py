@@ -11,7 +11,7 @@ from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
 from moe_sidecar.core.policy.proof import held_by_proofs_text
 from moe_sidecar.core.policy.restart import never_ran, restart_layout
-from moe_sidecar.core.policy.rounds import record_outcome, round_closed
+from moe_sidecar.core.policy.rounds import round_closed
 from moe_sidecar.core.policy.views import expire_view, resume_view
 
 __all__ = ["expire", "resume"]
@@ -59,7 +59,7 @@ def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
         missing_ranks=refusal.missing_ranks,
         ranks=tuple(sorted(present)),
     )
-    return round_closed(record_outcome(state, refusal), state.lifetime_index, rnd, refusal, event)
+    return round_closed(state.closed_by(refusal), state.lifetime_index, rnd, refusal, event)
 
 
 def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:

@@ -9,14 +9,7 @@ from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import gone_text, group_event
-from moe_sidecar.core.policy.proof import single_proof
-from moe_sidecar.core.policy.rounds import (
-    record_outcome,
-    round_closed,
-    with_proposal,
-    with_rank,
-    without_proposal,
-)
+from moe_sidecar.core.policy.rounds import round_closed
 from moe_sidecar.core.policy.views import DEFAULT_ACK_TIMEOUT_S, member_left
 
 __all__ = ["depart"]
@@ -27,7 +20,7 @@ def _leave_restart(state: GroupState, pending: OpenRound, ep_rank: int) -> Step:
     rest = replace(pending, proposals=(), need=None)
     for q in pending.proposals:
         if q.ep_rank != ep_rank:
-            rest = with_proposal(rest, q)
+            rest = rest.with_proposal(q)
     state = replace(state, pending=rest if rest.proposals else None)
     return Step(state, effects=(Deadline(state.next_deadline()),))
 
@@ -76,7 +69,7 @@ def depart(
         state.proof is None
         and rnd is not None
         and rnd.proposal_of(ep_rank) is not None
-        and not single_proof(rnd)
+        and not rnd.single_proof()
     ):
         return _withdraw(state, rnd, ep_rank)
     return _mark_gone(state, record, why, now, lost, ack_timeout)
@@ -88,7 +81,7 @@ def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:
     round goes on (a stranger leaving must not fail it)."""
     state = replace(
         state,
-        open_round=without_proposal(rnd, ep_rank),
+        open_round=rnd.without(ep_rank),
         ranks=tuple(r for r in state.ranks if r.ep_rank != ep_rank),
     )
     return Step(state, effects=(Persist(), Deadline(state.next_deadline())))
@@ -103,7 +96,7 @@ def _mark_gone(
         state, record.ep_rank, gone_text(replace(record, left=why)), now, ack_timeout
     )
     record = replace(record, left=why, last_seen=now)
-    state = with_rank(state, record)
+    state = state.with_rank(record)
     gone = group_event(
         state,
         EventKind.RANK_LEFT,
@@ -120,7 +113,7 @@ def _mark_gone(
         return Step(state, effects=(Persist(), left, *view_events))
     message = f"round {rnd.number} of group {quote_name(state.name)} abandoned: {gone_text(record)}"
     refusal = Refusal(round=rnd.number, code=ErrorCode.ABORTED, message=message)
-    closed = record_outcome(state, refusal)
+    closed = state.closed_by(refusal)
     event = group_event(
         state,
         EventKind.ROUND_ABORTED,

@@ -8,7 +8,9 @@ running lifetime, or a restart collecting round 1 of the next one) the
 proposals are grouped by proof, and:
 
 1. A round closes only when every local slot holds a proposal and all of
-   them carry one proof; the decision is made from those proposals alone.
+   them carry one proof; the decision is made from those proposals alone
+   (:meth:`~moe_sidecar.core.group.OpenRound.closing_proof`; the slots each
+   proof holds are :meth:`~moe_sidecar.core.group.OpenRound.slots_by_proof`).
 2. The first decided round of a lifetime fixes the lifetime's proof
    (:attr:`~moe_sidecar.core.group.GroupState.proof`); from then on any
    other proof is refused at once, for proposals and commits alike.
@@ -46,7 +48,6 @@ squatter's lifetime grew from being inherited by theirs, whatever its layout.
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from dataclasses import dataclass
 
 from moe_sidecar.core.errors import quote_name
@@ -56,13 +57,10 @@ from moe_sidecar.core.identity import short_id
 __all__ = [
     "Contest",
     "Verdict",
-    "closing_proof",
     "contest",
     "held_by_proofs_text",
     "mismatch_text",
     "proof_text",
-    "single_proof",
-    "slots_by_proof",
 ]
 
 
@@ -92,25 +90,6 @@ def proof_text(proof: str) -> str:
     return short_id(proof) if proof else "(none)"
 
 
-def slots_by_proof(rnd: OpenRound) -> Counter[str]:
-    """How many slots of ``rnd`` each proof holds."""
-    return Counter(q.proof for q in rnd.proposals)
-
-
-def single_proof(rnd: OpenRound) -> bool:
-    """Whether every proposal of ``rnd`` carries one proof (an empty round does)."""
-    return len(slots_by_proof(rnd)) <= 1
-
-
-def closing_proof(rnd: OpenRound, local_ranks: int) -> str | None:
-    """The proof ``rnd`` closes with (rule 1): every one of ``local_ranks``
-    slots held, all with one proof; None while it may not close."""
-    slots = slots_by_proof(rnd)
-    if len(rnd.proposals) < local_ranks or len(slots) != 1:
-        return None
-    return next(iter(slots))
-
-
 def contest(rnd: OpenRound, p: Proposal, local_ranks: int) -> Contest:
     """Rules 3 and 4: whether ``p`` joins ``rnd``, takes its slot back, or is refused.
 
@@ -118,7 +97,7 @@ def contest(rnd: OpenRound, p: Proposal, local_ranks: int) -> Contest:
     proof is the caller's to handle: a retry, or two processes claiming one
     rank).
     """
-    slots = slots_by_proof(rnd)
+    slots = rnd.slots_by_proof()
     mine = slots.get(p.proof, 0)
     holder = rnd.proposal_of(p.ep_rank)
     if holder is None:
@@ -158,7 +137,7 @@ def held_by_proofs_text(rnd: OpenRound) -> str:
     """Why a round (or restart) holding proposals of more than one proof
     cannot close (rule 1), naming each proof, its ranks and who opened the
     round; "" when it holds one proof's proposals or none."""
-    slots = slots_by_proof(rnd)
+    slots = rnd.slots_by_proof()
     if len(slots) <= 1:
         return ""
     held = "; ".join(

@@ -19,7 +19,7 @@ the stored plan: a new epoch begins, as after a reset, so nothing the
 earlier lifetime grew is built by the new one (the generation counter goes
 on, generations are never reused). Nor does a group's first lifetime on this
 node whose round 1 does not carry the owner of a plan stored here (merged
-from another node): :func:`~.owner.disowns_stored_plan`.
+from another node): :mod:`.owner`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,7 @@ from moe_sidecar.core.group import Decision, GroupState, OpenRound, Proposal, Ra
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.core.policy.events import gone_text, lifetime_started, requirement_text
-from moe_sidecar.core.policy.owner import disowns_stored_plan
-from moe_sidecar.core.policy.proof import (
-    Verdict,
-    closing_proof,
-    contest,
-    mismatch_text,
-    proof_text,
-    single_proof,
-)
+from moe_sidecar.core.policy.proof import Verdict, contest, mismatch_text, proof_text
 from moe_sidecar.core.policy.recovery import catch_up, may_catch_up
 from moe_sidecar.core.policy.rejoin import claims_running_lifetime, rejoin, rejoin_retry
 from moe_sidecar.core.policy.restart import join_restart, never_ran
@@ -55,11 +47,9 @@ from moe_sidecar.core.policy.rounds import (
     decide_round,
     displace,
     new_group,
-    ranks_with,
     refuse_proof,
     refuse_round,
     why_cannot_join,
-    with_proposal,
 )
 from moe_sidecar.core.policy.validation import validate_known_proposal, validate_proposal
 
@@ -276,7 +266,7 @@ def _join_round(
         return Step(state, reply=Wait(state.lifetime_index, rnd.number, rnd.deadline))
 
     # The group is copied once below, with the rank's record and the round.
-    ranks = ranks_with(state.ranks, _seen(admitted.record, p, now))
+    ranks = state.ranks_with(_seen(admitted.record, p, now))
     gone = [r for r in ranks if r.left and r.lifetime_index == state.lifetime_index]
     if gone:
         state = replace(state, ranks=ranks)
@@ -288,7 +278,7 @@ def _join_round(
         return refuse_round(state, rnd, p, message, now, effects, code=ErrorCode.ABORTED)
     conflict = why_cannot_join(state, rnd, p)
     if conflict is not None:
-        if not single_proof(with_proposal(rnd, p)):
+        if not rnd.with_proposal(p).single_proof():
             # Beside another proof's proposals, a conflict refuses only its maker.
             raise PreconditionFailed(conflict)
         return refuse_round(replace(state, ranks=ranks), rnd, p, conflict, now, effects)
@@ -317,11 +307,11 @@ def _add_proposal(
     """Adds ``p``, which may join, to ``rnd`` (``ranks``: the group's ranks
     with ``p``'s record): it waits for the round's other ranks, or closes
     the round once every local slot holds one proof's proposals."""
-    rnd = with_proposal(rnd, p)
+    rnd = rnd.with_proposal(p)
     full = (
         len(rnd.proposals) >= state.local_ranks
         if state.proof is not None
-        else closing_proof(rnd, state.local_ranks) is not None
+        else rnd.closing_proof(state.local_ranks) is not None
     )
     if not full:
         opens = state.open_round is None
@@ -332,7 +322,7 @@ def _add_proposal(
             effects=(*effects, *((Deadline(state.next_deadline()),) if opens else ())),
         )
     state = replace(state, ranks=ranks)
-    if disowns_stored_plan(state, rnd):
+    if state.disowns_stored_plan(rnd):
         # A first lifetime here without the stored plan's owner (it may have
         # come from another node) begins a new epoch, as a disowned restart does.
         try:

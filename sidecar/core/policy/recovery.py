@@ -24,10 +24,9 @@ from dataclasses import replace
 
 from moe_sidecar.core.effects import Answer, Deadline, Effect, Persist
 from moe_sidecar.core.errors import PreconditionFailed, quote_name
-from moe_sidecar.core.group import Decision, GroupState, Proposal
+from moe_sidecar.core.group import RETAINED_ROUNDS, Decision, GroupState, Proposal
 from moe_sidecar.core.plan import Action
 from moe_sidecar.core.policy.events import requirement_text
-from moe_sidecar.core.policy.rounds import RETAINED_ROUNDS
 
 __all__ = ["catch_up", "may_catch_up", "replay_reuse"]
 

@@ -38,7 +38,6 @@ from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.membership import ViewState, join
 from moe_sidecar.core.plan import Action, Plan
 from moe_sidecar.core.policy.events import group_event, requirement_text
-from moe_sidecar.core.policy.rounds import with_rank
 from moe_sidecar.core.policy.views import view_text
 
 __all__ = ["claims_running_lifetime", "rejoin", "rejoin_retry"]
@@ -124,10 +123,9 @@ def rejoin(
         last_seen=now,
         ended_lifetime=record.lifetime,
     )
-    state = with_rank(
-        replace(state, generation=generation, view=following, view_lifetime=state.lifetime_index),
-        newcomer,
-    )
+    state = replace(
+        state, generation=generation, view=following, view_lifetime=state.lifetime_index
+    ).with_rank(newcomer)
     event = group_event(
         state, EventKind.VIEW_CHANGED, now, ep_rank=p.ep_rank, message=view_text(following)
     )

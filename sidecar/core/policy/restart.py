@@ -39,22 +39,13 @@ from moe_sidecar.core.errors import ErrorCode, InvalidArgument, PreconditionFail
 from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import group_event, lifetime_started, requirement_text
-from moe_sidecar.core.policy.owner import inherits_stored_plan, restart_owner
-from moe_sidecar.core.policy.proof import (
-    Verdict,
-    closing_proof,
-    contest,
-    mismatch_text,
-    single_proof,
-)
+from moe_sidecar.core.policy.proof import Verdict, contest, mismatch_text
 from moe_sidecar.core.policy.rounds import (
     decide_round,
     displace,
     refuse_proof,
     round_closed,
     why_cannot_join,
-    with_proposal,
-    with_rank,
 )
 
 __all__ = ["join_restart", "never_ran", "restart_layout"]
@@ -124,15 +115,15 @@ def join_restart(
     if earlier is not None:
         _check_retry(earlier, p)
         return Step(state, reply=Wait(index, 1, pending.deadline))
-    inherits = layout == state.local_ranks and inherits_stored_plan(state, (p,))
+    inherits = layout == state.local_ranks and state.inherits_stored_plan((p,))
     conflict = why_cannot_join(state, pending, p, inherits=inherits, restart=True)
     if conflict is not None:
-        if not single_proof(with_proposal(pending, p)):
+        if not pending.with_proposal(p).single_proof():
             # Beside another proof's proposals, a conflict refuses only its maker.
             raise PreconditionFailed(conflict)
         return _refuse_restart(state, pending, p, conflict, now)
-    pending = with_proposal(pending, p)
-    if closing_proof(pending, layout) is None:
+    pending = pending.with_proposal(p)
+    if pending.closing_proof(layout) is None:
         state = replace(state, pending=pending)
         return Step(
             state,
@@ -179,7 +170,7 @@ def _restart(
     without the stored plan."""
     layout = pending.proposals[0].local_ranks
     takeover = layout != state.local_ranks
-    disowned = state.plan is not None and not inherits_stored_plan(state, pending.proposals)
+    disowned = state.plan is not None and not state.inherits_stored_plan(pending.proposals)
     if takeover or disowned:
         try:
             limits.check_count("epoch", state.epoch + 1, 0, limits.MAX_GENERATION)
@@ -208,12 +199,11 @@ def _restart(
         open_round=None,
         pending=None,
         proof=pending.proposals[0].proof,
-        owner=restart_owner(pending.proposals),
+        owner=pending.owner(),
     )
     for q in pending.proposals:
         ended = state.rank(q.ep_rank)
-        state = with_rank(
-            state,
+        state = state.with_rank(
             RankRecord(
                 ep_rank=q.ep_rank,
                 lifetime=q.lifetime,

@@ -41,24 +41,16 @@ from moe_sidecar.core.effects import (
 )
 from moe_sidecar.core.errors import ErrorCode, InvalidArgument, quote_name
 from moe_sidecar.core.group import (
+    RETAINED_ROUNDS,
     Decision,
     GroupState,
     Growth,
     OpenRound,
     Outcome,
     Proposal,
-    RankRecord,
     Refusal,
 )
-from moe_sidecar.core.plan import (
-    Action,
-    Capacities,
-    Plan,
-    ShapeMismatch,
-    decide_action,
-    grow,
-    join_capacities,
-)
+from moe_sidecar.core.plan import Action, Plan, ShapeMismatch, decide_action
 from moe_sidecar.core.policy.events import (
     group_event,
     layer_text,
@@ -66,113 +58,22 @@ from moe_sidecar.core.policy.events import (
     shape_text,
     who,
 )
-from moe_sidecar.core.policy.owner import restart_owner
 from moe_sidecar.core.policy.proof import proof_text
 
 __all__ = [
-    "RETAINED_ROUNDS",
     "decide_round",
     "displace",
     "new_group",
-    "ranks_with",
-    "record_outcome",
     "refuse_proof",
     "refuse_round",
     "round_closed",
-    "round_need",
     "why_cannot_join",
-    "with_proposal",
-    "with_rank",
-    "without_proposal",
 ]
-
-RETAINED_ROUNDS = 64
-"""Closed rounds kept per group to answer retries, stored with the group.
-
-It is also the most proposals a rank's client may leave unanswered
-(:class:`moe_sidecar.client.WorkspaceManager`'s ``max_unanswered`` refuses
-more): a client re-sends what is unanswered on a new stream after a
-sidecar restart, and every such round is then at most this many rounds old,
-so it is still answered, with the answer it had."""
 
 
 def new_group(name: str, ep_size: int, local_ranks: int) -> GroupState:
     """An empty group: no plan, no lifetime yet."""
     return GroupState(name=name, ep_size=ep_size, local_ranks=local_ranks)
-
-
-def with_rank(state: GroupState, record: RankRecord) -> GroupState:
-    """``state`` with ``record`` in place of the rank's earlier record."""
-    return replace(state, ranks=ranks_with(state.ranks, record))
-
-
-def ranks_with(ranks: tuple[RankRecord, ...], record: RankRecord) -> tuple[RankRecord, ...]:
-    """``ranks`` (in rank order) with ``record`` in place of its rank's earlier
-    record: the rank's slot is replaced where it is, not the tuple re-sorted."""
-    for index, r in enumerate(ranks):
-        if r.ep_rank == record.ep_rank:
-            return (*ranks[:index], record, *ranks[index + 1 :])
-        if r.ep_rank > record.ep_rank:
-            return (*ranks[:index], record, *ranks[index:])
-    return (*ranks, record)
-
-
-def with_proposal(rnd: OpenRound, p: Proposal) -> OpenRound:
-    """``rnd`` with ``p`` among its proposals (in rank order) and in its need.
-
-    Raises:
-        ShapeMismatch: ``p`` has another shape than the round (callers check first).
-    """
-    capacities = p.requirement.capacities
-    if rnd.need is None:
-        need = capacities
-    elif rnd.need.shape == capacities.shape:
-        need = join_capacities(rnd.need, capacities)
-    else:
-        # Another proof's proposal of another shape: it never joins this
-        # round's decision (round_need), so it does not join the need either.
-        need = rnd.need
-    proposals = rnd.proposals
-    at = next((i for i, q in enumerate(proposals) if q.ep_rank > p.ep_rank), len(proposals))
-    return replace(
-        rnd,
-        proposals=(*proposals[:at], p, *proposals[at:]),
-        need=need,
-        first_proof=rnd.first_proof if proposals else p.proof,
-    )
-
-
-def without_proposal(rnd: OpenRound, ep_rank: int) -> OpenRound:
-    """``rnd`` without the proposal of ``ep_rank`` (its need rebuilt; the
-    proof that opened it kept)."""
-    rest = replace(rnd, proposals=(), need=None)
-    for q in rnd.proposals:
-        if q.ep_rank != ep_rank:
-            rest = with_proposal(rest, q)
-    return replace(rest, first_proof=rnd.first_proof)
-
-
-def round_need(rnd: OpenRound) -> Capacities:
-    """The join of the capacities of ``rnd``'s proposals (one proof, one
-    shape: a round closes only so).
-
-    Raises:
-        ShapeMismatch: proposals of different shapes (callers check first).
-    """
-    need = rnd.proposals[0].requirement.capacities
-    for q in rnd.proposals[1:]:
-        need = join_capacities(need, q.requirement.capacities)
-    return need
-
-
-def record_outcome(state: GroupState, outcome: Outcome) -> GroupState:
-    """``state`` with its open round closed by ``outcome`` (kept for retries)."""
-    return replace(
-        state,
-        open_round=None,
-        last_closed_round=outcome.round,
-        closed=(*state.closed, outcome)[-RETAINED_ROUNDS:],
-    )
 
 
 def round_closed(
@@ -336,7 +237,7 @@ def refuse_round(
     """Closes ``rnd`` with a refusal (FAILED_PRECONDITION, or ``code``) for
     every rank in it."""
     refusal = Refusal(round=rnd.number, code=code, message=message)
-    state = record_outcome(state, refusal)
+    state = state.closed_by(refusal)
     kind = EventKind.ROUND_ABORTED if code is ErrorCode.ABORTED else EventKind.ROUND_REFUSED
     event = group_event(
         state,
@@ -399,34 +300,21 @@ def displace(
         Dismiss(lifetime_index, rnd.number, holder.lifetime, refusal),
         Publish(event),
     )
-    return state, without_proposal(rnd, holder.ep_rank), effects
-
-
-def _growth_cause(state: GroupState, rnd: OpenRound) -> Proposal:
-    """The proposal a growth is told as caused by: the first whose layer the
-    old plan missed."""
-    return next(
-        (
-            q
-            for q in rnd.proposals
-            if not (state.plan and state.plan.covers(q.requirement.capacities))
-        ),
-        rnd.proposals[0],
-    )
+    return state, rnd.without(holder.ep_rank), effects
 
 
 def _decided_state(
     state: GroupState, rnd: OpenRound, decision: Decision, cause: Proposal, now: float, node: str
 ) -> GroupState:
     """``state`` once ``rnd`` is decided: the plan, the counter, what the ranks
-    build, and the growth in the history."""
+    build, and the growth (told as caused by ``cause``) in the history."""
     plan = decision.plan
     history = state.history
     if decision.grew:
         growth = Growth(plan, cause.requirement.layer, cause.ep_rank, rnd.number, now, node)
         history = (*history, growth)[-MAX_HISTORY:]
-    # One copy of the group: the open round closed (as record_outcome does)
-    # together with the decision's fields.
+    # One copy of the group: the open round closed (as GroupState.closed_by
+    # does) together with the decision's fields.
     return replace(
         state,
         open_round=None,
@@ -435,7 +323,7 @@ def _decided_state(
         # The lifetime's first decided round fixes its proof (one for every slot).
         proof=rnd.proposals[0].proof if state.proof is None else state.proof,
         # So does its owner, which a restart must carry to inherit the plan (.owner).
-        owner=restart_owner(rnd.proposals) if state.proof is None else state.owner,
+        owner=rnd.owner() if state.proof is None else state.owner,
         # Every proposal of a lifetime states one release (why_cannot_join).
         release=rnd.proposals[0].release,
         plan=plan,
@@ -444,20 +332,6 @@ def _decided_state(
         built=state.built if decision.action is Action.REUSE else plan,
         history=history,
     )
-
-
-def _decided_plan(state: GroupState, rnd: OpenRound) -> Plan:
-    """The stored plan grown by ``rnd``'s need joined with what the lifetime built.
-
-    Raises:
-        ShapeMismatch: the need, the plan and the built workspace have no one shape.
-    """
-    need = round_need(rnd)
-    if state.built is not None:
-        # The lifetime's earlier layers still run on what it built: the plan
-        # must keep serving them, whatever a reset or another node did since.
-        need = join_capacities(need, state.built.capacities)
-    return grow(state.plan, need, epoch=state.epoch, last_generation=state.generation)
 
 
 def decide_round(
@@ -480,7 +354,7 @@ def decide_round(
     first) is refused, naming the shapes.
     """
     try:
-        plan = _decided_plan(state, rnd)
+        plan = state.decided_plan(rnd)
     except ShapeMismatch as error:
         # Refused here rather than raised: the round's waiting ranks must
         # hear the same answer as its last proposer, not its timeout.
@@ -490,7 +364,12 @@ def decide_round(
         )
         return refuse_round(state, rnd, p, message, now, effects)
     grew = plan is not state.plan
-    cause = _growth_cause(state, rnd)
+    # A growth is told as caused by the first proposal whose layer the old plan missed.
+    old = state.plan
+    cause = next(
+        (q for q in rnd.proposals if not (old and old.covers(q.requirement.capacities))),
+        rnd.proposals[0],
+    )
     try:
         if grew:
             limits.check_plan("plan", plan, state.ep_size)
