@@ -328,6 +328,24 @@ class GroupState:
         """The retained outcome of a closed round of the current lifetime."""
         return next((o for o in self.closed if o.round == round_number), None)
 
+    def never_ran(self) -> bool:
+        """Whether the running lifetime never ran: its round 1 closed refused
+        (a rank missing past the deadline, a stranger's proof holding a slot,
+        a plan refused), so no rank of it built anything, and it has no ranks
+        for a restart to wait for."""
+        return (
+            self.open_round is None
+            and self.last_closed_round == 1
+            and isinstance(self.outcome_of(1), Refusal)
+        )
+
+    def restart_layout(self) -> int:
+        """The local ranks the pending restart collects (its first proposal's),
+        or the running lifetime's when none is pending."""
+        if self.pending is not None and self.pending.proposals:
+            return self.pending.proposals[0].local_ranks
+        return self.local_ranks
+
     def ranks_with(self, record: RankRecord) -> tuple[RankRecord, ...]:
         """The group's ranks (in rank order) with ``record`` in place of its
         rank's earlier record: the rank's slot is replaced where it is, not

@@ -46,7 +46,6 @@ from moe_sidecar.core.policy.depart import depart
 from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
 from moe_sidecar.core.policy.recovery import replay_reuse
-from moe_sidecar.core.policy.rounds import new_group
 from moe_sidecar.core.policy.validation import validate_group_name, validate_proposal
 from moe_sidecar.core.policy.views import acknowledge_view, exclude
 
@@ -60,7 +59,6 @@ __all__ = [
     "exclude",
     "expire",
     "merge",
-    "new_group",
     "propose",
     "replay_reuse",
     "reset",

@@ -10,7 +10,6 @@ from moe_sidecar.core.errors import ErrorCode, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, Refusal
 from moe_sidecar.core.policy.events import group_event, missing_text
 from moe_sidecar.core.policy.proof import held_by_proofs_text
-from moe_sidecar.core.policy.restart import never_ran, restart_layout
 from moe_sidecar.core.policy.rounds import round_closed
 from moe_sidecar.core.policy.views import expire_view, resume_view
 
@@ -66,7 +65,7 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
     """Fails a restart past its deadline; the running lifetime goes on."""
     present = sorted(p.ep_rank for p in pending.proposals)
     running = [r for r in state.current_ranks() if r.ep_rank not in present]
-    layout = restart_layout(state)
+    layout = state.restart_layout()
     split = held_by_proofs_text(pending)
     message = (
         f"the restart of group {quote_name(state.name)} timed out after "
@@ -75,7 +74,7 @@ def _expire_restart(state: GroupState, pending: OpenRound, now: float) -> Step:
     )
     if split and len(present) >= layout:
         message += split
-    elif never_ran(state):
+    elif state.never_ran():
         message += (
             "the group's last start failed (its round 1 was refused), so nothing runs: a new "
             "start needs every local rank to propose" + (f"; {split}" if split else "")

@@ -33,7 +33,6 @@ from moe_sidecar.core.errors import InvalidArgument, PreconditionFailed, quote_n
 from moe_sidecar.core.group import GroupState
 from moe_sidecar.core.plan import ShapeMismatch
 from moe_sidecar.core.policy.events import group_event
-from moe_sidecar.core.policy.rounds import new_group
 
 __all__ = ["merge"]
 
@@ -74,7 +73,7 @@ def merge(
     check_cluster_plan(remote)
     check_cluster_plan_ceiling(remote, ceiling, state.release if state is not None else "")
     if state is None:
-        state = new_group(remote.name, remote.ep_size, remote.ep_size)
+        state = GroupState(name=remote.name, ep_size=remote.ep_size, local_ranks=remote.ep_size)
     local = cluster_plan_of(state)
     joined = _joined(local, remote, node, now)
     merged = replace(

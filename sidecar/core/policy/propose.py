@@ -42,11 +42,10 @@ from moe_sidecar.core.policy.events import gone_text, lifetime_started, requirem
 from moe_sidecar.core.policy.proof import Verdict, contest, mismatch_text, proof_text
 from moe_sidecar.core.policy.recovery import catch_up, may_catch_up
 from moe_sidecar.core.policy.rejoin import claims_running_lifetime, rejoin, rejoin_retry
-from moe_sidecar.core.policy.restart import join_restart, never_ran
+from moe_sidecar.core.policy.restart import join_restart
 from moe_sidecar.core.policy.rounds import (
     decide_round,
     displace,
-    new_group,
     refuse_proof,
     refuse_round,
     why_cannot_join,
@@ -63,24 +62,6 @@ class _Admitted:
     state: GroupState
     record: RankRecord
     effects: tuple[Effect, ...]
-
-
-def _check_layout(state: GroupState, p: Proposal) -> None:
-    """A group's EP size is part of its name: another one is refused."""
-    if p.ep_size != state.ep_size:
-        raise PreconditionFailed(
-            f"group {quote_name(p.group)} has ep_size={state.ep_size} but rank {p.ep_rank} "
-            f"proposes ep_size={p.ep_size}; the group name must change with the parallel layout"
-        )
-
-
-def _check_local_ranks(state: GroupState, p: Proposal) -> None:
-    """A running lifetime keeps its number of ranks on this node."""
-    if p.local_ranks != state.local_ranks:
-        raise PreconditionFailed(
-            f"group {quote_name(p.group)} has local_ranks={state.local_ranks} on this node but "
-            f"rank {p.ep_rank} proposes local_ranks={p.local_ranks}"
-        )
 
 
 def _accepts_newcomers(state: GroupState) -> bool:
@@ -166,7 +147,7 @@ def _admit_new_lifetime(
     taken = record is not None and record.lifetime_index == state.lifetime_index
     if taken and _held_by_other_proof(state, p):
         taken = False
-    if taken or not _accepts_newcomers(state) or never_ran(state):
+    if taken or not _accepts_newcomers(state) or state.never_ran():
         # A lifetime whose round 1 was refused ran nothing: every new
         # lifetime, of a rank that was in it or of one that never came,
         # begins the group's next start (a restart with nothing to wait for).
@@ -192,7 +173,12 @@ def _admit_known(
         return refuse_proof(
             state, p.ep_rank, p.round, mismatch_text(p.group, p.ep_rank, p.proof, why), now
         )
-    _check_local_ranks(state, p)
+    if p.local_ranks != state.local_ranks:
+        # A running lifetime keeps its number of ranks on this node.
+        raise PreconditionFailed(
+            f"group {quote_name(p.group)} has local_ranks={state.local_ranks} on this node but "
+            f"rank {p.ep_rank} proposes local_ranks={p.local_ranks}"
+        )
     if p.round <= state.last_closed_round:
         again = rejoin_retry(state, p)
         if again is not None:
@@ -386,8 +372,13 @@ def propose(
     else:
         validate_proposal(p, ceiling)
     if state is None:
-        state = new_group(p.group, p.ep_size, p.local_ranks)
-    _check_layout(state, p)
+        state = GroupState(name=p.group, ep_size=p.ep_size, local_ranks=p.local_ranks)
+    if p.ep_size != state.ep_size:
+        # A group's EP size is part of its name: another one is refused.
+        raise PreconditionFailed(
+            f"group {quote_name(p.group)} has ep_size={state.ep_size} but rank {p.ep_rank} "
+            f"proposes ep_size={p.ep_size}; the group name must change with the parallel layout"
+        )
     if record is None or record.lifetime != p.lifetime:
         admitted = _admit_new_lifetime(state, p, record, now, round_timeout, node, ceiling)
     else:

@@ -10,7 +10,7 @@ A group whose running lifetime never ran (its round 1 was refused: a rank
 missing past the deadline, a stranger's proof holding a slot) has nothing to
 wait for: every new lifetime's round 1, of a rank that was in the failed
 start or of one that never came, joins the restart, which is the group's
-next start (:func:`never_ran`).
+next start (:meth:`~moe_sidecar.core.group.GroupState.never_ran`).
 
 A restart with more local ranks than the running lifetime (its layout is
 the first proposal's) takes the group over (see :mod:`.propose`) and does not
@@ -48,27 +48,7 @@ from moe_sidecar.core.policy.rounds import (
     why_cannot_join,
 )
 
-__all__ = ["join_restart", "never_ran", "restart_layout"]
-
-
-def never_ran(state: GroupState) -> bool:
-    """Whether the group's running lifetime never ran: its round 1 closed
-    refused (a rank missing past the deadline, a stranger's proof holding a
-    slot, a plan refused), so no rank of it built anything, and it has no
-    ranks for a restart to wait for."""
-    return (
-        state.open_round is None
-        and state.last_closed_round == 1
-        and isinstance(state.outcome_of(1), Refusal)
-    )
-
-
-def restart_layout(state: GroupState) -> int:
-    """The local ranks the pending restart collects (its first proposal's),
-    or the running lifetime's when none is pending."""
-    if state.pending is not None and state.pending.proposals:
-        return state.pending.proposals[0].local_ranks
-    return state.local_ranks
+__all__ = ["join_restart"]
 
 
 def join_restart(

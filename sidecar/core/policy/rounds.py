@@ -63,17 +63,11 @@ from moe_sidecar.core.policy.proof import proof_text
 __all__ = [
     "decide_round",
     "displace",
-    "new_group",
     "refuse_proof",
     "refuse_round",
     "round_closed",
     "why_cannot_join",
 ]
-
-
-def new_group(name: str, ep_size: int, local_ranks: int) -> GroupState:
-    """An empty group: no plan, no lifetime yet."""
-    return GroupState(name=name, ep_size=ep_size, local_ranks=local_ranks)
 
 
 def round_closed(
