@@ -188,10 +188,10 @@ def test_every_manifest_parses_and_a_kustomization_lists_each() -> None:
 def test_the_base_needs_no_crd_and_optional_parts_are_components() -> None:
     # `kubectl apply -k docker/k8s` works on a cluster without the Prometheus Operator.
     base = _kustomization(K8S)
-    assert base["resources"] == ["inference-daemonset.yaml"]
+    assert base["resources"] == ["inference-daemonset.yaml", "models-pvc.yaml"]
     assert "components" not in base
     base_kinds = {d["kind"] for p, d in DOCUMENTS if p.parent == K8S}
-    assert base_kinds == {"DaemonSet", "Kustomization"}
+    assert base_kinds == {"DaemonSet", "PersistentVolumeClaim", "Kustomization"}
     components = sorted({p.parent for p in FILES if p.parent.parent == K8S / "components"})
     assert [c.name for c in components] == ["etcd-server", "etcd-store", "prometheus-operator"]
     text = (K8S / "kustomization.yaml").read_text()
@@ -206,6 +206,27 @@ def test_the_base_needs_no_crd_and_optional_parts_are_components() -> None:
         (K8S / "components" / "etcd-store").resolve(),
         (K8S / "components" / "etcd-server").resolve(),
     }
+
+
+def test_the_base_makes_the_models_claim_the_pods_mount_read_only() -> None:
+    # Without it every pod stays Pending on a claim no manifest makes.
+    claim = _one("PersistentVolumeClaim", K8S / "models-pvc.yaml")
+    [volume] = [v for v in POD["volumes"] if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"] == {
+        "claimName": claim["metadata"]["name"],
+        "readOnly": True,
+    }
+    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]  # every node's pod at once
+    # No class provisions an empty volume: it binds to the weights' volume.
+    assert claim["spec"]["storageClassName"] == ""
+    mounts = _mounts(_inference())
+    assert mounts["/models"] == volume["name"]
+    [mount] = [m for m in _inference()["volumeMounts"] if m["mountPath"] == "/models"]
+    assert mount["readOnly"] is True
+    assert _inference()["args"][0].startswith("/models/")
+    page = (REPO / "docs" / "kubernetes.md").read_text()
+    first_steps = page[: page.index("## The pod")]
+    assert "docker/k8s/models-pvc.yaml" in first_steps and "ReadOnlyMany" in first_steps
 
 
 # --- the pod --------------------------------------------------------------------------
