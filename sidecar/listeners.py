@@ -15,6 +15,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,6 +38,7 @@ __all__ = [
     "StartupError",
     "lock_socket_path",
     "not_serving_health",
+    "socket_lock_path",
     "start_coordinator_server",
     "start_health_server",
     "start_metrics",
@@ -292,6 +294,11 @@ def not_serving_health() -> HealthServicer:
     return servicer
 
 
+def socket_lock_path(socket_path: Path) -> Path:
+    """The lock file of a Unix socket: ``<socket>.lock`` beside it."""
+    return socket_path.with_name(socket_path.name + ".lock")
+
+
 def lock_socket_path(address: ListenAddress) -> int:
     """Holds ``<socket>.lock`` for the server's life, so that no second sidecar
     probes, replaces or removes this socket while this one starts or serves
@@ -306,24 +313,39 @@ def lock_socket_path(address: ListenAddress) -> int:
     path = address.unix_path
     assert path is not None
     _refuse_a_file_that_is_no_socket(address)
-    lock = path.with_name(path.name + ".lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, SOCKET_MODE)
-    except OSError as error:
-        raise StartupError(
-            f"--listen {address.target}: cannot use the socket path: {error}"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock = socket_lock_path(path)
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, SOCKET_MODE)
+        except OSError as error:
+            raise StartupError(
+                f"--listen {address.target}: cannot use the socket path: {error}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartupError(
+                f"--listen {address.target}: address already in use (another moe-sidecar serves "
+                f"or is starting on {str(path)!r}: its lock {str(lock)!r} is held); "
+                f"{_BIND_HINTS['--listen']}"
+            ) from None
+        # A sidecar that stopped removes its lock file before releasing it:
+        # a lock taken on the file it removed guards nothing, so take the
+        # file the path names now.
+        if _names_the_same_file(lock, fd):
+            return fd
         os.close(fd)
-        raise StartupError(
-            f"--listen {address.target}: address already in use (another moe-sidecar serves or "
-            f"is starting on {str(path)!r}: its lock {str(lock)!r} is held); "
-            f"{_BIND_HINTS['--listen']}"
-        ) from None
-    return fd
+
+
+def _names_the_same_file(path: Path, fd: int) -> bool:
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 async def start_coordinator_server(

@@ -41,6 +41,7 @@ from moe_sidecar.listeners import (
     StartupError,
     lock_socket_path,
     not_serving_health,
+    socket_lock_path,
     start_coordinator_server,
     start_health_server,
     start_metrics,
@@ -148,7 +149,11 @@ class RunningServer:
                 if address.unix_path is not None:
                     with contextlib.suppress(OSError):
                         address.unix_path.unlink()
-            # Released only after the socket files are gone.
+                    # Removed while still held (lock_socket_path takes only
+                    # the file the path names), so a clean stop leaves nothing.
+                    with contextlib.suppress(OSError):
+                        socket_lock_path(address.unix_path).unlink()
+            # Released only after the socket and lock files are gone.
             for fd in self._socket_locks:
                 os.close(fd)
             self._socket_locks.clear()

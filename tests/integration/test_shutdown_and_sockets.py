@@ -94,6 +94,34 @@ async def test_socket_mode_and_stale_socket(tmp_path: Path) -> None:
             await stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
 
 
+async def test_a_clean_stop_removes_the_socket_and_its_lock_and_a_restart_takes_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run" / "sidecar.sock"
+    lock = path.with_name("sidecar.sock.lock")
+    config = make_config(tmp_path, listen=(f"unix://{path}",))
+    for _ in range(2):  # the second start makes both anew
+        async with running_server(config):
+            assert stat.S_ISSOCK(path.stat().st_mode) and lock.is_file()
+            # Held while it serves: a second sidecar on the path is refused.
+            with pytest.raises(StartupError, match=r"its lock .* is held"):
+                async with running_server(make_config(tmp_path / "b", listen=config.listen)):
+                    pass
+        assert not path.exists() and not lock.exists()
+        assert sorted(p.name for p in path.parent.iterdir()) == []
+
+
+async def test_a_lock_file_a_killed_sidecar_left_is_taken_by_the_next_start(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "sidecar.sock"
+    lock = path.with_name("sidecar.sock.lock")
+    lock.write_bytes(b"")  # what a SIGKILL leaves: the file, no holder
+    async with running_server(make_config(tmp_path, listen=(f"unix://{path}",))):
+        assert lock.is_file()
+    assert not lock.exists()
+
+
 async def test_fresh_socket_directory_is_created(tmp_path: Path) -> None:
     path = tmp_path / "a" / "b" / "s.sock"
     async with running_server(make_config(tmp_path, listen=(f"unix://{path}",))):
@@ -178,6 +206,7 @@ def test_sigterm_and_sigint_drain_the_cli_server(tmp_path: Path, signum: signal.
     assert ("shutdown requested", signum.name) in messages
     assert messages[-1] == ("stopped", None)
     assert not (tmp_path / "s.sock").exists()
+    assert not (tmp_path / "s.sock.lock").exists()  # a clean stop leaves nothing beside it
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
