@@ -98,6 +98,26 @@ def key_path(directory: Path, group: str) -> Path:
     return directory / f"{hashlib.sha256(group.encode()).hexdigest()}.key"
 
 
+def _remove(command: str) -> str:
+    """The fix for a key file that must go: a new key costs one rebuild."""
+    return (
+        f"remove it ({command}); rank 0 makes a new key and the group's next restart rebuilds once"
+    )
+
+
+def _refuse_another_owner(what: str, path: Path, found: os.stat_result, fix: str) -> None:
+    """Refuses ``path`` unless this process's user owns it.
+
+    Raises:
+        UnsafeOwnerKey: naming ``path``, its owner and ``fix``.
+    """
+    user = os.geteuid()
+    if found.st_uid != user:
+        raise UnsafeOwnerKey(
+            what, path, f"is owned by uid {found.st_uid}, not this user (uid {user})", fix
+        )
+
+
 def _check_directory(directory: Path, descriptor: int) -> None:
     """Refuses the opened key directory unless this user owns it and no one
     else may write it.
@@ -106,15 +126,9 @@ def _check_directory(directory: Path, descriptor: int) -> None:
         UnsafeOwnerKey: naming the directory, what is wrong and the fix.
     """
     found = os.fstat(descriptor)
-    user = os.geteuid()
-    if found.st_uid != user:
-        raise UnsafeOwnerKey(
-            "directory",
-            directory,
-            f"is owned by uid {found.st_uid}, not this user (uid {user})",
-            f"chown {user} {directory} && chmod 700 {directory}, or set {ENV_KEY_DIR} to a "
-            "directory of this user's",
-        )
+    chown = f"chown {os.geteuid()} {directory} && chmod 700 {directory}"
+    fix = f"{chown}, or set {ENV_KEY_DIR} to a directory of this user's"
+    _refuse_another_owner("directory", directory, found, fix)
     mode = stat.S_IMODE(found.st_mode)
     if mode & _OTHERS_WRITE:
         raise UnsafeOwnerKey(
@@ -133,22 +147,8 @@ def _check_file(path: Path, found: os.stat_result) -> None:
         UnsafeOwnerKey: naming the file, what is wrong and the fix.
     """
     if not stat.S_ISREG(found.st_mode):
-        raise UnsafeOwnerKey(
-            "file",
-            path,
-            "is not a regular file",
-            f"remove it (rm -r {path}); rank 0 makes a new key and the group's next restart "
-            "rebuilds once",
-        )
-    user = os.geteuid()
-    if found.st_uid != user:
-        raise UnsafeOwnerKey(
-            "file",
-            path,
-            f"is owned by uid {found.st_uid}, not this user (uid {user})",
-            f"remove it (rm {path}); rank 0 makes a new key and the group's next restart "
-            "rebuilds once",
-        )
+        raise UnsafeOwnerKey("file", path, "is not a regular file", _remove(f"rm -r {path}"))
+    _refuse_another_owner("file", path, found, _remove(f"rm {path}"))
     mode = stat.S_IMODE(found.st_mode)
     if mode & _OTHERS_ANY:
         raise UnsafeOwnerKey(
@@ -174,11 +174,7 @@ def _read_key(directory: Path, descriptor: int, name: str) -> bytes:
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise UnsafeOwnerKey(
-                "file",
-                path,
-                "is a symbolic link",
-                f"remove it (rm {path}); rank 0 makes a new key and the group's next restart "
-                "rebuilds once",
+                "file", path, "is a symbolic link", _remove(f"rm {path}")
             ) from error
         raise
     with os.fdopen(opened, "rb") as file:
