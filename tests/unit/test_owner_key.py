@@ -93,6 +93,19 @@ def test_a_directory_of_this_user_writable_by_no_one_else_is_taken(tmp_path: Pat
     assert len(load_owner_key(GROUP, {ENV_KEY_DIR: str(directory)})) == OWNER_KEY_BYTES
 
 
+def test_a_directory_rank_0_makes_inside_a_0777_volume_is_taken(tmp_path: Path) -> None:
+    # An emptyDir (or a volume an fsGroup made group-writable) at /keys, the
+    # key directory /keys/owner: rank 0 makes it 0700, and that is what counts.
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    volume.chmod(0o777)
+    environ = {ENV_KEY_DIR: str(volume / "owner")}
+    assert len(load_owner_key(GROUP, environ)) == OWNER_KEY_BYTES
+    assert stat.S_IMODE((volume / "owner").stat().st_mode) == 0o700
+    with pytest.raises(UnsafeOwnerKey, match="writable by group or others; chmod 700"):
+        load_owner_key(GROUP, {ENV_KEY_DIR: str(volume)})
+
+
 def test_a_file_of_another_size_is_refused_and_means_no_digest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
