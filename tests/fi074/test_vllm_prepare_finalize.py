@@ -23,11 +23,13 @@ whose ``get_communication()`` returns the communication object under test.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 from typing import Any
 
 import pytest
+from packaging.version import Version
 
 pytestmark = [pytest.mark.fi074, pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -101,11 +103,29 @@ def _prepare_finalize(communication: Any) -> tuple[Any, Any]:
     return errors[0], errors[1]
 
 
+VLLM_034 = Version(importlib.metadata.version("vllm")) >= Version("0.34")
+"""vLLM 0.34's prepare passes ``runtime_max_tokens_per_rank=``, 0.33's ``max_tokens_per_rank=``."""
+
+
+@pytest.mark.skipif(VLLM_034, reason="vLLM 0.33's keyword; 0.34's counterpart below")
 def test_flashinfer_0_7_4_refuses_vllm_0_33s_dispatch_keyword() -> None:
     base = importlib.import_module("flashinfer.moe_ep").NVLinkOneSidedAlltoAll
     dispatch_error, combine_error = _prepare_finalize(_unbuilt(base))
     assert isinstance(dispatch_error, TypeError)
     assert "max_tokens_per_rank" in str(dispatch_error)
+    # finalize's combine(expert_output, output=) binds: FlashInfer's own check speaks.
+    assert isinstance(combine_error, RuntimeError)
+    assert "combine called before dispatch" in str(combine_error)
+
+
+@pytest.mark.skipif(not VLLM_034, reason="vLLM 0.34's keyword; 0.33's counterpart above")
+def test_flashinfer_0_7_4_takes_vllm_0_34s_dispatch_keyword() -> None:
+    base = importlib.import_module("flashinfer.moe_ep").NVLinkOneSidedAlltoAll
+    dispatch_error, combine_error = _prepare_finalize(_unbuilt(base))
+    # vLLM 0.34 names it runtime_max_tokens_per_rank: FlashInfer's own check
+    # receives a1.shape[0]=8 and refuses it by name, no keyword mismatch.
+    assert isinstance(dispatch_error, ValueError)
+    assert f"runtime_max_tokens_per_rank={TOKENS} must be in (0, {CAPACITY}]" in str(dispatch_error)
     # finalize's combine(expert_output, output=) binds: FlashInfer's own check speaks.
     assert isinstance(combine_error, RuntimeError)
     assert "combine called before dispatch" in str(combine_error)

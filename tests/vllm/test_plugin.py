@@ -26,6 +26,7 @@ from moe_sidecar.client.engines.vllm.plugin import (
 )
 from moe_sidecar.client.engines.vllm.sizing import Generation
 from moe_sidecar.core.errors import InvalidArgument
+from tests.vllm.conftest import vllm_release
 
 # Eight vLLM interpreters at once: 200 s measured on 2 shared cores.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -74,8 +75,12 @@ if sentinel is not None:
         data_parallel_size=2,
         data_parallel_master_ip="127.0.0.1",
         all2all_backend="flashinfer_nvlink_one_sided",
+        # vLLM 0.34's sentinel also refuses PCP > 1 and an MoE draft model:
+        prefill_context_parallel_size=1,
     )
-    sentinel.WorkerSentinel(SimpleNamespace(parallel_config=settings))
+    sentinel.WorkerSentinel(
+        SimpleNamespace(parallel_config=settings, vllm_config=SimpleNamespace(speculative_config=None))
+    )
     out["sentinel_accepts_ours"] = True
 print("{MARK}" + json.dumps(out), flush=True)
 """
@@ -148,7 +153,13 @@ def test_enabled_replaces_the_class_with_a_subclass_and_logs_one_line(
     assert result["generation"] == "vLLM 0.33"
     assert result["prepare_finalize_binds_ours"]
     [line] = _line(text)
-    assert "vLLM 0.33.0's FlashInferNVLinkOneSidedManager replaced by moe_sidecar's" in line
+    assert (
+        f"vLLM {vllm_release()}'s FlashInferNVLinkOneSidedManager replaced by moe_sidecar's" in line
+    )
+    assert (
+        "initialize() takes dispatch_format and extra_payload_bytes_per_token, as since vLLM 0.33"
+        in line
+    )
     assert f"{mode} mode" in line
     assert "INFO" in line  # vLLM's own format: it went through vLLM's handler
     if mode == "sidecar":

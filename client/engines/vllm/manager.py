@@ -290,6 +290,11 @@ class WorkspaceManager(AlltoAllManager):
             list(view.members),
         )
 
+    @property
+    def adopted_view(self) -> AdoptedView | None:
+        """The membership view every step runs under (None: none adopted)."""
+        return self._views.adopted
+
     def update_mask(self, rank: int, masked: bool = True) -> None:
         """vLLM 0.34's retry (and ``scale_down``, which runs it) after
         :meth:`clean_buffers`: EP rank ``rank`` is in vLLM's dead set. Accepted
@@ -304,7 +309,7 @@ class WorkspaceManager(AlltoAllManager):
                 :meth:`rejoin`), no view adopted, or the adopted view still
                 counts ``rank`` a member; the message names the rank and the view.
         """
-        adopted = self._views.adopted
+        adopted = self.adopted_view
         view = None if adopted is None else (adopted.number, adopted.members)
         check_update_mask(self.group, rank, masked, self.ep_size, view)
         _log.info(
