@@ -41,17 +41,9 @@ def prop(
     owner: str = "",
     local_ranks: int = LOCAL,
 ) -> Proposal:
-    return Proposal(
-        group=GROUP,
-        ep_size=LOCAL,
-        ep_rank=rank,
-        local_ranks=local_ranks,
-        lifetime=f"life-{rank}",
-        round=1,
-        requirement=Requirement(caps(tokens, top_k), "l0"),
-        proof=proof,
-        owner=owner,
-    )
+    """Rank ``rank``'s round-1 proposal at layer l0."""
+    need = Requirement(caps(tokens, top_k), "l0")
+    return Proposal(GROUP, LOCAL, rank, local_ranks, f"life-{rank}", 1, need, proof, owner=owner)
 
 
 def opened(*proposals: Proposal) -> OpenRound:
