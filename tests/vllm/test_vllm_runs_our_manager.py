@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.version import Version
 
 from moe_sidecar.flashinfer.v0_7_2_post1 import workspace_size_per_rank
 from tests.multiprocess.harness import Sidecar, free_port, run_ranks, running_sidecar
+from tests.vllm.conftest import vllm_release
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -127,6 +129,10 @@ def test_vllm_code_against_the_manager(mode: str, tmp_path: Path) -> None:
         assert value["after_prepare_finalize"] == v033_builds[-1] and value["same_communication"]
         assert value["prepare_shapes"] == [[EP * 96, 6144], None, [EP * 96, 4]]
         assert value["finalize_error"] == 0.0
+        # vLLM 0.34: the combine input buffer of [ep * tokens, hidden]; 0.33: none asked.
+        assert value["fused_output_buffer"] == (
+            [EP * 96, 6144] if Version(vllm_release()) >= Version("0.34") else None
+        )
         assert value["live_after_cleanup"] == 0
 
     if mode == "sidecar":

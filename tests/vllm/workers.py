@@ -284,9 +284,12 @@ def vllm_rank(rank: int, world_size: int, dp_port: int, mode: str) -> dict[str, 
 
 
 def _v033(rank: int, world_size: int, vllm_config: Any) -> dict[str, Any]:
-    """vLLM 0.33's capacity contract on vLLM's EP group, then vLLM 0.33's own
-    prepare/finalize (the class that asserts ``isinstance``) dispatching and
-    combining a bf16 layer through ``get_communication()``."""
+    """vLLM 0.33's capacity contract on vLLM's EP group, then the installed
+    vLLM's own prepare/finalize (the class that asserts ``isinstance``; 0.33's
+    or 0.34's, whose ``prepare`` passes ``runtime_max_tokens_per_rank=``)
+    dispatching and combining a bf16 layer through ``get_communication()``,
+    the expert output written where ``allocate_fused_expert_output`` says
+    (vLLM 0.34's combine input buffer; the base class's None on 0.33)."""
     from vllm.distributed.device_communicators.all2all import FlashInferNVLinkOneSidedManager
     from vllm.distributed.parallel_state import get_ep_group
     from vllm.forward_context import get_forward_context, set_forward_context
@@ -358,6 +361,19 @@ def _v033(rank: int, world_size: int, vllm_config: Any) -> dict[str, Any]:
             owned = (recv_ids >= rank * per_rank) & (recv_ids < (rank + 1) * per_rank)
             factor = (recv_weights * owned.float()).sum(dim=-1, keepdim=True)
             expert_output = (recv_x.float() * factor).to(torch.bfloat16)
+            # vLLM 0.34's modular kernel asks its prepare/finalize for the
+            # expert output buffer (modular_kernel.py, _allocate_buffers): the
+            # one-sided one hands out get_combine_input_buffer()'s, shape-checked.
+            buffer = prepare_finalize.allocate_fused_expert_output(
+                tuple(expert_output.shape),
+                torch.bfloat16,
+                expert_output.device,
+                TopKWeightAndReduceNoOP(),
+            )
+            out["fused_output_buffer"] = None if buffer is None else list(buffer.shape)
+            if buffer is not None:
+                buffer.copy_(expert_output)
+                expert_output = buffer
             output = torch.empty(tokens, hidden, dtype=torch.bfloat16)
             prepare_finalize.finalize(
                 output, expert_output, topk_weights, topk_ids, False, TopKWeightAndReduceNoOP()
