@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe_sidecar.client.simulate.records import PEER_LOSS_POLICIES
 from moe_sidecar.core.defaults import ENV_TARGET
 
 __all__ = ["add_command"]
@@ -45,6 +46,41 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="with --nodes: the etcd the started sidecars share, "
         "etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
+    )
+
+
+def _add_death_arguments(parser: argparse.ArgumentParser) -> None:
+    """A death asked for, and what the survivors do about it."""
+    parser.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="kill rank R (SIGKILL) in the step of round --at-round, and show what each "
+        "survivor did: the line its library printed, how long after the kill, and under "
+        "mask the view committed and the steps run under it",
+    )
+    parser.add_argument(
+        "--at-round",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --kill-rank: the round (1 = the first layer) whose step the kill falls in "
+        "(default 2)",
+    )
+    parser.add_argument(
+        "--on-peer-loss",
+        choices=PEER_LOSS_POLICIES,
+        default=None,
+        help="MOE_SIDECAR_ON_PEER_LOSS in the ranks: what a survivor does when a peer dies "
+        "(default: the environment's, else exit)",
+    )
+    parser.add_argument(
+        "--loss-wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long the survivors of a death are given to act on it (default 10)",
     )
 
 
@@ -115,5 +151,6 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         description="run a model's MoE layers on N CPU ranks against a sidecar (needs the client extra)",
     )
     _add_run_arguments(parser)
+    _add_death_arguments(parser)
     _add_limit_arguments(parser)
     parser.set_defaults(run=_run)

@@ -6,22 +6,28 @@ backend (the rounds, builds, rebuilds and commits of an inference server's
 start-up) and, where it is cheap, runs a real dispatch and combine whose
 result is checked exactly: that is what fails with ``workspace insufficient
 for combine payload region`` when a workspace is too small. What happens goes
-to the parent through a queue.
+to the parent through a pipe of its own, each message written before the
+call returns: a rank that a peer-loss policy ends with ``os._exit`` loses
+nothing it sent. Its stderr goes to a file the parent reads (the line the
+library prints about a dead peer is there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
 from moe_sidecar.client import WorkspaceManager
-from moe_sidecar.client.backends.reference import expert_owner
 from moe_sidecar.client.errors import CoordinatorError
+from moe_sidecar.client.simulate.kill_round import run_kill_round
 from moe_sidecar.client.simulate.presets import MoeLayer
 from moe_sidecar.client.simulate.records import (
     RankReport,
@@ -30,54 +36,11 @@ from moe_sidecar.client.simulate.records import (
     SimulatedRankFailure,
     SimulationConfig,
 )
-from moe_sidecar.core.defaults import EMBEDDED
+from moe_sidecar.client.simulate.steps import exchange
+from moe_sidecar.core.defaults import EMBEDDED, ENV_ON_PEER_LOSS
 from moe_sidecar.core.errors import quote_name
 
 __all__ = ["rank_main"]
-
-
-def _exchange(manager: WorkspaceManager, layer: MoeLayer, tokens: int, seed: int) -> float:
-    """Dispatch, expert compute and combine of ``tokens`` tokens per rank.
-
-    Each token carries one small integer ``v`` in its hidden states; an
-    expert multiplies it by the token's routing weight, so the combined
-    result must be exactly ``v * sum(weights)`` in every column. Returns the
-    largest difference (0.0 when exact).
-    """
-    a2a = manager.moe_alltoall
-    assert a2a is not None
-    g = torch.Generator().manual_seed(seed * 1009 + manager.ep_rank)
-    # Values and weights small enough that every product is exact in bf16.
-    values = torch.randint(1, 16, (tokens,), generator=g)
-    ids = (
-        torch.rand(tokens, layer.num_experts, generator=g)
-        .topk(layer.top_k, dim=1)
-        .indices.to(torch.int32)
-    )
-    weights = torch.randint(1, 3, (tokens, layer.top_k), generator=g).to(torch.float32)
-    if layer.quant == "nvfp4":
-        x = values.to(torch.uint8)[:, None].expand(tokens, layer.x_bytes_per_token).contiguous()
-        x_sf = torch.randint(
-            0, 256, (tokens, layer.x_sf_bytes_per_token), generator=g, dtype=torch.uint8
-        )
-        payloads = [x, x_sf, ids, weights]
-    else:
-        x = values.to(torch.bfloat16)[:, None].expand(tokens, layer.hidden_size).contiguous()
-        payloads = [x, ids, weights]
-    received = a2a.dispatch(ids, payloads, tokens)
-    token_values = received[0][..., 0].to(torch.float32)
-    mine = expert_owner(received[-2], layer.num_experts, manager.ep_size) == manager.ep_rank
-    factor = (received[-1] * mine).sum(dim=-1)
-    expert_out = (
-        (token_values * factor)[..., None]
-        .expand(manager.ep_size, tokens, layer.hidden_size)
-        .to(torch.bfloat16)
-        .contiguous()
-    )
-    output = torch.empty(tokens, layer.hidden_size, dtype=torch.bfloat16)
-    manager.combine_into(expert_out, tokens, output)
-    expected = (values.to(torch.float32) * weights.sum(dim=-1))[:, None]
-    return float((output.to(torch.float32) - expected).abs().max())
 
 
 def _checked_exchange(manager: WorkspaceManager, layer: MoeLayer, tokens: int, seed: int) -> None:
@@ -86,7 +49,7 @@ def _checked_exchange(manager: WorkspaceManager, layer: MoeLayer, tokens: int, s
     Raises:
         RuntimeError: the combined result is off.
     """
-    error = _exchange(manager, layer, tokens, seed)
+    error = exchange(manager, layer, tokens, seed)
     if error != 0.0:
         raise RuntimeError(
             f"dispatch+combine of layer {quote_name(layer.name)} on rank {manager.ep_rank}: the "
@@ -161,8 +124,12 @@ def _report(manager: WorkspaceManager, ep_rank: int, checked: list[str]) -> Rank
     )
 
 
-def _run_rank(ep_rank: int, config: SimulationConfig, events: Any, target: str | None) -> None:
-    """Runs the model's layers on this rank and sends its report (rank 0: every round too).
+def _run_rank(
+    ep_rank: int, config: SimulationConfig, channel: Connection, target: str | None
+) -> bool:
+    """Runs the model's layers on this rank and sends its report (rank 0: every
+    round too); True when a peer was killed and this survivor reported on it
+    instead (the group is broken: no teardown that would wait for the dead).
 
     Raises:
         RuntimeError: a dispatch+combine check was not exact.
@@ -180,21 +147,40 @@ def _run_rank(ep_rank: int, config: SimulationConfig, events: Any, target: str |
     checked: list[str] = []
     for index, layer in enumerate(config.model.layers):
         record = _initialize_layer(manager, config, layer)
+        if ep_rank == 0:
+            channel.send(record)  # sent at once: a failure after it leaves the round counted
         if config.check and record.action != "reuse":
             # Every rank takes the same branch, so the collective exchange matches up.
             _checked_exchange(manager, layer, config.max_tokens, seed=index)
             checked.append(layer.name)
-        if ep_rank == 0:
-            events.put(record)
+        if config.kill_rank is not None and record.round == config.kill_round:
+            run_kill_round(manager, config, layer, record.round, channel.send)
+            with contextlib.suppress(CoordinatorError):  # the dead rank's round may be refused
+                manager.cleanup()
+            return True
     if config.check:
         checked.extend(_check_every_shape(manager, config))
     report = _report(manager, ep_rank, checked)
     manager.cleanup()
-    events.put(report)
+    channel.send(report)
+    return False
+
+
+def _stderr_to(path: str) -> None:
+    """This process's stderr (file descriptor 2, and so ``sys.stderr``) into ``path``."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def rank_main(
-    ep_rank: int, config: SimulationConfig, init_method: str, events: Any, target: str | None
+    ep_rank: int,
+    config: SimulationConfig,
+    init_method: str,
+    channel: Connection,
+    target: str | None,
+    stderr_path: str,
 ) -> None:
     """A rank process: joins the gloo group at ``init_method``, runs the layers, reports.
 
@@ -203,6 +189,9 @@ def rank_main(
     Raises:
         SystemExit: with status 1, after any failure.
     """
+    _stderr_to(stderr_path)
+    if config.on_peer_loss is not None:
+        os.environ[ENV_ON_PEER_LOSS] = config.on_peer_loss  # read by the manager's watcher
     # N ranks share a small machine; one intra-op thread each avoids thrashing.
     torch.set_num_threads(1)
     try:
@@ -213,18 +202,20 @@ def rank_main(
             world_size=config.ranks,
             timeout=timedelta(seconds=config.timeout),
         )
-        try:
-            events.put(RankStarted(ep_rank))
-            _run_rank(ep_rank, config, events, target)
-        finally:
-            dist.destroy_process_group()
+        channel.send(RankStarted(ep_rank))
+        if _run_rank(ep_rank, config, channel, target):
+            # A peer is dead: tearing the process group down could wait for it.
+            sys.stderr.flush()
+            os._exit(0)
+        dist.destroy_process_group()
     except BaseException as error:
-        events.put(
+        channel.send(
             SimulatedRankFailure(
                 ep_rank=ep_rank,
                 error_type=type(error).__name__,
                 message=str(error),
                 traceback="" if isinstance(error, CoordinatorError) else traceback.format_exc(),
+                at=time.monotonic(),
             )
         )
         raise SystemExit(1) from None

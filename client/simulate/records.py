@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moe_sidecar.client.simulate.death import DeathReport
 from moe_sidecar.client.simulate.presets import ModelPreset
 from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET
 from moe_sidecar.core.group import Growth
@@ -20,6 +21,7 @@ from moe_sidecar.core.limits import MAX_EP_SIZE
 __all__ = [
     "MAX_NODES",
     "NODE_NAMES",
+    "PEER_LOSS_POLICIES",
     "NodeView",
     "RankReport",
     "RankStarted",
@@ -33,6 +35,8 @@ __all__ = [
 MAX_NODES = 4
 """Sidecars ``--nodes`` may start."""
 NODE_NAMES = tuple(f"node-{letter}" for letter in "abcd")
+PEER_LOSS_POLICIES = ("exit", "raise", "mask", "wait")
+"""What ``--on-peer-loss`` may set ``MOE_SIDECAR_ON_PEER_LOSS`` to in the ranks."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,14 @@ class SimulationConfig:
     """Sidecars to start on ``store`` and split the ranks between (1: none started)."""
     store: str = ""
     """The etcd URL the started sidecars share (``nodes`` > 1)."""
+    kill_rank: int | None = None
+    """The rank the parent kills with SIGKILL in round ``kill_round`` (None: no kill)."""
+    kill_round: int = 0
+    """The round (1-based) in whose step ``kill_rank`` is killed."""
+    on_peer_loss: str | None = None
+    """``MOE_SIDECAR_ON_PEER_LOSS`` in the ranks (None: as the environment says)."""
+    loss_wait: float = 10.0
+    """Seconds the survivors of a death are given to act on it."""
 
     def __post_init__(self) -> None:
         """Checks every value against its range.
@@ -94,6 +106,37 @@ class SimulationConfig:
                 "started sidecars share (e.g. run `etcd --data-dir /tmp/etcd` and pass "
                 "--store etcd://127.0.0.1:2379/moe-simulate)"
             )
+        self._check_death()
+
+    def _check_death(self) -> None:
+        """Checks the flags of a requested death.
+
+        Raises:
+            ValueError: a value out of range, named with the flag that set it.
+        """
+        if self.on_peer_loss is not None and self.on_peer_loss not in PEER_LOSS_POLICIES:
+            raise ValueError(
+                f"--on-peer-loss {self.on_peer_loss!r}: must be one of "
+                + ", ".join(PEER_LOSS_POLICIES)
+            )
+        if not 0 < self.loss_wait <= 3600:
+            raise ValueError(f"--loss-wait {self.loss_wait}: must be in (0, 3600] seconds")
+        if self.kill_rank is None:
+            if self.kill_round:
+                raise ValueError(f"--at-round {self.kill_round}: needs --kill-rank")
+            return
+        if self.ranks < 2:
+            raise ValueError(
+                f"--kill-rank {self.kill_rank}: needs --ranks 2 or more (a survivor to watch)"
+            )
+        if not 0 <= self.kill_rank < self.ranks:
+            raise ValueError(f"--kill-rank {self.kill_rank}: must be in [0, {self.ranks - 1}]")
+        layers = len(self.model.layers)
+        if not 1 <= self.kill_round <= layers:
+            raise ValueError(
+                f"--at-round {self.kill_round}: must be in [1, {layers}] "
+                f"({self.model.name} has {layers} MoE layers, one round each)"
+            )
 
     @property
     def embedded(self) -> bool:
@@ -103,6 +146,10 @@ class SimulationConfig:
     def node_of(self, ep_rank: int) -> int:
         """The node (0-based) whose sidecar rank ``ep_rank`` talks to: contiguous blocks."""
         return ep_rank * self.nodes // self.ranks
+
+    def node_name(self, ep_rank: int) -> str:
+        """The name of ``ep_rank``'s node (``node-a``, ...); "" without ``--nodes``."""
+        return NODE_NAMES[self.node_of(ep_rank)] if self.nodes > 1 else ""
 
     def local_ranks(self, ep_rank: int) -> int:
         """How many ranks share ``ep_rank``'s node."""
@@ -151,6 +198,8 @@ class SimulatedRankFailure:
     error_type: str
     message: str
     traceback: str
+    at: float = 0.0
+    """When it was raised (CLOCK_MONOTONIC, which the parent shares)."""
 
 
 @dataclass(frozen=True)
@@ -184,13 +233,28 @@ class SimulationResult:
     sidecar_history: list[Growth] = field(default_factory=list)
     nodes: list[NodeView] = field(default_factory=list)
     """Each started node's view of the group (``--nodes``)."""
-    startup_seconds: float = 0.0
+    startup_seconds: float | None = None
+    """Seconds until every rank was up (None: not every rank came up)."""
     wall_seconds: float = 0.0
+    total_rounds: int = 0
+    """The model's MoE layers: the rounds of a whole run."""
+    kill_rank: int | None = None
+    """The rank asked to be killed (``--kill-rank``), None: none."""
+    kill_round: int = 0
+    death: DeathReport | None = None
+    """A rank that died during the run (asked for or not) and what its survivors did."""
+    stderr: dict[int, str] = field(default_factory=dict)
+    """What each rank wrote on its stderr, the lines of the death report left out."""
 
     @property
     def ok(self) -> bool:
-        """Every rank reported, and nothing failed."""
-        return not self.failures and not self.error and len(self.reports) == self.ranks
+        """Every rank reported and nothing failed; with a death asked for, every
+        survivor acted as its policy says."""
+        if self.failures or self.error:
+            return False
+        if self.death is not None:
+            return self.death.requested and self.death.every_survivor_acted
+        return len(self.reports) == self.ranks
 
     @property
     def nodes_agree(self) -> bool:
@@ -213,6 +277,7 @@ class SimulationResult:
         document.update(
             ok=self.ok, builds=self.builds, rebuilds=self.rebuilds, nodes_agree=self.nodes_agree
         )
+        document["stderr"] = {str(rank): text for rank, text in self.stderr.items()}
         return document
 
 

@@ -27,6 +27,16 @@ from moe_sidecar.client.simulate.summary import format_summary, list_models
 
 __all__ = ["run_cli"]
 
+_DEFAULT_KILL_ROUND = 2
+"""The round whose step ``--kill-rank`` kills in without ``--at-round``."""
+
+
+def _kill_round(args: argparse.Namespace) -> int:
+    """``--at-round``; 2 by default with ``--kill-rank``, 0 (none) without."""
+    if args.at_round is not None:
+        return int(args.at_round)
+    return _DEFAULT_KILL_ROUND if args.kill_rank is not None else 0
+
 
 def run_cli(args: argparse.Namespace) -> int:
     """The ``moe-sidecar simulate`` command, on flags parsed by ``moe_sidecar.cli``.
@@ -56,6 +66,10 @@ def run_cli(args: argparse.Namespace) -> int:
             check=args.check,
             nodes=args.nodes,
             store=args.store or "",
+            kill_rank=args.kill_rank,
+            kill_round=_kill_round(args),
+            on_peer_loss=args.on_peer_loss,
+            loss_wait=args.loss_wait,
         )
     except ValueError as error:
         print(f"moe-sidecar simulate: {error}", file=sys.stderr)
@@ -67,6 +81,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print("moe-sidecar simulate: interrupted", file=sys.stderr)
         return 130
     ok = result.ok and result.nodes_agree
+    for rank, text in sorted(result.stderr.items()):
+        # What the ranks wrote on stderr (warnings, tracebacks), once the run is over.
+        sys.stderr.write("".join(f"rank {rank}: {line}\n" for line in text.splitlines()))
     if args.json:
         print(json.dumps(result.as_json(), indent=2))
         if not ok:

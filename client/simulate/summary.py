@@ -5,6 +5,7 @@ Pure: it reads a :class:`SimulationResult` and returns text.
 
 from __future__ import annotations
 
+from moe_sidecar.client.simulate.death import SurvivorOutcome
 from moe_sidecar.client.simulate.presets import MODELS
 from moe_sidecar.client.simulate.records import RoundRecord, SimulationResult
 from moe_sidecar.flashinfer.v0_7_2_post1 import capacities_workspace_bytes
@@ -111,20 +112,98 @@ def _history_lines(result: SimulationResult) -> list[str]:
     return lines
 
 
+_SAID_BY_THE_ACTION = ("ended (status 75)", "ended (status 0)")
+"""The exits of a survivor that acted: by its policy's exit, or after its report."""
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.3f} s" if value is not None else "never"
+
+
+def _survivor_lines(survivor: SurvivorOutcome, dead: int) -> list[str]:
+    where = f" ({survivor.node})" if survivor.node else ""
+    when = f", {survivor.after:.3f} s after the death" if survivor.after is not None else ""
+    # How it ended, where the action does not say it already.
+    ended = "" if survivor.exit in _SAID_BY_THE_ACTION else f"; {survivor.exit}"
+    lines = [f"  rank {survivor.ep_rank}{where}: {survivor.action}{when}{ended}"]
+    if survivor.detail:
+        lines.append(f"    {survivor.detail}")
+    if survivor.line:
+        lines.append(f"    the library printed: {survivor.line}")
+    if survivor.step_error:
+        lines.append(
+            f"    its combine raised {_seconds(survivor.step_error_after)} after the death: "
+            f"{survivor.step_error}"
+        )
+    if survivor.view_number:
+        members = ", ".join(str(m) for m in survivor.view_members)
+        lines.append(
+            f"    view {survivor.view_number} committed {_seconds(survivor.view_after)} after "
+            f"the death: members {members} (mask {survivor.view_mask:#b})"
+        )
+    for step in survivor.steps:
+        verdict = "exact" if step.max_error == 0.0 else f"off by {step.max_error}"
+        lines.append(
+            f"    step {step.step} under the mask: {verdict}; {step.dropped} of {step.copies} "
+            f"token copies (to rank {dead}'s experts) dropped, not re-routed"
+        )
+    return lines
+
+
+def _death_lines(result: SimulationResult) -> list[str]:
+    death = result.death
+    if death is None:
+        if result.kill_rank is None:
+            return []
+        return [
+            f"rank {result.kill_rank} was not killed: the run ended before the step of round "
+            f"{result.kill_round}"
+        ]
+    where = f" ({death.node})" if death.node else ""
+    if death.requested:
+        how = f"{death.how} ({death.signal})" if death.signal else death.how
+        what = f"rank {death.ep_rank}{where} {how} in round {death.round}, {death.where}"
+    else:
+        what = f"rank {death.ep_rank}{where} exited ({death.how}), not asked for"
+    lines = [f"death: {what}; MOE_SIDECAR_ON_PEER_LOSS={death.policy} in the survivors"]
+    for survivor in death.survivors:
+        lines.extend(_survivor_lines(survivor, death.ep_rank))
+    if death.every_survivor_acted:
+        lines.append(f"every survivor did what MOE_SIDECAR_ON_PEER_LOSS={death.policy} says")
+    else:
+        missed = ", ".join(str(s.ep_rank) for s in death.survivors if not s.acted)
+        lines.append(
+            f"NOT every survivor did what MOE_SIDECAR_ON_PEER_LOSS={death.policy} says: "
+            f"rank(s) {missed}"
+        )
+    return lines
+
+
 def format_summary(result: SimulationResult) -> str:
-    """The summary printed at the end of a run."""
+    """The summary printed at the end of a run.
+
+    A run that failed before every rank was up has nothing to sum up: only
+    its failure.
+    """
+    verdict = "OK" if result.ok and result.nodes_agree else "FAILED"
+    if result.startup_seconds is None:
+        return "\n".join(["", *_failure_lines(result), verdict]) + "\n"
     reuses = len(result.rounds) - result.builds - result.rebuilds
+    rounds = str(len(result.rounds))
+    if len(result.rounds) < result.total_rounds:
+        rounds += f" of {result.total_rounds}"
     lines = [
         "",
         *_failure_lines(result),
-        f"rounds: {len(result.rounds)}   builds: {result.builds}   rebuilds: "
+        *_death_lines(result),
+        f"rounds: {rounds}   builds: {result.builds}   rebuilds: "
         f"{result.rebuilds}   reuses: {reuses}",
         *_workspace_lines(result),
         *_growth_lines(result),
         *_node_lines(result),
         *_history_lines(result),
         f"wall time: {result.wall_seconds:.1f} s (ranks up after {result.startup_seconds:.1f} s)",
-        "OK" if result.ok and result.nodes_agree else "FAILED",
+        verdict,
     ]
     return "\n".join(lines) + "\n"
 
