@@ -111,7 +111,8 @@ def _physical(logical: torch.Tensor, state: Any) -> torch.Tensor:
     token = torch.arange(logical.shape[0], dtype=torch.int64)[:, None].expand_as(logical)
     hashed = (token * KNUTH_MULTIPLIER) & 0xFFFFFFFF
     ids = logical.to(torch.int64)
-    return l2p[ids, hashed % count[ids]].to(torch.int32)
+    physical: torch.Tensor = l2p[ids, hashed % count[ids]].to(torch.int32)
+    return physical
 
 
 def _step(manager: Any, state: Any, rank: int, world: int, seed: int) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
 def test_vllms_scale_down_recovers_through_the_masked_path(
     sidecar: Sidecar, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
 
     group = "vllm-ft:bf16/tp1-ep4/pp0"
     monkeypatch.setenv("FT_DP_PORT", str(free_port()))
