@@ -6,7 +6,9 @@ point, :func:`register`), ``sizing`` (each vLLM generation's arguments as
 capacities), ``naming`` (the group name from vLLM's config), ``settings``
 (the environment variables the room reads), ``fault_tolerance`` (vLLM
 0.33's fault-tolerance hooks: its backend set, the support decision, the
-mask in vLLM's convention). Importing this package loads
+mask in vLLM's convention; vLLM 0.34's ``update_mask`` against the view),
+``releases`` (which FlashInfer release each vLLM release is served on,
+checked at plugin load). Importing this package loads
 nothing of torch or vLLM; the manager's module is imported when
 :class:`WorkspaceManager` is first used.
 """
