@@ -31,8 +31,12 @@ secret and broadcasts it over the same CPU group, so every rank of the
 lifetime sends the same proof and no process outside the group holds it.
 The same broadcast carries the group's owner key, which rank 0 keeps on disk
 (:mod:`moe_sidecar.client.owner_key`; zeros: rank 0 has none).
-The broadcast runs in flight (:class:`SecretShare`) so that a rank can wait
-for it and for its sidecar at once (:mod:`moe_sidecar.client.first_round`).
+Where no one stated how many ranks of the group run on each node, the
+ranks count them in the same exchange: one ``all_gather`` of a digest of
+each rank's hostname, started with the broadcast. Both run in flight
+(:class:`SecretShare`) so that a rank can wait for them and for its sidecar
+at once (:mod:`moe_sidecar.client.first_round`): no collective before a
+rank's first proposal waits longer than the sidecar's round timeout.
 
 Every collective here runs on the group passed in, never the world: ranks of
 other EP groups (other pipeline stages) are not involved.
@@ -41,7 +45,10 @@ other EP groups (other pipeline stages) are not involved.
 from __future__ import annotations
 
 import functools
+import hashlib
 import secrets
+import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import cast
@@ -84,6 +91,9 @@ class GroupSecrets:
     """The lifetime's group proof, as hex digits."""
     owner_key: bytes | None
     """The group's owner key (None: rank 0 has none)."""
+    local_ranks: int = 0
+    """Ranks of the group on this rank's host, counted in the same exchange
+    (0: not counted, as it was stated)."""
 
 
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacities))
@@ -275,21 +285,37 @@ def agree_round(
     return _ACTIONS[max(v[_ACTION] for v in values)], plan
 
 
+def _host_digest() -> int:
+    """This host's name as a signed 64-bit number (the first 8 bytes of its
+    SHA-256): ranks with equal digests run on one node."""
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
 class SecretShare:
     """The group's proof on its way: rank 0 of ``group`` draws
     :data:`GROUP_SECRET_BYTES` random bytes and broadcasts them over
     ``group``, followed by ``owner_key`` (rank 0's; zeros for None), in one
-    collective, started here without waiting; every rank must start it at
-    the same point.
+    collective, started here without waiting; with ``count_hosts``, an
+    all-gather of each rank's host digest is started first, to count the
+    ranks of each node. Every rank must start the same at the same point.
 
     Raises:
-        RuntimeError: the broadcast could not be started.
+        RuntimeError: a collective could not be started.
         InvalidArgument: ``owner_key`` is not 32 bytes.
     """
 
-    def __init__(self, group: dist.ProcessGroup, owner_key: bytes | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, owner_key: bytes | None = None, *, count_hosts: bool = False
+    ) -> None:
         if owner_key is not None and len(owner_key) != _OWNER_KEY_BYTES:
             raise InvalidArgument(f"an owner key is {_OWNER_KEY_BYTES} bytes, not {len(owner_key)}")
+        works: list[dist.Work] = []
+        self._hosts: list[torch.Tensor] = []
+        if count_hosts:
+            mine = torch.tensor([_host_digest()], dtype=torch.int64)
+            self._hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            works.append(_started(dist.all_gather(self._hosts, mine, group=group, async_op=True)))
         if dist.get_rank(group) == 0:
             key = owner_key or bytes(_OWNER_KEY_BYTES)
             data = list(secrets.token_bytes(GROUP_SECRET_BYTES) + key)
@@ -297,49 +323,85 @@ class SecretShare:
         else:
             drawn = torch.zeros(GROUP_SECRET_BYTES + _OWNER_KEY_BYTES, dtype=torch.uint8)
         self._drawn = drawn
-        work = dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group, async_op=True)
-        assert work is not None, "an async_op broadcast returns its work"
-        self._work = work
-
-        self._ended = self._work.get_future()
+        self._rank = dist.get_rank(group)
+        source = dist.get_global_rank(group, 0)
+        works.append(_started(dist.broadcast(drawn, src=source, group=group, async_op=True)))
+        self._works = works
+        self._ended = [work.get_future() for work in works]
 
     def on_done(self, callback: Callable[[], None]) -> None:
-        """Calls ``callback`` (from another thread) once the broadcast ended, well or not."""
-        self._ended.add_done_callback(lambda _: callback())
+        """Calls ``callback`` once (from another thread) when the exchange
+        ended: every collective of it done, or one failed."""
+        lock = threading.Lock()
+        called = False
+
+        def one_ended(_: object) -> None:
+            nonlocal called
+            with lock:
+                if called or not self.done():
+                    return
+                called = True
+            callback()
+
+        for future in self._ended:
+            future.add_done_callback(one_ended)
 
     def done(self) -> bool:
-        """Whether the broadcast ended (every rank of the group took part, or it failed),
-        as the future :meth:`on_done` waits on says."""
-        return bool(self._ended.done())
+        """Whether the exchange ended: every collective done (every rank of
+        the group took part), or one failed (a rank is gone)."""
+        return all(f.done() for f in self._ended) or any(_failed(f) for f in self._ended)
 
     def result(self) -> GroupSecrets:
-        """Waits for the broadcast; the proof as hex digits and the owner
-        key, the same on every rank.
+        """Waits for the exchange; the proof as hex digits and the owner key,
+        the same on every rank, and the ranks counted on this rank's host.
 
         Raises:
-            RuntimeError: the broadcast failed (a rank of the group is gone).
+            RuntimeError: a collective failed (a rank of the group is gone).
         """
-        self._work.wait()
+        # A failed collective first: the other may wait for the rank it lost.
+        for work in sorted(self._works, key=lambda w: not _failed(w.get_future())):
+            work.wait()
         shared = bytes(self._drawn.tolist())
         key = shared[GROUP_SECRET_BYTES:]
-        return GroupSecrets(shared[:GROUP_SECRET_BYTES].hex(), key if any(key) else None)
+        hosts = [int(h.item()) for h in self._hosts]
+        local = hosts.count(hosts[self._rank]) if hosts else 0
+        return GroupSecrets(shared[:GROUP_SECRET_BYTES].hex(), key if any(key) else None, local)
+
+
+def _started(work: dist.Work | None) -> dist.Work:
+    assert work is not None, "an async_op collective returns its work"
+    return work
+
+
+def _failed(future: torch.futures.Future[object]) -> bool:
+    """Whether ``future`` ended with an error."""
+    if not future.done():
+        return False
+    try:
+        future.value()
+    except RuntimeError:
+        return True
+    return False
 
 
 def share_group_secret(
     group: dist.ProcessGroup,
     wait_for: Callable[[SecretShare], None] | None = None,
     owner_key: bytes | None = None,
+    *,
+    count_hosts: bool = False,
 ) -> GroupSecrets:
     """The group's proof for this lifetime and rank 0's ``owner_key``
-    (:class:`SecretShare`), the same on every rank of ``group``;
-    ``wait_for`` is called with the broadcast in flight, to wait for it
-    where more than gloo can end the wait.
+    (:class:`SecretShare`), the same on every rank of ``group``, with the
+    ranks of this rank's host counted when ``count_hosts``; ``wait_for`` is
+    called with the exchange in flight, to wait for it where more than gloo
+    can end the wait.
 
     Raises:
-        RuntimeError: the broadcast failed (a rank of the group is gone).
+        RuntimeError: a collective failed (a rank of the group is gone).
         CoordinatorError: raised by ``wait_for`` (the sidecar ended the wait).
     """
-    share = SecretShare(group, owner_key)
+    share = SecretShare(group, owner_key, count_hosts=count_hosts)
     if wait_for is not None:
         wait_for(share)
     return share.result()

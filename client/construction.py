@@ -1,11 +1,10 @@
 """What a :class:`~moe_sidecar.client.manager.AlltoAllManager` settles once,
 at construction: its backend and how many ranks of its EP group share its
-decider."""
+decider, where that is stated."""
 
 from __future__ import annotations
 
 import os
-import socket
 
 import torch.distributed as dist
 
@@ -13,7 +12,7 @@ from moe_sidecar.client.backends import AlltoAllBackend, backend_for
 from moe_sidecar.client.errors import InvalidArgument
 from moe_sidecar.core.defaults import ENV_BACKEND, ENV_LOCAL_RANKS
 
-__all__ = ["backend_named", "local_ranks_of"]
+__all__ = ["backend_named", "stated_local_ranks"]
 
 
 def backend_named(
@@ -37,30 +36,24 @@ def backend_named(
     return backend
 
 
-def local_ranks_of(
-    explicit: int | None, cpu_group: dist.ProcessGroup, ep_size: int, ep_rank: int
-) -> tuple[int, int]:
-    """How many ranks of the EP group run on this node, and how many
-    collectives finding it took: ``explicit``, else ``MOE_SIDECAR_LOCAL_RANKS``,
-    else counted by exchanging hostnames on ``cpu_group`` (one collective).
+def stated_local_ranks(explicit: int | None, ep_size: int) -> int | None:
+    """How many ranks of the EP group run on this node, where it is stated:
+    ``explicit``, else ``MOE_SIDECAR_LOCAL_RANKS``; None when neither states
+    it (the ranks then count it in their lifetime's first exchange, bounded by
+    the sidecar's round timeout: :mod:`moe_sidecar.client.first_round`).
 
     Raises:
         InvalidArgument: ``MOE_SIDECAR_LOCAL_RANKS`` is not an integer, or the
             count is outside ``[1, ep_size]``.
     """
-    exchanges = 0
     if explicit is None:
         env = os.environ.get(ENV_LOCAL_RANKS, "").strip()
-        if env:
-            try:
-                explicit = int(env)
-            except ValueError as error:
-                raise InvalidArgument.of(ENV_LOCAL_RANKS, env, "must be an integer") from error
-    if explicit is None:
-        hosts: list[object] = [None] * ep_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
-        exchanges += 1
-        explicit = hosts.count(hosts[ep_rank])
+        if not env:
+            return None
+        try:
+            explicit = int(env)
+        except ValueError as error:
+            raise InvalidArgument.of(ENV_LOCAL_RANKS, env, "must be an integer") from error
     if not 1 <= explicit <= ep_size:
         raise InvalidArgument.of("local_ranks", explicit, f"must be in [1, ep_size={ep_size}]")
-    return explicit, exchanges
+    return explicit

@@ -18,11 +18,12 @@ from moe_sidecar.client.agreement import (
     share_group_secret,
 )
 from moe_sidecar.client.backends import AlltoAll, AlltoAllBackend
-from moe_sidecar.client.construction import local_ranks_of
+from moe_sidecar.client.construction import stated_local_ranks
 from moe_sidecar.client.errors import BackendError, InternalError, RankLost
 from moe_sidecar.client.lost_rank import rank_lost
 from moe_sidecar.client.transport import Transport
 from moe_sidecar.core.plan import Action, Plan
+from moe_sidecar.core.policy.arrivals import UNCOUNTED
 
 __all__ = ["GroupCollectives"]
 
@@ -51,30 +52,37 @@ class GroupCollectives:
         return rank_lost(self._transport, self._group, self._ep_rank, where, error)
 
     def local_ranks(self, explicit: int | None) -> int:
-        """See :func:`~moe_sidecar.client.construction.local_ranks_of`.
+        """How many ranks of the EP group run on this node, as stated
+        (:func:`~moe_sidecar.client.construction.stated_local_ranks`); a group
+        of one rank has one; :data:`~moe_sidecar.core.policy.arrivals.UNCOUNTED` when the ranks count it at
+        their lifetime's first exchange (:meth:`share_secret`). No collective.
 
         Raises:
             InvalidArgument: a bad ``MOE_SIDECAR_LOCAL_RANKS`` or count.
         """
-        local, exchanges = local_ranks_of(explicit, self._cpu_group, self._ep_size, self._ep_rank)
-        self.count += exchanges
-        return local
+        stated = stated_local_ranks(explicit, self._ep_size)
+        if stated is not None:
+            return stated
+        return 1 if self._ep_size == 1 else UNCOUNTED
 
     def share_secret(
         self,
         wait_for: Callable[[SecretShare], None] | None = None,
         owner_key: bytes | None = None,
+        *,
+        count_hosts: bool = False,
     ) -> GroupSecrets:
         """The group's proof for a lifetime, drawn by rank 0 and shared with
-        rank 0's ``owner_key`` (:func:`~moe_sidecar.client.agreement.share_group_secret`).
+        rank 0's ``owner_key``, and with ``count_hosts`` this node's ranks
+        counted (:func:`~moe_sidecar.client.agreement.share_group_secret`).
 
         Raises:
             RankLost: a peer died in the exchange.
             CoordinatorError: raised by ``wait_for``.
         """
-        self.count += 1
+        self.count += 2 if count_hosts else 1
         try:
-            return share_group_secret(self._cpu_group, wait_for, owner_key)
+            return share_group_secret(self._cpu_group, wait_for, owner_key, count_hosts=count_hosts)
         except RuntimeError as error:
             raise self._lost("sharing the group's proof", error) from error
 

@@ -105,9 +105,11 @@ class AlltoAllManager:
             None reads ``MOE_SIDECAR_BACKEND``, else ``"flashinfer"``.
         local_ranks: how many ranks of this EP group run on this node (i.e.
             talk to the same sidecar). Default: env ``MOE_SIDECAR_LOCAL_RANKS``,
-            else counted once at construction by exchanging hostnames on
-            ``cpu_group``. Ignored in embedded mode, where every rank decides
-            alone. When it is below ``ep_size`` every round adds one all-gather.
+            else counted at the first ``initialize()`` by exchanging hostname
+            digests on ``cpu_group`` with the group's proof (0 until then:
+            :mod:`moe_sidecar.client.first_round`). Ignored in embedded mode,
+            where every rank decides alone. When it is below ``ep_size`` every
+            round adds one all-gather.
         propose_timeout: seconds one Propose may wait for its round; must
             exceed the sidecar's ``--round-timeout``. Default: env
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else 120.
@@ -290,9 +292,12 @@ class AlltoAllManager:
         # Shared while the sidecar sees this rank arrived (bounded by its round timeout).
         arrival = Arrival(self.group, self.ep_size, self.ep_rank, self.local_ranks, self.lifetime)
         target = getattr(self._transport, "target", "")
-        self._group_proof, self._owner_digest = share_proof_in_view(
-            self._on_group, self._transport, arrival, target
-        )
+        shared = share_proof_in_view(self._on_group, self._transport, arrival, target)
+        self._group_proof, self._owner_digest = shared.proof, shared.owner_digest
+        if shared.local_ranks != self.local_ranks:
+            # Counted in the exchange: whether the rounds agree across nodes follows.
+            self.local_ranks = shared.local_ranks
+            self._decisions = self._round_decisions()
 
     def _refuse_mask_across_sidecars(self) -> None:
         """``mask`` only where one sidecar decides the group's views.
@@ -379,7 +384,8 @@ class AlltoAllManager:
                 cross-rank agreement found it); the message names ranks and layers.
                 Also ``MOE_SIDECAR_ON_PEER_LOSS=mask`` for a group whose ranks
                 span more than one sidecar (each node would commit a view of
-                its own), before anything is shared or proposed.
+                its own), before anything is proposed (and before anything is
+                shared where ``local_ranks`` is stated).
             RoundTimedOut: a local rank never proposed this round; the message
                 names it and the last layer it reported.
             RoundAborted: another rank of the group restarted mid-round
@@ -404,8 +410,10 @@ class AlltoAllManager:
             PreconditionFailed, RoundTimedOut, RoundAborted, PermissionDenied,
             CoordinatorUnavailable, BackendError: see :meth:`initialize_layer`.
         """
-        self._refuse_mask_across_sidecars()
+        if self.local_ranks:
+            self._refuse_mask_across_sidecars()  # stated: before anything is shared
         self._share_group_proof()
+        self._refuse_mask_across_sidecars()  # counted in the first exchange, if not stated
         self._initializes += 1
         failure: BaseException | None = None
         decision: Decision | None = None

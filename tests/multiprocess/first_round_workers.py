@@ -4,6 +4,7 @@ while its peers share the group's proof."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -75,3 +76,45 @@ def dying_arrival_worker(
     except Exception as error:
         return failure_report(error)
     return {"ok": True}
+
+
+def _first_call(rank: int, target: str, group: str) -> dict[str, Any]:
+    """Constructs rank ``rank``'s manager and initializes one layer: its first
+    call, timed from before the construction (``waited``, seconds)."""
+    started = time.monotonic()
+    try:
+        manager = reference_manager(dist.group.WORLD, group, target)
+        try:
+            initialize(manager, nvfp4_layer("layer.1"))
+        finally:
+            manager._transport.close()
+    except Exception as error:
+        return {**failure_report(error), "waited": time.monotonic() - started}
+    return {"ok": True, "waited": time.monotonic() - started}
+
+
+def peer_absent_worker(
+    rank: int, world: int, target: str, group: str, how: str, late_s: float, done: str
+) -> dict[str, Any] | None:
+    """Rank 0 makes its first call at once and writes ``done`` once it ended;
+    rank 1 is absent from it, as ``how`` says:
+
+    - ``"late"``: it makes its first call once ``done`` exists, or after
+      ``late_s`` seconds;
+    - ``"never"``: it waits the same way, then returns without a call;
+    - ``"killed"``: it exits (``os._exit``) before any call.
+    - ``"on_time"``: it makes its first call ``late_s`` seconds late.
+    """
+    dist.barrier()  # both ranks are up: lateness is counted from here
+    if rank == 0:
+        report = _first_call(rank, target, group)
+        Path(done).touch()
+        return report
+    if how == "killed":
+        os._exit(DEATH_STATUS)
+    if how == "on_time":
+        time.sleep(late_s)  # the lateness under test, shorter than the round timeout
+        return _first_call(rank, target, group)
+    with contextlib.suppress(TimeoutError):  # late by ``late_s``: rank 0 still waits
+        _wait_for_file(Path(done), timeout=late_s)
+    return _first_call(rank, target, group) if how == "late" else {"never": True}

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from tests.multiprocess import first_round_workers
-from tests.multiprocess.harness import Sidecar, free_port, run_ranks
+from tests.multiprocess.harness import Sidecar, free_port, run_ranks, running_sidecar
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -89,7 +89,8 @@ def test_a_late_rank_is_waited_for_in_view_and_named_at_the_round_timeout(
         shown = sidecar.wait_for_group(
             group, lambda g: list(g.arrived_ranks) == [0], timeout=STARTUP_S, what="rank 0 arrived"
         )
-        assert shown.ep_size == 2 and shown.local_ranks == 2
+        # Nobody stated local_ranks: the ranks count them in the exchange, after arriving.
+        assert shown.ep_size == 2 and shown.local_ranks == 0
         assert _waiting_gauge(port, group) == 1.0
         listed = subprocess.run(
             [
@@ -160,3 +161,53 @@ def test_a_rank_that_dies_at_its_first_round_is_named_to_its_peers(tmp_path: Pat
     assert survivor["type"] in ("RankLost", "RoundTimedOut"), survivor
     assert "rank 1 " in survivor["message"], survivor["message"]
     assert "arrival" in survivor["message"], survivor["message"]
+
+
+ABSENT_TIMEOUT = 2.0
+"""The round timeout of the absent-peer tests: short, so the suite stays fast."""
+LATE_S = 3 * ABSENT_TIMEOUT
+"""How late the late peer comes (at most: it comes at once after rank 0 ended)."""
+BOUND_S = ABSENT_TIMEOUT + 2.0
+"""Rank 0's first call ends within the round timeout plus this much slack
+(its construction, the arrival's call, a loaded machine)."""
+
+
+def _absent_peer(tmp_path: Path, how: str, round_timeout: float, late_s: float) -> list[Any]:
+    """Runs :func:`first_round_workers.peer_absent_worker` (rank 1 absent as
+    ``how`` says) against a sidecar of ``round_timeout``; both ranks' reports."""
+    with running_sidecar(tmp_path / "sidecar", round_timeout=round_timeout) as sidecar:
+        return run_ranks(
+            first_round_workers.peer_absent_worker,
+            2,
+            timeout=60 + 2 * late_s,
+            tmp_path=tmp_path / "ranks",
+            args=(sidecar.target, f"first-round/{how}", how, late_s, str(tmp_path / "done")),
+            dies={1: first_round_workers.DEATH_STATUS} if how == "killed" else None,
+        )
+
+
+@pytest.mark.parametrize("how", ["late", "never"])
+def test_a_peer_absent_from_its_first_call_is_named_at_the_round_timeout(
+    tmp_path: Path, how: str
+) -> None:
+    early, late = _absent_peer(tmp_path, how, ABSENT_TIMEOUT, LATE_S)
+    assert early.get("type") == "RoundTimedOut", early
+    assert "rank 1 (never arrived)" in early["message"], early["message"]
+    assert early["waited"] < BOUND_S, early
+    if how == "late":
+        assert "ok" not in late, late  # rank 0 ended: its first round cannot close
+
+
+def test_a_peer_killed_before_its_first_call_is_named(tmp_path: Path) -> None:
+    early, _ = _absent_peer(tmp_path, "killed", ABSENT_TIMEOUT, LATE_S)
+    assert early.get("type") == "RankLost", early
+    assert "rank 1 (never arrived)" in early["message"], early["message"]
+    assert "exited before its first initialize()" in early["message"], early["message"]
+    assert early["waited"] < BOUND_S, early
+
+
+def test_a_peer_late_by_less_than_the_round_timeout_is_waited_for(tmp_path: Path) -> None:
+    # A longer round timeout than above: the margin is what a loaded machine needs.
+    early, late = _absent_peer(tmp_path, "on_time", round_timeout=10.0, late_s=2.0)
+    assert early.get("ok") and late.get("ok"), (early, late)
+    assert early["waited"] >= 2.0, early  # it did wait for its peer

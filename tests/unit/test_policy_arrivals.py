@@ -12,6 +12,7 @@ from moe_sidecar.core.errors import ErrorCode, InvalidArgument
 from moe_sidecar.core.group import GroupState, OpenRound, Proposal, RankRecord, Requirement
 from moe_sidecar.core.plan import Capacities
 from moe_sidecar.core.policy.arrivals import (
+    UNCOUNTED,
     Arrival,
     Arrivals,
     arrive,
@@ -178,10 +179,26 @@ def test_other_nodes_ranks_are_said_to_arrive_elsewhere() -> None:
     assert "2 of the 4 ranks run on other nodes" in answers[0][1].message
 
 
+def test_an_arrival_not_counted_yet_is_taken_and_the_layout_keeps_the_count_known() -> None:
+    counted = _held((_arrival(0, ep_size=4, local=2), 0.0))
+    assert counted.layout == (4, 2)
+    # Rank 1 counts its node's ranks in the exchange its arrival waits on.
+    held = arrive(counted, _arrival(1, ep_size=4, local=UNCOUNTED), 1.0, TIMEOUT)
+    assert arrived_ranks(held) == (0, 1) and held.layout == (4, 2)
+    alone = _held((_arrival(1, ep_size=4, local=UNCOUNTED), 0.0))
+    assert alone.layout == (4, UNCOUNTED)
+    _, answers = expire_arrivals(alone, 10.0, None)
+    message = answers[0][1].message
+    assert "rank 0 (never arrived)" in message, message
+    assert "ranks of other nodes, if any, arrive at their own sidecars" in message, message
+    assert "of the 4 ranks run on other nodes" not in message, message
+
+
 @pytest.mark.parametrize(
     ("field", "arrival"),
     [
         ("ep_size", _arrival(0, ep_size=0, local=1)),
+        ("local_ranks", _arrival(0, local=-1)),
         ("ep_rank", _arrival(4)),
         ("local_ranks", _arrival(0, local=5)),
         ("group", replace(_arrival(0), group="")),

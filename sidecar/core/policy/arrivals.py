@@ -21,6 +21,11 @@ never creates or changes a group, and never answers anybody but itself.
 Each arrival has its own deadline, counted from when it came, so a
 stranger's arrival cannot make a real rank's wait end sooner or later; at
 most it makes the missing ranks named in a timeout read as arrived.
+
+An arrival's ``local_ranks`` may be :data:`UNCOUNTED`: where nobody stated
+how many ranks of the group run on each node, the ranks count them in the
+same exchange that shares the proof (no collective runs before it), so
+they do not know it yet when they arrive.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from moe_sidecar.core.group import GroupState, Refusal
 from moe_sidecar.core.policy.validation import validate_group_name
 
 __all__ = [
+    "UNCOUNTED",
     "Arrival",
     "Arrivals",
     "arrive",
@@ -44,6 +50,9 @@ __all__ = [
     "withdraw",
 ]
 
+UNCOUNTED = 0
+"""An arrival's ``local_ranks`` when its rank has not counted its node's
+ranks yet (it counts them in the exchange its arrival waits on)."""
 _LEFT_KEPT = 64
 """Most departed arrivals a group remembers (to name them in a timeout)."""
 
@@ -56,6 +65,8 @@ class Arrival:
     ep_size: int
     ep_rank: int
     local_ranks: int
+    """Ranks of the group on the arriving rank's node (:data:`UNCOUNTED`: not
+    counted yet)."""
     lifetime: str
     """The id of the rank's lifetime (never its token) past the sidecar's boundary."""
     at: float = 0.0
@@ -71,7 +82,8 @@ class Arrivals:
     left: tuple[int, ...] = ()
     """Ranks whose arrival call ended before their first proposal, oldest first."""
     layout: tuple[int, int] = (0, 0)
-    """``(ep_size, local_ranks)`` of the latest arrival."""
+    """``(ep_size, local_ranks)`` of the latest arrival (``local_ranks`` the
+    latest counted, :data:`UNCOUNTED` until one is)."""
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.left)
@@ -90,7 +102,13 @@ def validate_arrival(a: Arrival) -> None:
     validate_group_name(a.group)
     limits.check_count("ep_size", a.ep_size, 1, limits.MAX_EP_SIZE, limits.EP_SIZE_REASON)
     limits.check_count("ep_rank", a.ep_rank, 0, a.ep_size - 1, f"ep_size is {a.ep_size}")
-    limits.check_count("local_ranks", a.local_ranks, 1, a.ep_size, f"ep_size is {a.ep_size}")
+    limits.check_count(
+        "local_ranks",
+        a.local_ranks,
+        UNCOUNTED,
+        a.ep_size,
+        f"ep_size is {a.ep_size}; {UNCOUNTED}: not counted yet",
+    )
     limits.check_name("lifetime", a.lifetime, allow_empty=False)
 
 
@@ -104,7 +122,8 @@ def arrive(held: Arrivals, a: Arrival, now: float, round_timeout: float) -> Arri
     validate_arrival(a)
     a = replace(a, at=now, deadline=now + round_timeout)
     others = tuple(w for w in held.waiting if w.lifetime != a.lifetime)
-    return replace(held, waiting=(*others, a), layout=(a.ep_size, a.local_ranks))
+    local = a.local_ranks or (held.layout[1] if held.layout[0] == a.ep_size else UNCOUNTED)
+    return replace(held, waiting=(*others, a), layout=(a.ep_size, local))
 
 
 def proposed(held: Arrivals, lifetime: str, ep_rank: int) -> Arrivals:
@@ -174,7 +193,9 @@ def _missing_text(a: Arrival, held: Arrivals, group: GroupState | None) -> tuple
         )
         why = "arrived, then its call ended (it died or gave up)" if rank in held.left else ""
         parts.append(f"rank {rank} ({why or 'never arrived'}{layer})")
-    if a.local_ranks < a.ep_size:
+    if a.local_ranks == UNCOUNTED:
+        parts.append("ranks of other nodes, if any, arrive at their own sidecars")
+    elif a.local_ranks < a.ep_size:
         parts.append(
             f"{a.ep_size - a.local_ranks} of the {a.ep_size} ranks run on other nodes and arrive "
             "at their own sidecars, so some ranks named here may be there"
