@@ -54,6 +54,7 @@ __all__ = [
     "RoundTimedOut",
     "RpcStatus",
     "SessionStatus",
+    "SidecarNotAnswering",
     "ViewFailed",
     "error_from_rpc",
     "not_a_coordinator",
@@ -122,6 +123,16 @@ class ViewFailed(PreconditionFailed):
             view,
             cause,
         )
+
+
+class SidecarNotAnswering(CoordinatorUnavailable):
+    """The sidecar did not answer a call within the client's wait: it is
+    stalled (stopped, throttled, in a long pause) or restarting. Not a round
+    timeout (the sidecar names those itself) and not a death: the rank's
+    session stays open, and no peer is told anything. Not retried again: the
+    wait was the retry budget (``MOE_SIDECAR_STALL_BUDGET`` for calls that
+    wait for no other rank, the propose deadline for a round).
+    """
 
 
 _VIEW_FAILED = re.compile(r"^view (\d+) failed \((.*)\): the group must restart$", re.DOTALL)
@@ -221,10 +232,10 @@ def error_from_rpc(
     if status.code is grpc.StatusCode.DEADLINE_EXCEEDED and (
         status.details == _LOCAL_DEADLINE_DETAILS
     ):
-        limit = f" within {timeout:g}s" if timeout is not None else ""
-        message = (
-            f"{where}: no answer{limit} (the client's deadline); the sidecar's round timeout "
-            "must be shorter than the client's propose deadline"
+        waited = f" for {timeout:g} s" if timeout is not None else ""
+        return SidecarNotAnswering(
+            f"the sidecar at {target} did not answer {method}{waited} (stalled or "
+            "restarting; no rank is ended for it, and the rank's session stays open)"
         )
     elif status.code is grpc.StatusCode.UNIMPLEMENTED:
         message = f"{where}: {not_a_coordinator(target, status.details)}"

@@ -43,7 +43,7 @@ from typing import Final, NoReturn
 import grpc
 
 from moe_sidecar.client.errors import InvalidArgument, RankLost
-from moe_sidecar.client.transport import GrpcTransport, Transport
+from moe_sidecar.client.transport import CHANNEL_OPTIONS, GrpcTransport, Transport
 from moe_sidecar.core.defaults import ENV_ON_PEER_LOSS
 from moe_sidecar.core.effects import EventKind, GroupEvent
 from moe_sidecar.core.errors import quote_name
@@ -230,9 +230,13 @@ class PeerLossWatcher:
             if self._stopped.is_set():
                 return None
             if self._channel is None:
-                self._channel = grpc.insecure_channel(self._target)
+                # Reconnect within a second of the sidecar's return (gRPC's
+                # own backoff grows to two minutes: deaths unheard meanwhile).
+                self._channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
             stub = pb_grpc.WorkspaceCoordinatorStub(self._channel)
-            call = stub.Watch(pb.WatchRequest(group=self._group))
+            # wait_for_ready: while the sidecar restarts the stream waits for
+            # it and subscribes as soon as it is back, not after a backoff.
+            call = stub.Watch(pb.WatchRequest(group=self._group), wait_for_ready=True)
             self._call = call
         # The sidecar sends the headers once subscribed; a refused stream
         # (the group not known yet, too many watchers) ends without them, and

@@ -24,13 +24,14 @@ target) means gRPC; neither means embedded.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,10 +44,16 @@ from moe_sidecar.client.errors import (
     InternalError,
     InvalidArgument,
     SessionStatus,
+    SidecarNotAnswering,
     error_from_rpc,
 )
 from moe_sidecar.client.session import SessionStream
-from moe_sidecar.core.defaults import EMBEDDED, ENV_PROPOSE_TIMEOUT, ENV_TARGET
+from moe_sidecar.core.defaults import (
+    EMBEDDED,
+    ENV_PROPOSE_TIMEOUT,
+    ENV_STALL_BUDGET,
+    ENV_TARGET,
+)
 from moe_sidecar.core.group import (
     CommitRecord,
     Decision,
@@ -65,14 +72,17 @@ from moe_sidecar.wire.codec import (
     session_acknowledge_to_proto,
     session_commit_to_proto,
     session_propose_to_proto,
+    session_resume_to_proto,
     summary_from_proto,
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
 from moe_workspace.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
+    "CHANNEL_OPTIONS",
     "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_PROPOSE_TIMEOUT_S",
+    "DEFAULT_STALL_BUDGET_S",
     "DEFAULT_UNAVAILABLE_RETRY_S",
     "EmbeddedTransport",
     "GrpcTransport",
@@ -85,11 +95,40 @@ DEFAULT_PROPOSE_TIMEOUT_S = 120.0
 fails a round that misses a rank after its round timeout (and names the
 missing rank); this deadline only catches a sidecar that never answers, so it
 must exceed the sidecar's ``--round-timeout``."""
-DEFAULT_CALL_TIMEOUT_S = 10.0
-"""Deadline of calls that do not wait for other ranks (Commit)."""
-DEFAULT_UNAVAILABLE_RETRY_S = 30.0
-"""How long UNAVAILABLE is retried before the rank gives up: covers a sidecar
-that starts a little after the ranks, or restarts."""
+DEFAULT_STALL_BUDGET_S = 30.0
+"""How long a call that waits for no other rank (a commit, an
+acknowledgement, a read) waits for a sidecar that does not answer (stalled)
+or cannot be reached (starting a little after the ranks, or restarting)
+before it raises :class:`~moe_sidecar.client.errors.SidecarNotAnswering` or
+:class:`~moe_sidecar.client.errors.CoordinatorUnavailable`:
+``MOE_SIDECAR_STALL_BUDGET`` overrides it."""
+DEFAULT_CALL_TIMEOUT_S = DEFAULT_STALL_BUDGET_S
+"""Deadline of calls that do not wait for other ranks (Commit): the stall budget."""
+DEFAULT_UNAVAILABLE_RETRY_S = DEFAULT_STALL_BUDGET_S
+"""How long UNAVAILABLE is retried before the rank gives up: the stall budget."""
+_RESUME_PAUSE_S: Final = (0.05, 1.0)
+"""First and longest wait before a broken session is opened again (a
+stream that breaks at once again waits longer each time)."""
+
+_log = logging.getLogger(__name__)
+
+
+def stall_budget(environ: Mapping[str, str]) -> float:
+    """``MOE_SIDECAR_STALL_BUDGET`` in seconds (unset or empty: the default).
+
+    Raises:
+        InvalidArgument: not a number of seconds above 0 (naming the variable).
+    """
+    text = environ.get(ENV_STALL_BUDGET, "").strip()
+    if not text:
+        return DEFAULT_STALL_BUDGET_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgument.of(ENV_STALL_BUDGET, text, "must be a number of seconds above 0")
+    return seconds
 
 
 class Transport(view_rpcs.ViewCalls, Protocol):
@@ -192,7 +231,7 @@ def _decision_from_proto(p: Proposal, response: pb.ProposeResponse, target: str)
 _Reply = TypeVar("_Reply")
 
 
-_CHANNEL_OPTIONS = (
+CHANNEL_OPTIONS = (
     # Reconnect within a second of the sidecar coming back: gRPC's default
     # backoff grows to two minutes and would eat the retry window.
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -212,7 +251,17 @@ class GrpcTransport:
     UNAVAILABLE (the sidecar starting, restarting or draining) is retried for
     ``unavailable_retry`` seconds: between attempts the transport waits for
     the channel to be ready again (reconnecting within a second of the
-    sidecar's return), never longer than what is left of the window.
+    sidecar's return), never longer than what is left of the window. A call
+    with no answer in its deadline (a stalled sidecar) raises
+    :class:`~moe_sidecar.client.errors.SidecarNotAnswering` and leaves the
+    session open: a slow sidecar ends no rank.
+
+    The session comes back by itself: once a proposal or commit has said who
+    the rank is, a stream that breaks (the sidecar restarted) is opened
+    again at once from the stream's own reader thread, waiting for the
+    sidecar to be back, and its first message resumes the rank's lifetime,
+    so a rank idle between batches is watched again as soon as the sidecar
+    is back, without waiting for its next call.
 
     Safe to create before a fork or to pickle into a spawned process: no gRPC
     object exists until the first call, and a call from another process than
@@ -224,12 +273,15 @@ class GrpcTransport:
         propose_timeout: deadline of each Propose attempt, in seconds; must
             exceed the sidecar's round timeout. Default: env
             ``MOE_SIDECAR_PROPOSE_TIMEOUT``, else :data:`DEFAULT_PROPOSE_TIMEOUT_S`.
-        call_timeout: deadline of every other call.
-        unavailable_retry: seconds during which UNAVAILABLE is retried.
+        call_timeout: deadline of every other call. Default: env
+            ``MOE_SIDECAR_STALL_BUDGET``, else :data:`DEFAULT_STALL_BUDGET_S`.
+        unavailable_retry: seconds during which UNAVAILABLE is retried
+            (default: as ``call_timeout``).
         session: use a session stream (default) or unary calls.
 
     Raises:
         ValueError: a timeout is not positive.
+        InvalidArgument: ``MOE_SIDECAR_STALL_BUDGET`` is malformed (naming it).
     """
 
     def __init__(
@@ -237,13 +289,17 @@ class GrpcTransport:
         target: str,
         *,
         propose_timeout: float | None = None,
-        call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
-        unavailable_retry: float = DEFAULT_UNAVAILABLE_RETRY_S,
+        call_timeout: float | None = None,
+        unavailable_retry: float | None = None,
         session: bool = True,
     ) -> None:
         if propose_timeout is None:
             env = os.environ.get(ENV_PROPOSE_TIMEOUT, "")
             propose_timeout = float(env) if env else DEFAULT_PROPOSE_TIMEOUT_S
+        if call_timeout is None or unavailable_retry is None:
+            budget = stall_budget(os.environ)
+            call_timeout = budget if call_timeout is None else call_timeout
+            unavailable_retry = budget if unavailable_retry is None else unavailable_retry
         if propose_timeout <= 0 or call_timeout <= 0 or unavailable_retry < 0:
             raise ValueError(
                 f"timeouts must be positive: propose_timeout={propose_timeout}, "
@@ -261,6 +317,14 @@ class GrpcTransport:
         self._stub: pb_grpc.WorkspaceCoordinatorStub | None = None
         self._stream: SessionStream | None = None
         self._lock = threading.Lock()
+        self._stream_lock = threading.Lock()
+        """Held while the session stream is replaced (the caller's thread and
+        a reader thread that saw the stream break may both open one)."""
+        self._identity: tuple[str, int, str] | None = None
+        """(group, ep_rank, lifetime token) the session speaks for, once a
+        proposal or commit said so: what a new stream resumes."""
+        self._resume_pause = _RESUME_PAUSE_S[0]
+        self._closed = threading.Event()
         self._unanswered: deque[Proposal] = deque()
         self._sent_on: SessionStream | None = None
         """The stream the unanswered proposals were sent on (a new stream
@@ -289,6 +353,9 @@ class GrpcTransport:
             _stub=None,
             _stream=None,
             _lock=None,
+            _stream_lock=None,
+            _identity=None,
+            _closed=None,
             _sent_on=None,
             _unanswered=deque(),
             _answers=deque(),
@@ -298,6 +365,8 @@ class GrpcTransport:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._stream_lock = threading.Lock()
+        self._closed = threading.Event()
 
     def _stub_here(self) -> pb_grpc.WorkspaceCoordinatorStub:
         with self._lock:
@@ -306,7 +375,7 @@ class GrpcTransport:
                 # After a fork the inherited channel belongs to the parent:
                 # drop it without closing (closing would touch the parent's
                 # gRPC state) and open one owned by this process.
-                self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+                self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
                 self._stub = pb_grpc.WorkspaceCoordinatorStub(self._channel)
                 self._stream = None
                 self._pid = pid
@@ -314,9 +383,53 @@ class GrpcTransport:
 
     def _stream_here(self) -> SessionStream:
         stub = self._stub_here()
-        if self._stream is None or not self._stream.alive:
-            self._stream = SessionStream(stub)
-        return self._stream
+        with self._stream_lock:
+            stream = self._stream
+            if stream is None or not stream.alive:
+                stream = self._stream = self._open_stream(stub)
+            return stream
+
+    def _open_stream(self, stub: pb_grpc.WorkspaceCoordinatorStub) -> SessionStream:
+        """A new session stream, resuming the rank's lifetime first when known."""
+        identity = self._identity
+        # Id 0, as a goodbye's: the greeting's answer is the stream's own, and
+        # this may run in a reader thread beside the caller's numbering.
+        greeting = session_resume_to_proto(0, *identity) if identity is not None else None
+        return SessionStream(stub, greeting=greeting, on_break=self._stream_broke)
+
+    def _speaks_for(self, group: str, ep_rank: int, lifetime: str) -> None:
+        """Records whom the session speaks for (what a new stream resumes)."""
+        self._identity = (group, ep_rank, lifetime)
+
+    def _stream_broke(self, broken: SessionStream) -> None:
+        """A session stream ended without a goodbye (in its reader thread):
+        unless the transport is closed, or the rank never said who it is,
+        wait for the sidecar to be back and open the next stream then, so
+        the sidecar sees the rank's session again without the rank's next
+        call. A stream the caller's thread opened meanwhile is kept."""
+        if broken.greeted:
+            self._resume_pause = _RESUME_PAUSE_S[0]  # it was live: start from the shortest wait
+        pause, self._resume_pause = (
+            self._resume_pause,
+            min(self._resume_pause * 2, _RESUME_PAUSE_S[1]),
+        )
+        while not self._closed.wait(pause):
+            with self._lock:
+                channel = self._channel if self._pid == os.getpid() else None
+                stub = self._stub
+            if channel is None or stub is None or self._identity is None:
+                return
+            if not _answers_health(channel, _RESUME_PAUSE_S[1]):
+                pause = 0.0  # the check itself waited: ask again at once
+                continue
+            with self._stream_lock:
+                if self._closed.is_set() or self._stream is not broken:
+                    return  # closed, or the caller's thread opened one already
+                try:
+                    self._stream = self._open_stream(stub)
+                except (RuntimeError, ValueError) as error:  # the channel closed meanwhile
+                    _log.debug("moe-sidecar: session not reopened: %s", error)
+            return
 
     def _wait_ready(self, deadline: float) -> None:
         """Waits until the sidecar answers again, or ``deadline``: one health
@@ -348,7 +461,9 @@ class GrpcTransport:
                 if self.session and _unimplemented(failure):
                     self.session = False  # a sidecar older than sessions: unary calls
                     continue
-                retriable = isinstance(error, CoordinatorUnavailable)
+                retriable = isinstance(error, CoordinatorUnavailable) and not isinstance(
+                    error, SidecarNotAnswering
+                )
                 if not retriable or time.monotonic() >= deadline:
                     if retriable and attempts > 1:
                         error = CoordinatorUnavailable(
@@ -379,6 +494,8 @@ class GrpcTransport:
                 seconds; RoundTimedOut when the call's own deadline fires.
         """
 
+        self._speaks_for(proposal.group, proposal.ep_rank, proposal.lifetime)
+
         def send(timeout: float) -> pb.ProposeResponse:
             if self.session:
                 request = session_propose_to_proto(self._next_id(), proposal)
@@ -395,6 +512,8 @@ class GrpcTransport:
             CoordinatorError: the sidecar's typed error, or CoordinatorUnavailable.
         """
 
+        self._speaks_for(group, record.ep_rank, record.lifetime)
+
         def send(timeout: float) -> object:
             if self.session:
                 request = session_commit_to_proto(self._next_id(), group, record)
@@ -409,6 +528,7 @@ class GrpcTransport:
         stream = self._stream_here()
         if stream is not self._sent_on:
             for proposal in self._unanswered:
+                self._rpc_count += 1 if self._sent_on is not None else 0  # sent again
                 stream.send(session_propose_to_proto(self._next_id(), proposal))
             self._sent_on = stream
         return stream
@@ -434,6 +554,7 @@ class GrpcTransport:
             self._answers.append(answer)
             self._unanswered.append(proposal)
             return
+        self._speaks_for(proposal.group, proposal.ep_rank, proposal.lifetime)
         stream = self._stream_with_unanswered()
         self._unanswered.append(proposal)
         self._rpc_count += 1
@@ -476,7 +597,9 @@ class GrpcTransport:
                 error = error_from_rpc(
                     failure, method="Propose", target=self.target, timeout=self.propose_timeout
                 )
-                retriable = isinstance(error, CoordinatorUnavailable)
+                retriable = isinstance(error, CoordinatorUnavailable) and not isinstance(
+                    error, SidecarNotAnswering
+                )
                 if not retriable or time.monotonic() >= deadline:
                     if retriable:
                         # Giving up: what is still in flight is answered by nothing useful.
@@ -545,13 +668,17 @@ class GrpcTransport:
         return view_rpcs.await_view(self._stub_here(), self.target, group, view, timeout)
 
     def close(self) -> None:
-        """Ends the session (the sidecar sees this rank leave) and closes the channel."""
-        with self._lock:
+        """Ends the session (the sidecar sees this rank leave) and closes the
+        channel once the sidecar ended the stream (at once, or, while it is
+        stalled, when it wakes and reads the goodbye)."""
+        self._closed.set()
+        with self._lock, self._stream_lock:
             mine = self._pid == os.getpid()
+            channel = self._channel if mine else None
             if self._stream is not None and mine:
-                self._stream.close()
-            if self._channel is not None and mine:
-                self._channel.close()
+                self._stream.close(then=channel.close if channel is not None else None)
+            elif channel is not None:
+                channel.close()
             self._stream = None
             self._channel = None
             self._stub = None
@@ -559,6 +686,28 @@ class GrpcTransport:
             self._sent_on = None
             self._unanswered.clear()
             self._answers.clear()
+            self._identity = None
+        self._closed = threading.Event()  # usable again: a later call opens anew
+
+
+def _answers_health(channel: grpc.Channel, wait: float) -> bool:
+    """Whether the server behind ``channel`` answers a health check (whatever
+    it answers) within ``wait`` seconds, waiting for the channel to connect."""
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=wait, wait_for_ready=True
+        )
+    except grpc.RpcError as error:
+        code = error.code() if isinstance(error, grpc.Call) else None
+        return code not in (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.CANCELLED,
+            None,
+        )
+    except ValueError:  # the channel was closed meanwhile
+        return False
+    return True
 
 
 def _unimplemented(failure: grpc.RpcError | SessionStatus) -> bool:

@@ -202,6 +202,9 @@ class SidecarMetrics:
         self.sessions = self._gauge(
             "moe_sidecar_sessions", "Session streams open now (at most --max-sessions)."
         )
+        self.watchers = self._gauge(
+            "moe_sidecar_watchers", "Watch streams subscribed now (at most --max-watchers)."
+        )
         self.rpcs_in_flight = self._gauge(
             "moe_sidecar_rpcs_in_flight",
             "Calls in flight on the coordinator listeners now (at most --max-concurrent-rpcs; "

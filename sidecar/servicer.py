@@ -45,6 +45,7 @@ from moe_sidecar.wire.codec import (
     session_decision_wire,
     session_error_to_proto,
     session_left_to_proto,
+    session_resumed_to_proto,
     summary_to_proto,
 )
 from moe_workspace.v1 import coordinator_pb2 as pb
@@ -287,6 +288,11 @@ class CoordinatorServicer:
                 if request.WhichOneof("message") == "acknowledge":
                     yield await self._acknowledgement(request, binding, context)
                     continue
+                if request.WhichOneof("message") == "resume":
+                    resumption, resumed = await self._resumption(request, binding, context)
+                    binding = resumed or binding
+                    yield resumption
+                    continue
                 identity = _identity(request)
                 if binding is not None and identity != binding:
                     yield session_error_to_proto(
@@ -333,6 +339,28 @@ class CoordinatorServicer:
         if isinstance(state, tuple):
             return session_error_to_proto(request.id, state[0].name, state[1])
         return session_acknowledged_to_proto(request.id, state.current_view())
+
+    async def _resumption(
+        self, request: pb.SessionRequest, binding: _Identity | None, context: _Context
+    ) -> tuple[pb.SessionResponse, _Identity | None]:
+        """The answer to a resume (a rank's session back on a new stream) and
+        the identity it binds the stream to (None: it binds nothing)."""
+        resume = request.resume
+        identity = (resume.group, resume.ep_rank, lifetime_id(resume.lifetime))
+        if binding is not None and binding != identity:
+            return session_error_to_proto(
+                request.id,
+                grpc.StatusCode.INVALID_ARGUMENT.name,
+                f"session: one session carries one rank's lifetime; this one is rank "
+                f"{binding[1]} of group {quote_name(binding[0])}",
+            ), None
+        refused = await self._errors.answer(context, "Session", self._reconnect(identity))
+        if isinstance(refused, tuple):
+            return session_error_to_proto(request.id, refused[0].name, refused[1]), None
+        return session_resumed_to_proto(request.id), identity
+
+    async def _reconnect(self, identity: _Identity) -> None:
+        self._coordinator.reconnect(*identity)
 
     async def _acknowledge(self, binding: _Identity, view: int, rounds: int) -> GroupState:
         return self._coordinator.acknowledge_view(*binding, view, rounds)
@@ -477,9 +505,12 @@ async def _decode_session(data: bytes) -> pb.SessionRequest:
         raise InvalidArgument.of(
             "message",
             None,
-            "a session message holds a propose, a commit, a leave or an acknowledge",
+            "a session message holds a propose, a commit, a leave, an acknowledge or a resume",
         )
     if method in ("leave", "acknowledge"):
+        return request
+    if method == "resume":
+        lifetime_id(request.resume.lifetime)  # a usable token, as for a proposal
         return request
     inner = request.propose if method == "propose" else request.commit
     lifetime_id(inner.lifetime)  # the token must be usable before it binds a session

@@ -369,6 +369,22 @@ class Coordinator:
         except CoordinatorUnavailable:
             _log.exception("could not record a rank's departure", extra={"group": group})
 
+    def reconnect(self, group: str, ep_rank: int, lifetime: str) -> None:
+        """A rank's session came back on a new stream (see
+        :func:`moe_sidecar.core.policy.reconnect`): the stream may speak for
+        the rank's running lifetime. Changes nothing.
+
+        Raises:
+            InvalidArgument: the group name is malformed.
+            GroupNotFound: no such group.
+            PreconditionFailed: the lifetime is not the rank's running one, or
+                the rank is gone.
+            CoordinatorUnavailable: the sidecar is shutting down.
+        """
+        if self._phase is not _Phase.OPEN:
+            raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
+        policy.reconnect(self.group(group), ep_rank, lifetime)
+
     def commit(self, group: str, record: CommitRecord) -> GroupState:
         """Records the plan a rank holds after building and the barrier.
 
@@ -585,10 +601,12 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down")
         try:
-            return self._watchers.subscribe(group)
+            subscription = self._watchers.subscribe(group)
         except ResourceExhausted:
             self.metrics.refused("watchers")
             raise
+        self.metrics.watchers.set(self._watchers.count())
+        return subscription
 
     def watcher_count(self) -> int:
         """How many Watch streams are subscribed now."""
@@ -597,3 +615,4 @@ class Coordinator:
     def unwatch(self, subscription: Subscription) -> None:
         """Drops a subscription. Idempotent."""
         self._watchers.unsubscribe(subscription)
+        self.metrics.watchers.set(self._watchers.count())

@@ -20,6 +20,7 @@ __all__ = [
     "ENV_ON_PEER_LOSS",
     "ENV_PREFIX",
     "ENV_PROPOSE_TIMEOUT",
+    "ENV_STALL_BUDGET",
     "ENV_TARGET",
     "parse_bool",
 ]
@@ -33,6 +34,10 @@ ENV_LOCAL_RANKS: Final = "MOE_SIDECAR_LOCAL_RANKS"
 """How many ranks of the EP group run on this node, when not passed in."""
 ENV_PROPOSE_TIMEOUT: Final = "MOE_SIDECAR_PROPOSE_TIMEOUT"
 """Seconds a Propose may wait for its round; overrides the client's default."""
+ENV_STALL_BUDGET: Final = "MOE_SIDECAR_STALL_BUDGET"
+"""Seconds a rank's call that waits for no other rank (a commit, an
+acknowledgement, a read) waits for a sidecar that does not answer (stalled)
+or cannot be reached (restarting) before it raises; default 30."""
 ENV_GROUP: Final = "MOE_SIDECAR_GROUP"
 """The EP group's name on the sidecar; overrides the name derived from the
 engine's config or from the ranks (see :mod:`moe_sidecar.client.naming`)."""
@@ -58,6 +63,7 @@ CLIENT_ENV_KEYS: Final = frozenset(
         ENV_TARGET,
         ENV_LOCAL_RANKS,
         ENV_PROPOSE_TIMEOUT,
+        ENV_STALL_BUDGET,
         ENV_GROUP,
         ENV_BACKEND,
         ENV_ON_PEER_LOSS,

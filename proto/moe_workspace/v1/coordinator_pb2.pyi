@@ -493,6 +493,7 @@ class SessionRequest(_message.Message):
     COMMIT_FIELD_NUMBER: _builtins.int
     LEAVE_FIELD_NUMBER: _builtins.int
     ACKNOWLEDGE_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Echoed in the answer."""
     @_builtins.property
@@ -507,6 +508,12 @@ class SessionRequest(_message.Message):
     def acknowledge(self) -> Global___AcknowledgeView:
         """The rank reached a quiesced point under a proposed view."""
 
+    @_builtins.property
+    def resume(self) -> Global___ResumeSession:
+        """The rank's session comes back on a new stream (the old one broke: the
+        sidecar restarted) before the rank's next call.
+        """
+
     def __init__(
         self,
         *,
@@ -515,16 +522,68 @@ class SessionRequest(_message.Message):
         commit: Global___CommitRequest | None = ...,
         leave: Global___LeaveRequest | None = ...,
         acknowledge: Global___AcknowledgeView | None = ...,
+        resume: Global___ResumeSession | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "leave", b"leave", "message", b"message", "propose", b"propose", "resume", b"resume"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "id", b"id", "leave", b"leave", "message", b"message", "propose", b"propose"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "commit", b"commit", "id", b"id", "leave", b"leave", "message", b"message", "propose", b"propose", "resume", b"resume"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit", "leave", "acknowledge"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["propose", "commit", "leave", "acknowledge", "resume"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class ResumeSession(_message.Message):
+    """Binds a new stream to a rank's running lifetime without a proposal: the
+    stream's end is the rank's departure again (a death unless it says
+    goodbye), and its acknowledgements speak for the rank. The client sends
+    it first on every stream it opens after its first proposal. Answered
+    `resumed`; FAILED_PRECONDITION (binding nothing) when the lifetime is not
+    the rank's running one of the group, or the rank is gone; NOT_FOUND when
+    the group is not known. A sidecar older than the message answers
+    INVALID_ARGUMENT, and the stream binds at the rank's next proposal.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    EP_RANK_FIELD_NUMBER: _builtins.int
+    LIFETIME_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    ep_rank: _builtins.int
+    lifetime: _builtins.str
+    """The rank's lifetime token, as in ProposeRequest."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        ep_rank: _builtins.int = ...,
+        lifetime: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "group", b"group", "lifetime", b"lifetime"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSession: _TypeAlias = ResumeSession  # noqa: Y015
+
+@_typing.final
+class ResumeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeResponse: _TypeAlias = ResumeResponse  # noqa: Y015
 
 @_typing.final
 class AcknowledgeView(_message.Message):
@@ -608,6 +667,7 @@ class SessionResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     LEFT_FIELD_NUMBER: _builtins.int
     ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def decision(self) -> Global___ProposeResponse: ...
@@ -619,6 +679,8 @@ class SessionResponse(_message.Message):
     def left(self) -> Global___LeaveResponse: ...
     @_builtins.property
     def acknowledged(self) -> Global___View: ...
+    @_builtins.property
+    def resumed(self) -> Global___ResumeResponse: ...
     def __init__(
         self,
         *,
@@ -628,12 +690,13 @@ class SessionResponse(_message.Message):
         error: Global___SessionError | None = ...,
         left: Global___LeaveResponse | None = ...,
         acknowledged: Global___View | None = ...,
+        resumed: Global___ResumeResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "left", b"left", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "left", b"left", "result", b"result", "resumed", b"resumed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "left", b"left", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledged", b"acknowledged", "committed", b"committed", "decision", b"decision", "error", b"error", "id", b"id", "left", b"left", "result", b"result", "resumed", b"resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error", "left", "acknowledged"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["decision", "committed", "error", "left", "acknowledged", "resumed"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

@@ -19,7 +19,7 @@ One module per event a group meets:
   step from their answers;
 * :mod:`.commit`: a rank holds the decided plan (across nodes: a plan above
   it in the lattice, joined into the stored one);
-* :mod:`.depart`: a rank's session ended;
+* :mod:`.depart`: a rank's session ended (or came back on a new stream);
 * :mod:`.deadlines`: a round or a restart timed out; a restarted sidecar
   takes its groups up again;
 * :mod:`.recovery`: a restarted sidecar applies the REUSE rounds recorded
@@ -42,7 +42,7 @@ from moe_sidecar.core.group import RETAINED_ROUNDS
 from moe_sidecar.core.policy.admin import check_removable, reset
 from moe_sidecar.core.policy.commit import commit
 from moe_sidecar.core.policy.deadlines import expire, resume
-from moe_sidecar.core.policy.depart import depart
+from moe_sidecar.core.policy.depart import depart, reconnect
 from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
 from moe_sidecar.core.policy.recovery import replay_reuse
@@ -60,6 +60,7 @@ __all__ = [
     "expire",
     "merge",
     "propose",
+    "reconnect",
     "replay_reuse",
     "reset",
     "resume",

@@ -1,18 +1,19 @@
-"""A rank's session ended: the rank is gone, and a round waiting for it fails. Pure."""
+"""A rank's session ended: the rank is gone, and a round waiting for it fails;
+or its session came back on a new stream (:func:`reconnect`). Pure."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from moe_sidecar.core.effects import Deadline, EventKind, Persist, Publish, Step
-from moe_sidecar.core.errors import ErrorCode, quote_name
+from moe_sidecar.core.errors import ErrorCode, PreconditionFailed, quote_name
 from moe_sidecar.core.group import GroupState, OpenRound, RankRecord, Refusal
 from moe_sidecar.core.identity import short_id
 from moe_sidecar.core.policy.events import gone_text, group_event
 from moe_sidecar.core.policy.rounds import round_closed
 from moe_sidecar.core.policy.views import DEFAULT_ACK_TIMEOUT_S, member_left
 
-__all__ = ["depart"]
+__all__ = ["depart", "reconnect"]
 
 
 def _leave_restart(state: GroupState, pending: OpenRound, ep_rank: int) -> Step:
@@ -73,6 +74,33 @@ def depart(
     ):
         return _withdraw(state, rnd, ep_rank)
     return _mark_gone(state, record, why, now, lost, ack_timeout)
+
+
+def reconnect(state: GroupState, ep_rank: int, lifetime: str) -> None:
+    """Checks that a new stream may speak for rank ``ep_rank`` of lifetime
+    ``lifetime`` (its id) without a proposal: the rank's session came back
+    (the sidecar restarted, the old stream broke). It changes nothing: the
+    stream's end is then the rank's departure, as for a stream bound by a
+    proposal.
+
+    Raises:
+        PreconditionFailed: the rank has no record of the group's running
+            lifetime with that lifetime id, or it is gone (naming why), so
+            the stream binds nothing.
+    """
+    record = state.rank(ep_rank)
+    where = f"rank {ep_rank} of group {quote_name(state.name)}"
+    if (
+        record is None
+        or record.lifetime != lifetime
+        or record.lifetime_index != state.lifetime_index
+    ):
+        raise PreconditionFailed(
+            f"session: {where} has no running lifetime {short_id(lifetime)}: the stream "
+            "binds at the rank's next proposal"
+        )
+    if record.left:
+        raise PreconditionFailed(f"session: {where} is gone ({record.left}): nothing to resume")
 
 
 def _withdraw(state: GroupState, rnd: OpenRound, ep_rank: int) -> Step:

@@ -57,6 +57,8 @@ from moe_sidecar.wire.codec.sessions import (
     session_leave_to_proto,
     session_left_to_proto,
     session_propose_to_proto,
+    session_resume_to_proto,
+    session_resumed_to_proto,
 )
 
 __all__ = [
@@ -89,6 +91,8 @@ __all__ = [
     "session_leave_to_proto",
     "session_left_to_proto",
     "session_propose_to_proto",
+    "session_resume_to_proto",
+    "session_resumed_to_proto",
     "summary_from_proto",
     "summary_to_proto",
     "view_from_proto",

@@ -22,6 +22,8 @@ __all__ = [
     "session_leave_to_proto",
     "session_left_to_proto",
     "session_propose_to_proto",
+    "session_resume_to_proto",
+    "session_resumed_to_proto",
 ]
 
 
@@ -95,6 +97,20 @@ def session_acknowledged_to_proto(message_id: int, view: View | None) -> pb.Sess
     response = pb.SessionResponse(id=message_id)
     response.acknowledged.CopyFrom(view_to_proto(view) if view is not None else pb.View())
     return response
+
+
+def session_resume_to_proto(
+    message_id: int, group: str, ep_rank: int, lifetime: str
+) -> pb.SessionRequest:
+    """The first message of a stream that takes over a broken one: it binds the
+    stream to rank ``ep_rank``'s running lifetime (its token) of ``group``."""
+    resume = pb.ResumeSession(group=group, ep_rank=ep_rank, lifetime=lifetime)
+    return pb.SessionRequest(id=message_id, resume=resume)
+
+
+def session_resumed_to_proto(message_id: int) -> pb.SessionResponse:
+    """The answer to a resume: the stream speaks for the rank's lifetime."""
+    return pb.SessionResponse(id=message_id, resumed=pb.ResumeResponse())
 
 
 def session_error_to_proto(message_id: int, code: str, message: str) -> pb.SessionResponse:

@@ -1,0 +1,98 @@
+"""One rank of the sidecar-fault tests: ``python -m tests.multiprocess.sidecar_fault_rank
+RANK WORLD INIT_METHOD GROUP``, with ``MOE_SIDECAR_TARGET`` (and perhaps
+``MOE_SIDECAR_STALL_BUDGET``) in its environment.
+
+As :mod:`tests.multiprocess.peer_loss_rank` (a gloo group, one layer built
+through a real sidecar on the reference backend, ``ready``, then commands),
+with one command more:
+
+* ``grow PID``: ``initialize()`` of a bf16 layer, which grows the workspace:
+  a round, a build and a commit. Rank 0's build first stops process ``PID``
+  (the sidecar) with SIGSTOP, so every rank's commit meets a stalled
+  sidecar (the test resumes it). ``grown`` with the generation, or
+  ``raised`` with the error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from moe_sidecar.client.backends import BuildSpec
+from moe_sidecar.client.backends.reference import ReferenceAlltoAll, ReferenceBackend
+from tests.multiprocess.peer_loss_rank import BLOCK_S, _say
+from tests.multiprocess.workers import bf16_layer, failure_report, initialize, nvfp4_layer
+
+
+class StallingBackend(ReferenceBackend):
+    """The reference backend; the build after :meth:`stall_at_next_build`
+    stops the sidecar first (on the rank that was told to)."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self._stop_pid: int | None = None
+
+    def stall_at_next_build(self, pid: int) -> None:
+        self._stop_pid = pid
+
+    def build(self, spec: BuildSpec) -> ReferenceAlltoAll:
+        pid, self._stop_pid = self._stop_pid, None
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+        return super().build(spec)
+
+
+def main(rank: int, world: int, init_method: str, group: str) -> None:
+    from moe_sidecar.client import WorkspaceManager
+
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    cpu_group = dist.new_group(backend="gloo")
+    backend = StallingBackend(cpu_group)
+    manager = WorkspaceManager(
+        cpu_group,
+        group=group,
+        target=os.environ["MOE_SIDECAR_TARGET"],
+        backend=backend,
+        local_ranks=world,
+    )
+    initialize(manager, nvfp4_layer("model.layers.0.mlp"))
+    _say("ready", generation=manager.generation)
+    for line in sys.stdin:
+        command, *rest = line.split()
+        if command == "grow":
+            if rank == 0:
+                backend.stall_at_next_build(int(rest[0]))
+            try:
+                initialize(manager, bf16_layer("mtp.mlp"))
+            except Exception as error:
+                _say("raised", **failure_report(error))
+            else:
+                _say("grown", generation=manager.generation)
+        elif command == "block":
+            _say("blocking")
+            time.sleep(BLOCK_S)
+        elif command == "call":
+            try:
+                manager.moe_alltoall  # noqa: B018 (the call into the manager is the point)
+            except Exception as error:
+                _say("raised", **failure_report(error))
+            else:
+                _say("called")
+        elif command == "cleanup":
+            manager.cleanup()
+            _say("cleaned")
+            break
+    sys.stdout.flush()
+    os._exit(0)  # no process-group teardown: peers may be gone
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
