@@ -27,8 +27,8 @@ class ManagerCounters:
     covered: int
     """Rounds passed as covered: proposed without waiting for the answer."""
     collectives: int
-    """Collectives the manager issued on ``cpu_group`` (agreement, barrier,
-    the hostname exchange at construction); the backend's own build
+    """Collectives the manager issued on ``cpu_group`` (the first round's
+    proof and hostname exchange, agreement, barrier); the backend's own build
     collectives are not counted here."""
     first_build_seconds: float | None = None
     """Seconds the first build of this process took (None: nothing built yet).

@@ -105,12 +105,14 @@ def _refusal(call: grpc.Future[ArriveResponse], target: str) -> RoundTimedOut | 
 def _exited_before_arriving(lost: RankLost, refused: RoundTimedOut, arrival: Arrival) -> RankLost:
     """The exchange failed (``lost``), the sidecar saw no rank leave, and
     this rank's arrival was refused at the round timeout (``refused``, which
-    names the ranks that never arrived): a peer exited before it arrived."""
+    names the ranks that never arrived): a peer exited before it arrived, or
+    after its own arrival timed out."""
     return RankLost(
-        f"EP group {quote_name(arrival.group)}: a rank exited before its first initialize() "
-        f"reached the sidecar, so sharing the group's proof failed on rank {arrival.ep_rank} "
-        f"(gloo: {lost.__cause__ or lost}); the sidecar, at its round timeout: {refused}; "
-        "restart every rank"
+        f"EP group {quote_name(arrival.group)}: sharing the group's proof failed on rank "
+        f"{arrival.ep_rank}, a peer's connection closed (gloo: {lost.__cause__ or lost}), and "
+        "the sidecar saw no rank leave: a rank named below exited before its first "
+        "initialize() reached the sidecar (or after its own first round timed out); the "
+        f"sidecar, at its round timeout: {refused}; restart every rank"
     )
 
 
