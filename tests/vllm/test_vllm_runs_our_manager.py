@@ -129,10 +129,20 @@ def test_vllm_code_against_the_manager(mode: str, tmp_path: Path) -> None:
         assert value["after_prepare_finalize"] == v033_builds[-1] and value["same_communication"]
         assert value["prepare_shapes"] == [[EP * 96, 6144], None, [EP * 96, 4]]
         assert value["finalize_error"] == 0.0
-        # vLLM 0.34: the combine input buffer of [ep * tokens, hidden]; 0.33: none asked.
-        assert value["fused_output_buffer"] == (
+        # The union's hidden size (8192) is wider than this layer's: vLLM 0.34
+        # finds the combine input buffer of another shape and keeps its own
+        # (as with FlashInfer's); 0.33 asks for none.
+        assert value["fused_output_buffer"] is None
+
+        # The layer alone is the union: vLLM 0.34's expert output goes into the
+        # combine input buffer, [ep * tokens, hidden], and the combine is exact.
+        fused = result["fused_output"]["value"]
+        assert fused["fused_output_buffer"] == (
             [EP * 96, 6144] if Version(vllm_release()) >= Version("0.34") else None
         )
+        assert fused["prepare_shapes"] == [[EP * 96, 6144], None, [EP * 96, 4]]
+        assert fused["finalize_error"] == 0.0
+        assert fused["live_after_cleanup"] == 0
         assert value["live_after_cleanup"] == 0
 
     if mode == "sidecar":

@@ -276,6 +276,14 @@ def vllm_rank(rank: int, world_size: int, dp_port: int, mode: str) -> dict[str, 
         "v033",
         _with_group(f"vllm-test:{mode}/v033", lambda: _v033(rank, world_size, vllm_config)),
     )
+    _part(
+        results,
+        "fused_output",
+        _with_group(
+            f"vllm-test:{mode}/fused-output",
+            lambda: _v033(rank, world_size, vllm_config, grown=False),
+        ),
+    )
     torch.distributed.barrier()
     from vllm.distributed.parallel_state import destroy_model_parallel
 
@@ -283,13 +291,15 @@ def vllm_rank(rank: int, world_size: int, dp_port: int, mode: str) -> dict[str, 
     return results
 
 
-def _v033(rank: int, world_size: int, vllm_config: Any) -> dict[str, Any]:
+def _v033(rank: int, world_size: int, vllm_config: Any, *, grown: bool = True) -> dict[str, Any]:
     """vLLM 0.33's capacity contract on vLLM's EP group, then the installed
     vLLM's own prepare/finalize (the class that asserts ``isinstance``; 0.33's
     or 0.34's, whose ``prepare`` passes ``runtime_max_tokens_per_rank=``)
     dispatching and combining a bf16 layer through ``get_communication()``,
     the expert output written where ``allocate_fused_expert_output`` says
-    (vLLM 0.34's combine input buffer; the base class's None on 0.33)."""
+    (vLLM 0.34's combine input buffer; the base class's None on 0.33).
+    ``grown=False``: without the contract's layers first, so the
+    prepare/finalize layer alone is the union."""
     from vllm.distributed.device_communicators.all2all import FlashInferNVLinkOneSidedManager
     from vllm.distributed.parallel_state import get_ep_group
     from vllm.forward_context import get_forward_context, set_forward_context
@@ -307,12 +317,13 @@ def _v033(rank: int, world_size: int, vllm_config: Any) -> dict[str, Any]:
 
     ep = get_ep_group()
     manager = FlashInferNVLinkOneSidedManager(ep.cpu_group)
-    contract = v033_capacity_contract(manager, world_size, QuantFormat)
-    shared = contract["shared"]
+    shared = v033_capacity_contract(manager, world_size, QuantFormat)["shared"] if grown else None
     out: dict[str, Any] = {
         "workspace_size": manager.workspace_size,
         "live": live_workspace_bytes(),
-        "params": (shared.params.hidden_size, shared.params.max_tokens_per_rank),
+        "params": None
+        if shared is None
+        else (shared.params.hidden_size, shared.params.max_tokens_per_rank),
     }
 
     # What CudaCommunicator does with the manager it builds for the EP group
