@@ -30,6 +30,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "sidecar, the decision core runs inside the ranks)",
     )
     parser.add_argument(
+        "--start-sidecar",
+        action="store_true",
+        help="start a throwaway sidecar for this run (its own socket and state dir, removed "
+        "after): a sidecar to hand, as a death needs one to be heard",
+    )
+    parser.add_argument(
         "--group", default=None, help="EP group name (default simulate:<model>/ep<N>/pp0)"
     )
     parser.add_argument(

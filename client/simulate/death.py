@@ -219,12 +219,13 @@ def _after(at: float, death_at: float) -> float | None:
 
 
 def _mask_outcome(report: SurvivorReport) -> tuple[str, bool]:
+    """What a survivor did after it heard (``mask``), and whether it went on exactly."""
     if report.view_error:
-        return f"heard of it (peer_fault()); adopt_view() raised {report.view_error}", False
+        return f"adopt_view() raised {report.view_error}", False
     exact = bool(report.steps) and all(step.max_error == 0.0 for step in report.steps)
     return (
-        f"heard of it (peer_fault()), adopted view {report.view_number} and ran "
-        f"{len(report.steps)} steps under its mask, {'exact' if exact else 'NOT exact'}",
+        f"adopted view {report.view_number}, then ran {len(report.steps)} steps under its "
+        f"mask: {'exact' if exact else 'NOT exact'}",
         exact,
     )
 
@@ -253,8 +254,8 @@ def _survivor(
         action = "raised RankLost at its next call into the manager"
         detail, after, acted = raised, _after(raised_at, death_at), policy == "raise"
     elif report is not None and report.heard and policy == "mask":
-        action, acted = _mask_outcome(report)
-        after = _after(report.heard_at, death_at)
+        action, after = "heard of it (peer_fault())", _after(report.heard_at, death_at)
+        detail, acted = _mask_outcome(report)
     elif report is not None and report.heard:
         action, detail, after = "heard of it", report.heard, _after(report.heard_at, death_at)
     elif report is not None and not report.watched:

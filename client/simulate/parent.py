@@ -274,6 +274,8 @@ def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> 
             return result
     if config.nodes > 1:
         where = f"{config.nodes} sidecars (nodes) sharing plans through {config.store}"
+    elif config.start_sidecar:
+        where = "a sidecar started for this run"
     elif config.target:
         where = f"the sidecar at {config.target}"
     else:
@@ -289,7 +291,7 @@ def run_simulation(config: SimulationConfig, progress: TextIO | None = None) -> 
             f"MOE_SIDECAR_ON_PEER_LOSS={_policy(config)} in the ranks"
         )
     with contextlib.ExitStack() as stack:
-        if config.nodes > 1:
+        if config.starts_sidecars:
             try:
                 targets = stack.enter_context(node_sidecars(config, say))
             except RuntimeError as error:

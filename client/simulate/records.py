@@ -63,6 +63,8 @@ class SimulationConfig:
     """Sidecars to start on ``store`` and split the ranks between (1: none started)."""
     store: str = ""
     """The etcd URL the started sidecars share (``nodes`` > 1)."""
+    start_sidecar: bool = False
+    """Start one throwaway sidecar for the run (``--start-sidecar``)."""
     kill_rank: int | None = None
     """The rank the parent kills with SIGKILL in round ``kill_round`` (None: no kill)."""
     kill_round: int = 0
@@ -97,6 +99,11 @@ class SimulationConfig:
             raise ValueError(
                 f"--nodes {self.nodes}: must be in [1, {min(MAX_NODES, self.ranks)}] "
                 f"(at most {MAX_NODES}, and at least one rank per node)"
+            )
+        if self.start_sidecar and (self.target is not None or self.nodes > 1):
+            raise ValueError(
+                "--start-sidecar starts the run's own sidecar: leave out --target "
+                "(and MOE_SIDECAR_TARGET) and --nodes"
             )
         if self.nodes > 1 and self.target is not None:
             raise ValueError("--nodes starts its own sidecars: leave out --target")
@@ -141,7 +148,12 @@ class SimulationConfig:
     @property
     def embedded(self) -> bool:
         """No sidecar: the decision core runs inside the ranks."""
-        return self.target is None and self.nodes == 1
+        return self.target is None and self.nodes == 1 and not self.start_sidecar
+
+    @property
+    def starts_sidecars(self) -> int:
+        """How many sidecars the run starts itself (0: none)."""
+        return self.nodes if self.nodes > 1 else int(self.start_sidecar)
 
     def node_of(self, ep_rank: int) -> int:
         """The node (0-based) whose sidecar rank ``ep_rank`` talks to: contiguous blocks."""

@@ -58,7 +58,10 @@ def run_cli(args: argparse.Namespace) -> int:
         config = SimulationConfig(
             model=model,
             ranks=args.ranks,
-            target=resolve_target(args.target, os.environ),
+            # The run's own sidecar: MOE_SIDECAR_TARGET is not asked (an explicit --target is refused).
+            target=(args.target or None)
+            if args.start_sidecar
+            else resolve_target(args.target, os.environ),
             group=args.group or f"simulate:{model.name}/ep{args.ranks}/pp0",
             max_tokens=args.max_tokens,
             propose_timeout=args.propose_timeout,
@@ -66,6 +69,7 @@ def run_cli(args: argparse.Namespace) -> int:
             check=args.check,
             nodes=args.nodes,
             store=args.store or "",
+            start_sidecar=args.start_sidecar,
             kill_rank=args.kill_rank,
             kill_round=_kill_round(args),
             on_peer_loss=args.on_peer_loss,

@@ -3,7 +3,8 @@
 ``--nodes N --store etcd://HOST:PORT/PREFIX`` is the multi-node story on one
 machine: N sidecars (``node-a``, ``node-b``, ...), each with its own
 throwaway state dir, share plans through the given etcd, and each serves the
-ranks of its "node".
+ranks of its "node". ``--start-sidecar`` starts one, with no store but its
+throwaway state dir, for a run that needs a sidecar and has none to hand.
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ def check_reachable(target: str, timeout: float) -> str:
 def _sidecar_command(
     config: SimulationConfig, name: str, target: str, state_dir: Path
 ) -> list[str]:
+    store = ["--store", config.store] if config.store else []
     return [
         sys.executable,
         "-m",
         "moe_sidecar",
         "--listen",
         target,
-        "--store",
-        config.store,
+        *store,
         "--node-name",
         name,
         "--state-dir",
@@ -85,7 +86,8 @@ def _sidecar_command(
 
 @contextlib.contextmanager
 def node_sidecars(config: SimulationConfig, say: Callable[[str], None]) -> Iterator[list[str]]:
-    """Starts one sidecar per node on ``config.store``; yields their targets.
+    """Starts one sidecar per node on ``config.store`` (or the one of
+    ``--start-sidecar``); yields their targets.
 
     Each has a throwaway state dir: whatever a node knows at start comes from etcd.
 
@@ -96,7 +98,7 @@ def node_sidecars(config: SimulationConfig, say: Callable[[str], None]) -> Itera
     processes: list[subprocess.Popen[bytes]] = []
     targets: list[str] = []
     try:
-        for name in NODE_NAMES[: config.nodes]:
+        for name in NODE_NAMES[: config.starts_sidecars]:
             target = f"unix://{directory}/{name}.sock"
             command = _sidecar_command(config, name, target, directory / name)
             env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_SIDECAR_")}
@@ -111,11 +113,14 @@ def node_sidecars(config: SimulationConfig, say: Callable[[str], None]) -> Itera
                 if process.poll() is not None or time.monotonic() > deadline:
                     log_text = (directory / f"{name}.log").read_text(errors="replace")
                     raise RuntimeError(
-                        f"the sidecar of {name} did not start ({config.store}):\n"
+                        f"the sidecar of {name} did not start ({config.store or 'no store'}):\n"
                         + "\n".join(log_text.splitlines()[-15:])
                     )
                 time.sleep(0.1)
-            say(f"  {name}: a sidecar on {target}, plans in {config.store}")
+            if config.store:
+                say(f"  {name}: a sidecar on {target}, plans in {config.store}")
+            else:
+                say(f"  a sidecar on {target}, started for this run")
         yield targets
     finally:
         for process in processes:

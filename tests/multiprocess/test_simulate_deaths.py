@@ -18,6 +18,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from typing import Any
 import pytest
 
 from tests.etcd_server import EtcdServer
-from tests.multiprocess.harness import Sidecar
+from tests.multiprocess.harness import REPO, Sidecar
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -117,6 +118,38 @@ def _json(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return document
 
 
+def _see_a_death() -> tuple[str, list[str]]:
+    """The user guide's "See a death": its one command and the lines it shows."""
+    guide = (REPO / "docs" / "user-guide.md").read_text()
+    section = guide[guide.index("\n## See a death\n") :]
+    command = re.search(r"```bash\n(moe-sidecar simulate [^\n]+)\n```", section)
+    shown = re.search(r"```text\n(.*?)```", section, re.S)
+    assert command is not None and shown is not None
+    return command.group(1), shown.group(1).splitlines()
+
+
+def _pattern(line: str) -> str:
+    """A shown line as a pattern: its times and ports are this machine's, and
+    gloo's words for the broken connection vary (closed, or reset, by peer)."""
+    words = line.find("RuntimeError: ") if "its combine raised" in line else -1
+    kept = line if words < 0 else line[: words + len("RuntimeError: ")]
+    pattern = re.sub(r"[0-9]+\\\.[0-9]+|(?<=\\\]:)[0-9]+", "[0-9.]+", re.escape(kept))
+    return pattern if words < 0 else pattern + ".*by peer.*"
+
+
+def test_the_documented_death_is_what_the_command_prints() -> None:
+    command, shown = _see_a_death()
+    readme = (REPO / "README.md").read_text()
+    assert f"```bash\n{command}\n```" in readme  # the tour's command is the guide's
+    run = subprocess.run(
+        shlex.split(command), env=_env(), capture_output=True, text=True, timeout=150
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for line in shown:
+        if line.strip() not in ("...", ""):
+            assert re.search("^" + _pattern(line) + "$", run.stdout, re.M), (line, run.stdout)
+
+
 def test_a_rank_killed_before_the_ranks_are_up_ends_the_run_at_once(sidecar: Sidecar) -> None:
     with running("--ranks", "2", *MODEL, "--target", sidecar.target) as run:
         pids = [int(p) for p in run.until(r"rank processes: pid (\d+), pid (\d+)", 60).groups()]
@@ -196,7 +229,7 @@ def test_kill_under_mask_the_survivors_adopt_the_view_and_step_exactly(sidecar: 
     death = result["death"]
     assert (death["ep_rank"], death["round"], death["where"]) == (2, 3, "between two steps")
     for survivor in death["survivors"]:
-        assert survivor["acted"], survivor
+        assert survivor["acted"] and survivor["action"] == "heard of it (peer_fault())", survivor
         assert survivor["after"] < ACT_WITHIN_S, survivor
         assert "goes on under a mask once it adopts a view" in survivor["line"], survivor
         assert (survivor["view_number"], survivor["view_members"]) == (2, [0, 1]), survivor
