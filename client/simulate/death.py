@@ -30,11 +30,6 @@ __all__ = [
     "signal_name",
 ]
 
-PEER_LOSS_EXIT_STATUS = 75
-"""The status the library's ``exit`` policy ends a survivor with (``EX_TEMPFAIL``).
-
-The client's own constant lives with its watcher, which imports grpc; this
-pure module states the number the policy documents."""
 _LINE_START = "moe-sidecar: EP group "
 
 
@@ -193,6 +188,8 @@ class _Seen:
     """Per rank, the failure it reported (``Type: message``, when)."""
     finished: frozenset[int]
     stderr: Mapping[int, str]
+    exit_status: int
+    """The status the ``exit`` policy ends a survivor with."""
 
 
 def _the_dead(seen: _Seen, kill: tuple[int, float] | None) -> tuple[int, float] | None:
@@ -206,7 +203,7 @@ def _the_dead(seen: _Seen, kill: tuple[int, float] | None) -> tuple[int, float] 
         if not e.stopped
         and e.ep_rank not in seen.finished
         and e.ep_rank not in seen.raised
-        and e.exitcode != PEER_LOSS_EXIT_STATUS
+        and e.exitcode != seen.exit_status
     ]
     if not unexplained:
         return None
@@ -248,8 +245,9 @@ def _survivor(
     if report is not None and report.heard.startswith("RankLost"):
         raised, raised_at = report.heard, report.heard_at
     detail, after, acted = "", None, False
-    if exit_ is not None and exit_.exitcode == PEER_LOSS_EXIT_STATUS:
-        action, after, acted = "exited with status 75", _after(exit_.at, death_at), policy == "exit"
+    if exit_ is not None and exit_.exitcode == seen.exit_status:
+        action, after = f"exited with status {seen.exit_status}", _after(exit_.at, death_at)
+        acted = policy == "exit"
     elif raised.startswith("RankLost"):
         action = "raised RankLost at its next call into the manager"
         detail, after, acted = raised, _after(raised_at, death_at), policy == "raise"
@@ -306,14 +304,17 @@ def read_death(
     raised: Mapping[int, tuple[str, float]],
     finished: frozenset[int],
     stderr: Mapping[int, str],
+    exit_status: int,
 ) -> DeathReport | None:
     """The run's death, if one: the rank killed (``kill``: rank, when) or the
     first to end unexplained, and every other rank's outcome (None: no rank died).
 
     ``nodes`` names each rank's node ("" without ``--nodes``); ``raised`` is
-    each rank's reported failure; ``finished`` the ranks that sent their report.
+    each rank's reported failure; ``finished`` the ranks that sent their report;
+    ``exit_status`` the status the ``exit`` policy ends a survivor with (a
+    survivor's, never a cause).
     """
-    seen = _Seen(exits, step_failures, reports, raised, finished, stderr)
+    seen = _Seen(exits, step_failures, reports, raised, finished, stderr, exit_status)
     dead = _the_dead(seen, kill)
     if dead is None:
         return None

@@ -388,6 +388,7 @@ def _settle(
         raised={f.ep_rank: (f"{f.error_type}: {f.message}", f.at) for f in result.failures},
         finished=frozenset(r.ep_rank for r in result.reports),
         stderr=stderr,
+        exit_status=PEER_LOSS_EXIT_STATUS,
     )
     death = result.death
     if death is not None and not result.error:

@@ -112,10 +112,6 @@ def _history_lines(result: SimulationResult) -> list[str]:
     return lines
 
 
-_SAID_BY_THE_ACTION = ("ended (status 75)", "ended (status 0)")
-"""The exits of a survivor that acted: by its policy's exit, or after its report."""
-
-
 def _seconds(value: float | None) -> str:
     return f"{value:.3f} s" if value is not None else "never"
 
@@ -123,8 +119,8 @@ def _seconds(value: float | None) -> str:
 def _survivor_lines(survivor: SurvivorOutcome, dead: int) -> list[str]:
     where = f" ({survivor.node})" if survivor.node else ""
     when = f", {survivor.after:.3f} s after the death" if survivor.after is not None else ""
-    # How it ended, where the action does not say it already.
-    ended = "" if survivor.exit in _SAID_BY_THE_ACTION else f"; {survivor.exit}"
+    # A survivor that acted ended as its policy says; how another ended is news.
+    ended = "" if survivor.acted else f"; {survivor.exit}"
     lines = [f"  rank {survivor.ep_rank}{where}: {survivor.action}{when}{ended}"]
     if survivor.detail:
         lines.append(f"    {survivor.detail}")

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from moe_sidecar.client.peer_loss import PEER_LOSS_EXIT_STATUS
 from moe_sidecar.client.simulate.death import (
     MaskedStep,
     RankExit,
@@ -41,6 +42,7 @@ def _read(**overrides: Any) -> Any:
         "raised": {},
         "finished": frozenset(),
         "stderr": {},
+        "exit_status": PEER_LOSS_EXIT_STATUS,
     }
     arguments.update(overrides)
     return read_death(**arguments)
