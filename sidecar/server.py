@@ -305,6 +305,7 @@ def _new_coordinator(
     return Coordinator(
         store,
         round_timeout=config.round_timeout,
+        reconnect_window=config.reconnect_window,
         admin_enabled=config.enable_admin,
         metrics=metrics,
         clock=clock,

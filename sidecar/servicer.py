@@ -311,6 +311,7 @@ class CoordinatorServicer:
                     isinstance(response, bytes) or not response.HasField("error")
                 ):
                     binding = identity
+                    self._coordinator.session_bound(*identity)
                 in_flight = None
                 yield response
         finally:
@@ -444,7 +445,7 @@ class CoordinatorServicer:
         page: list[pb.Group] = []
         page_bytes = 0
         for state in groups:
-            group = summary_to_proto(self._coordinator.arrivals.summary(state))
+            group = summary_to_proto(self._coordinator.summary(state))
             page_bytes += group.ByteSize()
             if page and page_bytes > MAX_PAGE_BYTES:
                 last = page[-1].name
@@ -460,7 +461,7 @@ class CoordinatorServicer:
         request = decode_request(pb.GetGroupRequest, data)
         self._pending.check()
         group = summary_to_proto(
-            self._coordinator.arrivals.summary(self._coordinator.shown_group(request.group))
+            self._coordinator.summary(self._coordinator.shown_group(request.group))
         )
         return self._pending.admit(context, group)
 
@@ -470,9 +471,7 @@ class CoordinatorServicer:
     async def _reset_group(self, data: bytes, context: _Context) -> pb.Group:
         request = decode_request(pb.ResetGroupRequest, data)
         self._pending.check()  # before the reset: a refusal changes nothing
-        group = summary_to_proto(
-            self._coordinator.arrivals.summary(self._coordinator.reset(request.group))
-        )
+        group = summary_to_proto(self._coordinator.summary(self._coordinator.reset(request.group)))
         return self._pending.admit(context, group, refuse=False)
 
     async def ExcludeRanks(self, data: bytes, context: _Context) -> pb.Group:

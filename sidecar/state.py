@@ -42,11 +42,20 @@ from moe_sidecar.core import limits, policy
 from moe_sidecar.core.cluster import ClusterPlan
 from moe_sidecar.core.effects import Wait
 from moe_sidecar.core.errors import CoordinatorUnavailable, ResourceExhausted, quote_name
-from moe_sidecar.core.group import CommitRecord, Decision, GroupState, Outcome, Proposal, Refusal
+from moe_sidecar.core.group import (
+    CommitRecord,
+    Decision,
+    GroupState,
+    GroupSummary,
+    Outcome,
+    Proposal,
+    Refusal,
+)
 from moe_sidecar.core.policy.arrivals import Arrival
 from moe_sidecar.group_reads import GroupReads
 from moe_sidecar.metrics import SidecarMetrics
 from moe_sidecar.observer import EventObserver
+from moe_sidecar.reconnect_window import ReconnectWindow
 from moe_sidecar.step_executor import StepExecutor
 from moe_sidecar.store.replica import Replica
 from moe_sidecar.store.sqlite import StateStore, StoreError
@@ -55,7 +64,11 @@ from moe_sidecar.timers import RoundTimers
 from moe_sidecar.waiters import RoundWaiters
 from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
 
-__all__ = ["Clock", "Coordinator"]
+__all__ = ["DEFAULT_RECONNECT_WINDOW_S", "Clock", "Coordinator"]
+
+DEFAULT_RECONNECT_WINDOW_S = 30.0
+"""``--reconnect-window``: how long a started sidecar waits for the ranks it
+read back to speak again before it declares them lost."""
 
 Clock: TypeAlias = Callable[[], float]
 """Seconds since the epoch (stored in history and shown as timestamps)."""
@@ -105,6 +118,7 @@ class Coordinator:
         replica: Replica | None = None,
         node: str = "",
         max_workspace_bytes: int = limits.DEFAULT_MAX_WORKSPACE_BYTES,
+        reconnect_window: float = DEFAULT_RECONNECT_WINDOW_S,
     ) -> None:
         self._store = store
         self._max_groups = max_groups
@@ -135,6 +149,8 @@ class Coordinator:
         )
         """Ranks at their lifetime's first round that cannot propose yet."""
         self._reads, self._executor, self._admin = self._parts(replica, admin_enabled)
+        self._reconnects = ReconnectWindow(reconnect_window, self._declare_lost)
+        """The ranks read back at the start that no session has spoken for since."""
         for state in self._groups.values():
             self._observer.update_gauges(state)
         self.metrics.groups.set(len(self._groups))
@@ -178,6 +194,7 @@ class Coordinator:
         self._loop = asyncio.get_running_loop()
         self._timers.bind(self._loop)
         self.arrivals.bind(self._loop)
+        self._reconnects.expect(self._groups.values(), self._loop)
         now = self._clock()
         for name, state in list(self._groups.items()):
             # The time this sidecar was down does not count against the ranks.
@@ -202,6 +219,7 @@ class Coordinator:
             return
         self._phase = _Phase.DRAINING
         self._timers.stop()
+        self._reconnects.stop()
         self._waiters.wake_all(
             CoordinatorUnavailable(
                 "the sidecar is shutting down; retry the proposal once it is back (the round "
@@ -384,6 +402,27 @@ class Coordinator:
         if self._phase is not _Phase.OPEN:
             raise CoordinatorUnavailable("the sidecar is shutting down; retry once it is back")
         policy.reconnect(self.group(group), ep_rank, lifetime)
+        self.session_bound(group, ep_rank, lifetime)
+
+    def session_bound(self, group: str, ep_rank: int, lifetime: str) -> None:
+        """A session speaks for rank ``ep_rank`` of lifetime ``lifetime`` (its
+        first answered message, or a resume): the rank is not awaited any more."""
+        self._reconnects.heard(group, ep_rank, lifetime)
+
+    def summary(self, state: GroupState) -> GroupSummary:
+        """What operators are shown of ``state``: its ranks at the first round
+        (:meth:`FirstRoundArrivals.summary`) and those not back since the
+        sidecar's start (see :class:`~moe_sidecar.reconnect_window.ReconnectWindow`)."""
+        shown = self.arrivals.summary(state)
+        return replace(shown, awaited_ranks=self._reconnects.awaited(state.name))
+
+    def _declare_lost(self, group: str, ep_rank: int, lifetime: str, why: str) -> None:
+        """The reconnect window closed with the rank still awaited: a death."""
+        _log.warning(
+            "rank declared lost: not back after the sidecar's start",
+            extra={"group": group, "ep_rank": ep_rank},
+        )
+        self.depart(group, ep_rank, lifetime, why, lost=True)
 
     def commit(self, group: str, record: CommitRecord) -> GroupState:
         """Records the plan a rank holds after building and the barrier.

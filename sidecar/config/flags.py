@@ -175,6 +175,14 @@ _OPTIONS: tuple[_Option, ...] = (
         "LEVEL",
     ),
     _Option(
+        "--reconnect-window",
+        "reconnect_window",
+        _seconds,
+        "seconds a started sidecar waits for the ranks it read back to reconnect before "
+        "it declares them lost (default 30; 0: never)",
+        "SECONDS",
+    ),
+    _Option(
         "--grace-period",
         "grace_period",
         _seconds,
@@ -423,7 +431,10 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("--state-dir", "--store", "--node-name", *(o.flag for o in _STORE_OPTIONS)),
     ),
     ("TLS", ("--tls-cert", "--tls-key", "--tls-client-ca", "--insecure")),
-    ("rounds, admin and shutdown", ("--round-timeout", "--enable-admin", "--grace-period")),
+    (
+        "rounds, admin and shutdown",
+        ("--round-timeout", "--reconnect-window", "--enable-admin", "--grace-period"),
+    ),
     ("logs", ("--log-format", "--log-level")),
     (
         "limits (each bounds a resource; moe_sidecar_limit exports them)",

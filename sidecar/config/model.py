@@ -68,6 +68,9 @@ class SidecarConfig:
     metrics_port: int | None = 9464
     state_dir: Path = DEFAULT_STATE_DIR
     round_timeout: float = 60.0
+    reconnect_window: float = 30.0
+    """Seconds a started sidecar waits for the ranks it read back to speak
+    again before it declares them lost (0: it waits for nobody)."""
     log_format: str = "auto"
     log_level: str = "INFO"
     grace_period: float = 5.0
@@ -177,6 +180,7 @@ class SidecarConfig:
         self._check_node_name()
         check_seconds("round_timeout", self.round_timeout, low=0.0, low_inclusive=False)
         check_seconds("grace_period", self.grace_period, low=0.0, low_inclusive=True)
+        check_seconds("reconnect_window", self.reconnect_window, low=0.0, low_inclusive=True)
         for name in LISTENER_TIMEOUT_FIELDS:
             check_seconds(name, getattr(self, name), low=0.0, low_inclusive=False)
         if self.log_format not in LOG_FORMATS:

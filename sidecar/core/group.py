@@ -469,6 +469,10 @@ class GroupSummary:
     arrived_ranks: tuple[int, ...] = ()
     """Ranks that arrived at their lifetime's first round and have not proposed
     yet (:mod:`moe_sidecar.core.policy.arrivals`)."""
+    awaited_ranks: tuple[int, ...] = ()
+    """Ranks of the running lifetime no session has spoken for since the
+    sidecar started on its state (a restart): declared lost once its
+    reconnect window passes."""
 
     def workspace_bytes(self, plan: Plan, size: WorkspaceSize) -> int:
         """Per-rank workspace bytes of ``plan`` in this group, by ``size`` (the

@@ -111,6 +111,11 @@ def format_groups(groups: Sequence[GroupSummary]) -> str:
                 f"  arrived at the first round, sharing the group's proof: ranks "
                 f"{list(g.arrived_ranks)} (waiting for the other ranks of the EP group)"
             )
+        if g.awaited_ranks:
+            lines.append(
+                f"  not back since the sidecar's start: ranks {list(g.awaited_ranks)} (declared "
+                "lost once --reconnect-window passes)"
+            )
         if g.refused_proposals:
             lines.append(
                 f"  refused proposals: {g.refused_proposals} (their group proof did not match "
@@ -192,6 +197,7 @@ def groups_as_json(groups: Sequence[GroupSummary]) -> list[dict[str, Any]]:
             "open_round": g.open_round,
             "waiting_ranks": g.waiting_ranks,
             "arrived_ranks": list(g.arrived_ranks),
+            "awaited_ranks": list(g.awaited_ranks),
             "refused_proposals": g.refused_proposals,
             "view": _view_json(g.view),
             "ranks": [

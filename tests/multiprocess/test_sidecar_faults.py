@@ -14,7 +14,10 @@ state directory, and ``kill -9`` of a rank:
   back by themselves, and a rank killed afterwards ends every survivor
   within 2 s, naming it;
 * ``mask``: the view proposed before a restart is adopted after it
-  (view [0, 1, 2]), and the steps after are exact.
+  (view [0, 1, 2]), and the steps after are exact;
+* a rank killed while the sidecar is down is named as not back
+  (``GetGroup``, ``moe-sidecar groups``) and declared lost when
+  ``--reconnect-window`` closes: every survivor acts within 2 s of it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.multiprocess.harness import Sidecar, free_port
-from tests.multiprocess.test_masked_view import MaskedRanks, _check_steps
+from tests.multiprocess.test_masked_view import MaskedRanks, _check_steps, _groups_cli
 from tests.multiprocess.test_peer_loss import (
     KILLED,
     STARTUP_S,
@@ -252,3 +255,38 @@ def test_a_view_proposed_before_a_restart_is_adopted_after_it(
         _check_steps(ranks.expect(SURVIVORS, "stepped", 120), 2, 5, {KILLED}, survivors_mask)
         ranks.send(SURVIVORS, "cleanup")
         ranks.expect(SURVIVORS, "cleaned", 30)
+
+
+def test_a_rank_that_dies_while_the_sidecar_is_down_is_declared_lost_when_the_window_closes(
+    sidecar: Sidecar, tmp_path: Path
+) -> None:
+    group = "faults-died-while-down:fp4/tp1-ep4/pp0"
+    window = 3.0
+    with FaultRanks(tmp_path / "ranks", sidecar.target, group, policy=None) as ranks:
+        ranks.expect(range(WORLD), "ready", STARTUP_S)
+        ranks.send(SURVIVORS, "block")
+        ranks.expect(SURVIVORS, "blocking", 30)
+        _wait_connected(sidecar, WORLD)
+        sidecar.stop(kill=True)
+        ranks.kill(KILLED)  # nobody can hear it: the sidecar is down
+        sidecar.args = (*sidecar.args, "--reconnect-window", f"{window:g}")
+        launched = time.monotonic()
+        sidecar.start()
+        listening = time.monotonic()
+        _wait_connected(sidecar, len(SURVIVORS))
+        shown = sidecar.get_group(group)
+        assert list(shown.awaited_ranks) == [KILLED], shown  # the survivors are back
+        listed = _groups_cli(sidecar.target)
+        assert f"not back since the sidecar's start: ranks [{KILLED}]" in listed, listed
+        exits = ranks.exits(SURVIVORS, timeout=30)
+        for rank, (code, seen) in exits.items():
+            assert code == 75, (rank, code, ranks.stderr(rank))
+            # Declared lost when the window (from the sidecar's start) closed,
+            # and acted on within 2 s of it.
+            assert seen - launched >= window, (rank, seen - launched)
+            assert seen - listening < window + 2.0, (rank, seen - listening)
+            [line] = _death_lines(ranks.stderr(rank), group)
+            assert f"rank {KILLED} died" in line, line
+            assert "did not reconnect within --reconnect-window 3 s" in line, line
+    gone = sidecar.get_group(group)
+    assert not gone.awaited_ranks, gone

@@ -1153,6 +1153,7 @@ class Group(_message.Message):
     FLASHINFER_RELEASE_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
     ARRIVED_RANKS_FIELD_NUMBER: _builtins.int
+    AWAITED_RANKS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ep_size: _builtins.int
     local_ranks: _builtins.int
@@ -1199,6 +1200,14 @@ class Group(_message.Message):
         not named here.
         """
 
+    @_builtins.property
+    def awaited_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ranks of the running lifetime that no session has spoken for since this
+        sidecar started (read back from its state: it restarted). Their clients
+        reconnect by themselves; one still named when --reconnect-window has
+        passed since the start is declared lost (a death its peers are told of).
+        """
+
     def __init__(
         self,
         *,
@@ -1219,10 +1228,11 @@ class Group(_message.Message):
         flashinfer_release: _builtins.str = ...,
         view: Global___View | None = ...,
         arrived_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        awaited_ranks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_activity", b"last_activity", "plan", b"plan", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrived_ranks", b"arrived_ranks", "ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "view", b"view", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrived_ranks", b"arrived_ranks", "awaited_ranks", b"awaited_ranks", "ep_size", b"ep_size", "epoch", b"epoch", "flashinfer_release", b"flashinfer_release", "history", b"history", "last_activity", b"last_activity", "last_closed_round", b"last_closed_round", "lifetimes", b"lifetimes", "local_ranks", b"local_ranks", "name", b"name", "open_round", b"open_round", "plan", b"plan", "ranks", b"ranks", "refused_proposals", b"refused_proposals", "restarting_ranks", b"restarting_ranks", "view", b"view", "waiting_ranks", b"waiting_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

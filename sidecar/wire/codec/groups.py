@@ -139,6 +139,7 @@ def summary_to_proto(s: GroupSummary) -> pb.Group:
         refused_proposals=s.refused_proposals,
         flashinfer_release=flashinfer.release_named(s.release).name,
         arrived_ranks=s.arrived_ranks,
+        awaited_ranks=s.awaited_ranks,
     )
     if s.plan is not None:
         group.plan.CopyFrom(plan_to_proto(s.plan, s.ep_size, s.release))
@@ -194,6 +195,7 @@ def summary_from_proto(group: pb.Group) -> GroupSummary:
         release=group.flashinfer_release,
         view=view_from_proto(group.view) if group.HasField("view") else None,
         arrived_ranks=tuple(group.arrived_ranks),
+        awaited_ranks=tuple(group.awaited_ranks),
     )
 
 
