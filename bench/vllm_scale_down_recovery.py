@@ -122,7 +122,7 @@ def main() -> int:
                 print(json.dumps(trial), flush=True)
                 trials.append(trial)
     phases = ("baseline_step_s", "heard_s", "scale_down_s", "first_step_s", "total_s")
-    summary = {
+    summary: dict[str, Any] = {
         phase: {
             "p50": statistics.median(t[phase] for t in trials),
             "p99": _percentile([t[phase] for t in trials], 0.99),
