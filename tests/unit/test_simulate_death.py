@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ from moe_sidecar.client.simulate.death import (
     library_line,
     read_death,
 )
-from moe_sidecar.client.simulate.records import RoundRecord, SimulationResult
+from moe_sidecar.client.simulate.presets import MODELS
+from moe_sidecar.client.simulate.records import RoundRecord, SimulationConfig, SimulationResult
 from moe_sidecar.client.simulate.summary import format_summary
 
 pytestmark = pytest.mark.timeout(30)
@@ -142,3 +144,32 @@ def test_no_summary_block_when_no_rank_came_up() -> None:
     text = format_summary(result)
     assert "rounds: 1 of 48   builds: 1   rebuilds: 0   reuses: 0\n" in text
     assert "wall time" in text
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kill_rank": 2, "kill_round": 2}, "--kill-rank 2: must be in [0, 1]"),
+        ({"kill_rank": 0, "kill_round": 49}, "--at-round 49: must be in [1, 48]"),
+        ({"kill_rank": 0, "kill_round": 0}, "--at-round 0: must be in [1, 48]"),
+        ({"kill_round": 3}, "--at-round 3: needs --kill-rank"),
+        ({"loss_wait": 0.0}, "--loss-wait 0.0: must be in (0, 3600] seconds"),
+        ({"on_peer_loss": "ignore"}, "--on-peer-loss 'ignore': must be one of exit, raise, mask"),
+        ({"ranks": 1, "kill_rank": 0, "kill_round": 1}, "needs --ranks 2 or more"),
+        ({"start_sidecar": True, "target": "unix:///x.sock"}, "--start-sidecar starts the run's"),
+    ],
+)
+def test_death_flags_are_checked_naming_the_flag(fields: dict[str, Any], message: str) -> None:
+    values: dict[str, Any] = {
+        "model": MODELS["qwen3-30b-a3b"],
+        "ranks": 2,
+        "target": None,
+        "group": "g",
+        "max_tokens": 8,
+        "propose_timeout": None,
+        "timeout": 60.0,
+        "check": True,
+    }
+    values.update(fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SimulationConfig(**values)
