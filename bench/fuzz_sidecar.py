@@ -790,7 +790,9 @@ class Fuzzer:
 def _stored(groups: list[pb.Group]) -> list[pb.Group]:
     """What a restart keeps: the groups some rank has proposed for, each
     without what only its first round's arrivals show (ranks waiting there, and
-    those whose arrival ended before they proposed, shown with lifetime "-")."""
+    those whose arrival ended before they proposed, shown with lifetime "-"),
+    nor the ranks a restarted sidecar waits to hear from again (``awaited_ranks``:
+    whom the start awaits, not what is stored)."""
     kept = []
     for group in groups:
         if not (group.lifetimes or group.history or group.HasField("plan")):
@@ -799,6 +801,7 @@ def _stored(groups: list[pb.Group]) -> list[pb.Group]:
         stored.CopyFrom(group)
         stored.waiting_ranks -= len(group.arrived_ranks)
         del stored.arrived_ranks[:]
+        del stored.awaited_ranks[:]
         del stored.ranks[:]
         stored.ranks.extend(rank for rank in group.ranks if rank.lifetime != "-")
         kept.append(stored)
