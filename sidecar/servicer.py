@@ -238,7 +238,9 @@ class CoordinatorServicer:
         (a ``leave``, answered ``left``, after which the stream ends).
 
         The first message answered without an error binds the session to its
-        (group, rank, lifetime); a refused one binds nothing, so a stranger's
+        (group, rank, lifetime), as a resume does (a stream the client opens
+        after the sidecar restarted, before the rank's next call); a refused
+        one binds nothing, so a stranger's
         bad first message cannot claim a session (nor depart a rank). While the
         sidecar shuts down (:meth:`end_sessions`) the stream ends UNAVAILABLE;
         beyond ``--max-sessions`` open streams a new one is RESOURCE_EXHAUSTED

@@ -94,7 +94,10 @@ class WorkspaceCoordinatorServicer:
         messages and gets each answer on the stream. The stream is the rank's
         liveness: when it breaks (process exit, kill -9, container restart), the
         rank is gone, and the group's open round fails at once for the others
-        (ABORTED, naming the rank, its last layer and why).
+        (ABORTED, naming the rank, its last layer and why). A stream that ends
+        with the sidecar (its restart) is opened again by the client, its first
+        message a ResumeSession; a stream the client gives up waiting on (a
+        stalled sidecar) stays open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,10 @@ class WorkspaceCoordinatorStub:
     messages and gets each answer on the stream. The stream is the rank's
     liveness: when it breaks (process exit, kill -9, container restart), the
     rank is gone, and the group's open round fails at once for the others
-    (ABORTED, naming the rank, its last layer and why).
+    (ABORTED, naming the rank, its last layer and why). A stream that ends
+    with the sidecar (its restart) is opened again by the client, its first
+    message a ResumeSession; a stream the client gives up waiting on (a
+    stalled sidecar) stays open.
     """
     Propose: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ProposeRequest, _coordinator_pb2.ProposeResponse]
     """Proposes one layer's requirement for round `round` and waits until every
@@ -89,7 +92,10 @@ class WorkspaceCoordinatorAsyncStub(WorkspaceCoordinatorStub):
     messages and gets each answer on the stream. The stream is the rank's
     liveness: when it breaks (process exit, kill -9, container restart), the
     rank is gone, and the group's open round fails at once for the others
-    (ABORTED, naming the rank, its last layer and why).
+    (ABORTED, naming the rank, its last layer and why). A stream that ends
+    with the sidecar (its restart) is opened again by the client, its first
+    message a ResumeSession; a stream the client gives up waiting on (a
+    stalled sidecar) stays open.
     """
     Propose: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ProposeRequest, _coordinator_pb2.ProposeResponse]  # type: ignore[assignment]
     """Proposes one layer's requirement for round `round` and waits until every
@@ -138,7 +144,10 @@ class WorkspaceCoordinatorServicer(metaclass=_abc_1.ABCMeta):
         messages and gets each answer on the stream. The stream is the rank's
         liveness: when it breaks (process exit, kill -9, container restart), the
         rank is gone, and the group's open round fails at once for the others
-        (ABORTED, naming the rank, its last layer and why).
+        (ABORTED, naming the rank, its last layer and why). A stream that ends
+        with the sidecar (its restart) is opened again by the client, its first
+        message a ResumeSession; a stream the client gives up waiting on (a
+        stalled sidecar) stays open.
         """
 
     @_abc_1.abstractmethod
