@@ -66,6 +66,12 @@ from moe_sidecar.watch import WATCH_QUEUE_LIMIT, Subscription, Watchers
 
 __all__ = ["DEFAULT_RECONNECT_WINDOW_S", "Clock", "Coordinator"]
 
+PAUSE_TICK_S = 0.25
+"""How often the state holder looks at the monotonic clock to notice that it
+stood still (SIGSTOP, a throttled cgroup, a long pause)."""
+PAUSE_NOTICED_S = 2.0
+"""A tick this much later than due is a pause of the sidecar: its length
+does not count against the ranks' deadlines."""
 DEFAULT_RECONNECT_WINDOW_S = 30.0
 """``--reconnect-window``: how long a started sidecar waits for the ranks it
 read back to speak again before it declares them lost."""
@@ -150,6 +156,7 @@ class Coordinator:
         """Ranks at their lifetime's first round that cannot propose yet."""
         self._reads, self._executor, self._admin = self._parts(replica, admin_enabled)
         self._reconnects = ReconnectWindow(reconnect_window, self._declare_lost)
+        self._pause_tick: asyncio.TimerHandle | None = None
         """The ranks read back at the start that no session has spoken for since."""
         for state in self._groups.values():
             self._observer.update_gauges(state)
@@ -195,6 +202,7 @@ class Coordinator:
         self._timers.bind(self._loop)
         self.arrivals.bind(self._loop)
         self._reconnects.expect(self._groups.values(), self._loop)
+        self._tick(time.monotonic())
         now = self._clock()
         for name, state in list(self._groups.items()):
             # The time this sidecar was down does not count against the ranks.
@@ -202,6 +210,29 @@ class Coordinator:
                 state = self._groups[name] = policy.resume(state, now, self._round_timeout)
                 self._dirty.add(name)
             self._timers.set(name, state.next_deadline())
+
+    def _tick(self, due: float) -> None:
+        """Notices a pause of the sidecar (this tick ran late): the pause
+        does not count against the ranks. A plain timer, not a task: it runs
+        in the same turn of the loop as the deadlines that came due during
+        the pause, and before them (it was due first), so none of them fails
+        a round for the sidecar's own stillness."""
+        now = time.monotonic()
+        late = now - due
+        if late > PAUSE_NOTICED_S and self._phase is _Phase.OPEN:
+            self._paused(late)
+        assert self._loop is not None
+        self._pause_tick = self._loop.call_later(PAUSE_TICK_S, self._tick, now + PAUSE_TICK_S)
+
+    def _paused(self, seconds: float) -> None:
+        """Moves every deadline ``seconds`` later (see :func:`moe_sidecar.core.policy.paused`)."""
+        _log.warning("the sidecar stood still", extra={"seconds": round(seconds, 3)})
+        for name, state in list(self._groups.items()):
+            if state.next_deadline() is None:
+                continue
+            self._groups[name] = policy.paused(state, seconds)
+            self._dirty.add(name)
+            self._timers.set(name, self._groups[name].next_deadline())
 
     @property
     def serving(self) -> bool:
@@ -220,6 +251,8 @@ class Coordinator:
         self._phase = _Phase.DRAINING
         self._timers.stop()
         self._reconnects.stop()
+        if self._pause_tick is not None:
+            self._pause_tick.cancel()
         self._waiters.wake_all(
             CoordinatorUnavailable(
                 "the sidecar is shutting down; retry the proposal once it is back (the round "

@@ -20,8 +20,8 @@ One module per event a group meets:
 * :mod:`.commit`: a rank holds the decided plan (across nodes: a plan above
   it in the lattice, joined into the stored one);
 * :mod:`.depart`: a rank's session ended (or came back on a new stream);
-* :mod:`.deadlines`: a round or a restart timed out; a restarted sidecar
-  takes its groups up again;
+* :mod:`.deadlines`: a round or a restart timed out; a restarted (or
+  paused) sidecar takes its groups up again;
 * :mod:`.recovery`: a restarted sidecar applies the REUSE rounds recorded
   beside a row to it; a row of a release that recorded none may lag them,
   and a later proposal catches the group up;
@@ -41,7 +41,7 @@ from moe_sidecar.core.cluster import MAX_HISTORY
 from moe_sidecar.core.group import RETAINED_ROUNDS
 from moe_sidecar.core.policy.admin import check_removable, reset
 from moe_sidecar.core.policy.commit import commit
-from moe_sidecar.core.policy.deadlines import expire, resume
+from moe_sidecar.core.policy.deadlines import expire, paused, resume
 from moe_sidecar.core.policy.depart import depart, reconnect
 from moe_sidecar.core.policy.merge import merge
 from moe_sidecar.core.policy.propose import propose
@@ -59,6 +59,7 @@ __all__ = [
     "exclude",
     "expire",
     "merge",
+    "paused",
     "propose",
     "reconnect",
     "replay_reuse",

@@ -13,7 +13,7 @@ from moe_sidecar.core.policy.proof import held_by_proofs_text
 from moe_sidecar.core.policy.rounds import round_closed
 from moe_sidecar.core.policy.views import expire_view, resume_view
 
-__all__ = ["expire", "resume"]
+__all__ = ["expire", "paused", "resume"]
 
 
 def _expire_open(state: GroupState, rnd: OpenRound, now: float) -> Step:
@@ -124,6 +124,23 @@ def expire(state: GroupState, now: float) -> Step | None:
     if pending_due and pending is not None:
         return _expire_restart(state, pending, now)
     return expire_view(state, now)
+
+
+def paused(state: GroupState, seconds: float) -> GroupState:
+    """The group after its sidecar stood still for ``seconds`` (stopped,
+    throttled, a long pause): the pause does not count against the ranks, so
+    the open round's, the open restart's and a proposed view's deadlines move
+    that much later."""
+    if state.open_round is not None:
+        rnd = state.open_round
+        state = replace(state, open_round=replace(rnd, deadline=rnd.deadline + seconds))
+    if state.pending is not None:
+        pending = state.pending
+        state = replace(state, pending=replace(pending, deadline=pending.deadline + seconds))
+    view = state.current_view()
+    if view is not None and view.deadline is not None:
+        state = replace(state, view=replace(view, deadline=view.deadline + seconds))
+    return state
 
 
 def resume(state: GroupState, now: float, round_timeout: float) -> GroupState:
