@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_sidecar.client.simulate.records import PEER_LOSS_POLICIES
-from moe_sidecar.core.defaults import ENV_TARGET
+from moe_sidecar.core.defaults import ENV_TARGET, PEER_LOSS_POLICIES
 
 __all__ = ["add_command"]
 

@@ -14,14 +14,13 @@ from typing import Any
 
 from moe_sidecar.client.simulate.death import DeathReport
 from moe_sidecar.client.simulate.presets import ModelPreset
-from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET
+from moe_sidecar.core.defaults import EMBEDDED, ENV_TARGET, PEER_LOSS_POLICIES
 from moe_sidecar.core.group import Growth
 from moe_sidecar.core.limits import MAX_EP_SIZE
 
 __all__ = [
     "MAX_NODES",
     "NODE_NAMES",
-    "PEER_LOSS_POLICIES",
     "NodeView",
     "RankReport",
     "RankStarted",
@@ -35,8 +34,6 @@ __all__ = [
 MAX_NODES = 4
 """Sidecars ``--nodes`` may start."""
 NODE_NAMES = tuple(f"node-{letter}" for letter in "abcd")
-PEER_LOSS_POLICIES = ("exit", "raise", "mask", "wait")
-"""What ``--on-peer-loss`` may set ``MOE_SIDECAR_ON_PEER_LOSS`` to in the ranks."""
 
 
 @dataclass(frozen=True)

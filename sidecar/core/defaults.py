@@ -22,6 +22,7 @@ __all__ = [
     "ENV_PROPOSE_TIMEOUT",
     "ENV_STALL_BUDGET",
     "ENV_TARGET",
+    "PEER_LOSS_POLICIES",
     "parse_bool",
 ]
 
@@ -49,6 +50,10 @@ ENV_ON_PEER_LOSS: Final = "MOE_SIDECAR_ON_PEER_LOSS"
 ``exit`` (the default) ends the process within 2 s, ``raise`` raises at its
 next call into the manager, ``wait`` does nothing (see
 :mod:`moe_sidecar.client.peer_loss`)."""
+PEER_LOSS_POLICIES: Final = ("exit", "raise", "wait", "mask")
+"""The values of ``MOE_SIDECAR_ON_PEER_LOSS``, the first the default: the
+client's ``PeerLossPolicy`` and the tools' flags name them from here, so a
+tool's ``--help`` lists them without importing the client's gRPC side."""
 ENV_KEY_DIR: Final = "MOE_SIDECAR_KEY_DIR"
 """The directory where rank 0 of each EP group keeps the group's owner key
 (default ``$XDG_STATE_HOME/moe-sidecar/keys``, else

@@ -122,3 +122,11 @@ DEATH = GroupEvent(
 )
 def test_which_events_a_watcher_acts_on(event: GroupEvent, acts: bool) -> None:
     assert _watcher(0).concerns_me(event) is acts
+
+
+def test_the_policies_are_the_ones_the_tools_name() -> None:
+    # simulate's --on-peer-loss lists the tuple without importing the client's gRPC side.
+    from moe_sidecar.core.defaults import PEER_LOSS_POLICIES
+
+    assert tuple(p.value for p in PeerLossPolicy) == PEER_LOSS_POLICIES
+    assert PEER_LOSS_POLICIES[0] == PeerLossPolicy.EXIT.value  # the default
