@@ -38,7 +38,7 @@ def _gone(state: GroupState, rank: int) -> GroupState:
 
 def test_the_running_lifetime_of_a_rank_not_gone_may_resume() -> None:
     state = _decided()
-    assert policy.reconnect(state, 1, "life-1") is None
+    policy.reconnect(state, 1, "life-1")  # raises nothing: the stream may bind
 
 
 @pytest.mark.parametrize(
