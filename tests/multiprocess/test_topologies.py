@@ -90,7 +90,7 @@ def test_two_nodes_agree_on_one_plan(tmp_path: Path) -> None:
         assert sorted(r.committed_generation for r in sidecar_view.ranks) == [final_generation] * 4
 
 
-def _mask_first_rounds(tmp_path: Path, nodes: int, group: str) -> tuple[list[Any], list[Sidecar]]:
+def _mask_first_rounds(tmp_path: Path, nodes: int, group: str) -> tuple[list[Any], list[list[str]]]:
     """4 ranks under ``mask`` over ``nodes`` real sidecars; each rank's first
     round, and what each sidecar then holds of the group."""
     sidecars = [Sidecar(tmp_path / f"node{n}").start() for n in range(nodes)]

@@ -154,7 +154,10 @@ def test_no_summary_block_when_no_rank_came_up() -> None:
         ({"kill_rank": 0, "kill_round": 0}, "--at-round 0: must be in [1, 48]"),
         ({"kill_round": 3}, "--at-round 3: needs --kill-rank"),
         ({"loss_wait": 0.0}, "--loss-wait 0.0: must be in (0, 3600] seconds"),
-        ({"on_peer_loss": "ignore"}, "--on-peer-loss 'ignore': must be one of exit, raise, wait, mask"),
+        (
+            {"on_peer_loss": "ignore"},
+            "--on-peer-loss 'ignore': must be one of exit, raise, wait, mask",
+        ),
         ({"ranks": 1, "kill_rank": 0, "kill_round": 1}, "needs --ranks 2 or more"),
         ({"start_sidecar": True, "target": "unix:///x.sock"}, "--start-sidecar starts the run's"),
     ],

@@ -35,7 +35,9 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     from moe_sidecar.client.sizing import layer_capacities
     from tests.exchange import token_values
 
-    manager = AlltoAllManager(dist.group.WORLD, backend="reference")
+    world = dist.group.WORLD
+    assert world is not None  # the process group is initialized above
+    manager = AlltoAllManager(world, backend="reference")
     capacities = layer_capacities(world_size, TOKENS, TOP_K, EXPERTS, HIDDEN, 2 * HIDDEN, 0)
     manager.initialize_layer(
         LayerNeed(capacities, Layout(HIDDEN, None, None, 2 * HIDDEN, 0), "layer")
