@@ -7,10 +7,12 @@ through a real sidecar on the reference backend, ``ready``, then commands),
 with one command more:
 
 * ``grow PID``: ``initialize()`` of a bf16 layer, which grows the workspace:
-  a round, a build and a commit. Rank 0's build first stops process ``PID``
-  (the sidecar) with SIGSTOP, so every rank's commit meets a stalled
-  sidecar (the test resumes it). ``grown`` with the generation, or
-  ``raised`` with the error.
+  a round, a build and a commit. Every rank's build first waits in a
+  barrier (so every rank holds its decision: a sidecar stopped while it is
+  still sending the round's answers would stall the round, not the
+  commits), then rank 0 stops process ``PID`` (the sidecar) with SIGSTOP, so
+  every rank's commit meets a stalled sidecar (the test resumes it).
+  ``grown`` with the generation, or ``raised`` with the error.
 """
 
 from __future__ import annotations
@@ -32,17 +34,22 @@ from tests.multiprocess.workers import bf16_layer, failure_report, initialize, n
 
 class StallingBackend(ReferenceBackend):
     """The reference backend; the build after :meth:`stall_at_next_build`
-    stops the sidecar first (on the rank that was told to)."""
+    waits for every rank's, then stops the sidecar (on the rank given a pid)."""
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
+        self._cpu_group = group
+        self._armed = False
         self._stop_pid: int | None = None
 
-    def stall_at_next_build(self, pid: int) -> None:
-        self._stop_pid = pid
+    def stall_at_next_build(self, pid: int | None) -> None:
+        self._armed, self._stop_pid = True, pid
 
     def build(self, spec: BuildSpec) -> ReferenceAlltoAll:
-        pid, self._stop_pid = self._stop_pid, None
+        armed, pid = self._armed, self._stop_pid
+        self._armed, self._stop_pid = False, None
+        if armed:
+            dist.barrier(group=self._cpu_group)
         if pid is not None:
             os.kill(pid, signal.SIGSTOP)
         return super().build(spec)
@@ -68,8 +75,7 @@ def main(rank: int, world: int, init_method: str, group: str) -> None:
     for line in sys.stdin:
         command, *rest = line.split()
         if command == "grow":
-            if rank == 0:
-                backend.stall_at_next_build(int(rest[0]))
+            backend.stall_at_next_build(int(rest[0]) if rank == 0 else None)
             try:
                 initialize(manager, bf16_layer("mtp.mlp"))
             except Exception as error:
