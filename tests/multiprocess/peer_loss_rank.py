@@ -39,6 +39,32 @@ def _say(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "at": time.monotonic(), **fields}), flush=True)
 
 
+def answer_common(manager: Any, command: str) -> bool:
+    """Answers the commands every rank module takes (``block``, ``call``,
+    ``cleanup``); False once the rank is to end (after ``cleanup``).
+
+    Raises:
+        ValueError: an unknown command (a test's mistake).
+    """
+    if command == "block":
+        _say("blocking")
+        time.sleep(BLOCK_S)
+    elif command == "call":
+        try:
+            manager.moe_alltoall  # noqa: B018 (the call into the manager is the point)
+        except Exception as error:
+            _say("raised", **failure_report(error))
+        else:
+            _say("called")
+    elif command == "cleanup":
+        manager.cleanup()
+        _say("cleaned")
+        return False
+    else:
+        raise ValueError(f"unknown command {command!r}")
+    return True
+
+
 def main(rank: int, world: int, init_method: str, group: str) -> None:
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=120)
@@ -52,25 +78,13 @@ def main(rank: int, world: int, init_method: str, group: str) -> None:
     subgroup: Any = None
     for line in sys.stdin:
         command, *rest = line.split()
-        if command == "block":
-            _say("blocking")
-            time.sleep(BLOCK_S)
-        elif command == "group":
+        if command == "group":
             subgroup = dist.new_group([int(r) for r in rest], backend="gloo")
             _say("grouped")
         elif command == "barrier":
             _say("blocking")
             dist.barrier(subgroup)
-        elif command == "call":
-            try:
-                manager.moe_alltoall  # noqa: B018 (the call into the manager is the point)
-            except Exception as error:
-                _say("raised", **failure_report(error))
-            else:
-                _say("called")
-        elif command == "cleanup":
-            manager.cleanup()
-            _say("cleaned")
+        elif not answer_common(manager, command):
             break
     sys.stdout.flush()
     os._exit(0)  # no process-group teardown: peers may be gone

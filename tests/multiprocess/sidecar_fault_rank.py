@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from moe_sidecar.client.backends import BuildSpec
 from moe_sidecar.client.backends.reference import ReferenceAlltoAll, ReferenceBackend
-from tests.multiprocess.peer_loss_rank import BLOCK_S, _say
+from tests.multiprocess.peer_loss_rank import _say, answer_common
 from tests.multiprocess.workers import bf16_layer, failure_report, initialize, nvfp4_layer
 
 
@@ -82,19 +81,7 @@ def main(rank: int, world: int, init_method: str, group: str) -> None:
                 _say("raised", **failure_report(error))
             else:
                 _say("grown", generation=manager.generation)
-        elif command == "block":
-            _say("blocking")
-            time.sleep(BLOCK_S)
-        elif command == "call":
-            try:
-                manager.moe_alltoall  # noqa: B018 (the call into the manager is the point)
-            except Exception as error:
-                _say("raised", **failure_report(error))
-            else:
-                _say("called")
-        elif command == "cleanup":
-            manager.cleanup()
-            _say("cleaned")
+        elif not answer_common(manager, command):
             break
     sys.stdout.flush()
     os._exit(0)  # no process-group teardown: peers may be gone
